@@ -1,0 +1,32 @@
+"""streamload: stream safetensors checkpoints into memory, each tensor as soon as its bytes arrive.
+
+>>> import streamload
+>>> state = streamload.load("model.safetensors", device="cpu")  # doctest: +SKIP
+"""
+
+from .api import TensorStream, inspect, iter, load
+from .errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError, UnsupportedError
+from .format import FileHeader, TensorInfo
+from .layers import Layer, layer_of
+from .source import Checkpoint
+from .stats import Stats
+
+__version__ = "0.1.0"
+__all__ = [
+    "Checkpoint",
+    "FileHeader",
+    "HeaderError",
+    "Layer",
+    "MissingFileError",
+    "ReadError",
+    "SourceError",
+    "Stats",
+    "StreamloadError",
+    "TensorInfo",
+    "TensorStream",
+    "UnsupportedError",
+    "inspect",
+    "iter",
+    "layer_of",
+    "load",
+]

@@ -1,0 +1,72 @@
+"""The device interface, and the piece-by-piece copy every staging device shares."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..plan import Batch, Item, Piece
+from ..read import OpenFiles
+
+Delivered = tuple[str, torch.Tensor]
+
+
+class Device(Protocol):
+    """Where staging lives, how a slot becomes tensors, and when a slot may be reused.
+
+    The pipeline calls `new_slot` once per ring slot, then for each filled batch `instantiate` on a
+    worker thread; when `instantiate` returns, the slot may be refilled.
+    """
+
+    name: str
+    staged: bool  # False: readers make bytes resident in file mappings and slots hold nothing
+
+    def new_slot(self, nbytes: int) -> torch.Tensor | None: ...
+
+    def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]: ...
+
+    def close(self) -> None: ...
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's whole storage (works for 0-d, bool and packed dtypes)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+class Assembler:
+    """Copies pieces from slots into freshly allocated tensors; a tensor is delivered with its last piece.
+
+    Tensors larger than a slot arrive in several pieces, in order, on consecutive batches.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._partial: dict[str, torch.Tensor] = {}
+
+    def copy(self, piece: Piece, slot: torch.Tensor, non_blocking: bool = False) -> torch.Tensor | None:
+        item = piece.item
+        dest = self._partial.pop(item.name, None) if piece.offset else None
+        if dest is None:
+            dest = torch.empty(item.shape, dtype=item.out, device=self.device)
+        src = slot[piece.slot_offset : piece.slot_offset + piece.length]
+        if piece.length:
+            if item.out == item.stored:
+                raw_bytes(dest)[piece.offset : piece.offset + piece.length].copy_(src, non_blocking=non_blocking)
+            else:
+                size = item.stored.itemsize
+                first = piece.offset // size
+                dest.view(-1)[first : first + piece.length // size].copy_(
+                    src.view(item.stored), non_blocking=non_blocking
+                )
+        if piece.last:
+            return dest
+        self._partial[item.name] = dest
+        return None
+
+    def clear(self) -> None:
+        self._partial.clear()
+
+
+def convert(t: torch.Tensor, item: Item) -> torch.Tensor:
+    return t if item.out == item.stored else t.to(item.out)

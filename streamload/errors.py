@@ -1,0 +1,27 @@
+"""The errors streamload raises: one base class, each naming the file (and tensor)."""
+
+from __future__ import annotations
+
+
+class StreamloadError(Exception):
+    """Base class of every error streamload raises on purpose."""
+
+
+class SourceError(StreamloadError, ValueError):
+    """The checkpoint's location or layout is wrong (no files, bad index, duplicate names)."""
+
+
+class MissingFileError(SourceError, FileNotFoundError):
+    """A file the checkpoint needs does not exist."""
+
+
+class HeaderError(StreamloadError, ValueError):
+    """A safetensors header breaks the format."""
+
+
+class UnsupportedError(StreamloadError, ValueError):
+    """Valid input this torch or this machine cannot represent (a dtype, a device)."""
+
+
+class ReadError(StreamloadError, OSError):
+    """Reading tensor bytes failed (I/O error, file truncated or changed after its header was read)."""

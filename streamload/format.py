@@ -1,0 +1,203 @@
+"""safetensors header parsing with the format's full validation. No torch device code, no I/O policy.
+
+The layout: 8 bytes little-endian N, N bytes of UTF-8 JSON, then the data section, which the tensors'
+``data_offsets`` must cover exactly, in order, without holes or overlaps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .dtypes import DTYPES, DType
+from .errors import HeaderError, MissingFileError, ReadError, SourceError
+
+HEADER_LIMIT = 100_000_000  # the reference implementation's cap on N
+_FIRST_READ = 1 << 18  # one pread usually covers the length word and the whole header
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: file, dtype, shape and its absolute byte range in the file."""
+
+    name: str
+    path: Path
+    dtype: DType
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """A parsed, validated safetensors file header."""
+
+    path: Path
+    size: int
+    data_start: int
+    tensors: tuple[TensorInfo, ...]  # in file order
+    metadata: dict[str, str] | None
+
+
+def open_regular(path: Path) -> int:
+    """Open a file for reading; refuse anything but a regular file (a FIFO would hang a read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise MissingFileError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot open: {exc.strerror or exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SourceError(f"{path}: not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_header(path: str | os.PathLike[str]) -> FileHeader:
+    """Read and validate the header of one safetensors file (usually one fstat and one pread).
+
+    >>> h = read_header("model.safetensors")  # doctest: +SKIP
+    >>> [(t.name, t.dtype.name, t.shape) for t in h.tensors]  # doctest: +SKIP
+    """
+    path = Path(path)
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        head = _pread_exact(fd, path, min(size, _FIRST_READ), 0)
+        if size < 8:
+            raise HeaderError(f"{path}: file is {size} bytes, too short for a safetensors header")
+        n = int.from_bytes(head[:8], "little")
+        if n > HEADER_LIMIT:
+            raise HeaderError(f"{path}: header length {n} exceeds the limit of {HEADER_LIMIT} bytes")
+        if 8 + n > size:
+            raise HeaderError(f"{path}: header length {n} runs past the end of the file ({size} bytes)")
+        if 8 + n > len(head):
+            head += _pread_exact(fd, path, 8 + n - len(head), len(head))
+    finally:
+        os.close(fd)
+    return parse_header(path, size, head[8 : 8 + n])
+
+
+def _pread_exact(fd: int, path: Path, count: int, offset: int) -> bytes:
+    parts = []
+    while count > 0:
+        try:
+            chunk = os.pread(fd, count, offset)
+        except OSError as exc:
+            raise ReadError(f"{path}: reading the header failed: {exc.strerror or exc}") from exc
+        if not chunk:
+            raise HeaderError(f"{path}: file ended while reading its header")
+        parts.append(chunk)
+        count -= len(chunk)
+        offset += len(chunk)
+    return b"".join(parts)
+
+
+def _no_duplicates(path: Path):
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise HeaderError(f"{path}: header names {key!r} twice")
+            out[key] = value
+        return out
+
+    return hook
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_header(path: Path, file_size: int, raw: bytes) -> FileHeader:
+    """Validate header bytes (without the length word) of a file of `file_size` bytes."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HeaderError(f"{path}: header is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicates(path))
+    except HeaderError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise HeaderError(f"{path}: header is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise HeaderError(f"{path}: header is not a JSON object but {type(obj).__name__}")
+
+    data_start = 8 + len(raw)
+    metadata = _metadata(path, obj.pop("__metadata__", None))
+    tensors = [_tensor(path, name, entry, data_start) for name, entry in obj.items()]
+    by_offset = sorted(tensors, key=lambda t: (t.begin, t.end))
+    cursor = data_start
+    for t in by_offset:
+        if t.begin != cursor:
+            what = "overlaps the previous tensor" if t.begin < cursor else "leaves a hole before it"
+            where = "starts at data offset 0" if cursor == data_start else f"starts at {cursor - data_start}"
+            raise HeaderError(
+                f"{path}: tensor {t.name!r}: data_offsets begin at {t.begin - data_start}, which {what} "
+                f"(the next tensor must start where the previous ended; {where})"
+            )
+        cursor = t.end
+    data_size = file_size - data_start
+    if cursor - data_start > data_size:
+        raise HeaderError(
+            f"{path}: tensor data runs to byte {cursor - data_start} but the data section holds only {data_size}"
+        )
+    if cursor - data_start < data_size:
+        raise HeaderError(f"{path}: {data_size - (cursor - data_start)} bytes are left over after the last tensor")
+    return FileHeader(path, file_size, data_start, tuple(by_offset), metadata)
+
+
+def _metadata(path: Path, meta: object) -> dict[str, str] | None:
+    if meta is None:
+        return None
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise HeaderError(f"{path}: __metadata__ must map strings to strings")
+    return dict(meta)
+
+
+def _tensor(path: Path, name: str, entry: object, data_start: int) -> TensorInfo:
+    def bad(msg: str) -> HeaderError:
+        return HeaderError(f"{path}: tensor {name!r}: {msg}")
+
+    if not isinstance(entry, dict):
+        raise bad(f"entry must be an object, not {type(entry).__name__}")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in entry:
+            raise bad(f"missing {key!r}")
+    dtype_name = entry["dtype"]
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        raise bad(f"unknown dtype {dtype_name!r}")
+    dtype = DTYPES[dtype_name]
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise bad(f"shape must be a list of non-negative integers, not {shape!r}")
+    offsets = entry["data_offsets"]
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
+        raise bad(f"data_offsets must be two non-negative integers, not {offsets!r}")
+    begin, end = offsets
+    if begin > end:
+        raise bad(f"data_offsets begin {begin} is after end {end}")
+    numel = math.prod(shape)
+    expected = dtype.nbytes(numel)
+    if expected is None:
+        raise bad(f"{numel} elements of {dtype_name} do not fill whole bytes")
+    if expected != end - begin:
+        raise bad(f"shape {shape} of {dtype_name} takes {expected} bytes but data_offsets span {end - begin}")
+    return TensorInfo(name, path, dtype, tuple(shape), data_start + begin, data_start + end)

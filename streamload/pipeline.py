@@ -1,0 +1,215 @@
+"""The pipeline: plan -> read -> instantiate -> deliver, as an anyio task group with bounded memory.
+
+A filler task takes a free slot from the ring (this is the backpressure), starts the reader's jobs for
+the next batch on reader threads and queues the batch; the instantiator takes batches in plan order,
+waits for their bytes, turns them into tensors on a worker thread, returns the slot to the ring and
+sends the tensors to the consumer. Reads of later batches run while earlier ones are instantiated.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import torch
+from anyio import CapacityLimiter, create_memory_object_stream, create_task_group, to_thread
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from .device import Delivered, Device
+from .errors import StreamloadError
+from .plan import Batch, Plan
+from .read import OpenFiles, Reader
+from .stats import Stats
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How much memory and how many threads a stream uses."""
+
+    ring_bytes: int = 256 * MiB  # all staging slots together
+    slots: int = 4  # ring slots: reads of up to `slots` batches are in flight
+    threads: int = 8  # reader threads
+    chunk_bytes: int = 8 * MiB  # the most one read request asks for
+    buffer: int = 32  # tensors made but not yet taken by the consumer
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.ring_bytes // self.slots // 64 * 64
+
+    def check(self) -> None:
+        if self.slots < 1 or self.threads < 1 or self.buffer < 0:
+            raise ValueError("slots and threads must be >= 1, buffer >= 0")
+        if self.slot_bytes < 4096 or self.chunk_bytes < 4096:
+            raise ValueError(
+                f"ring of {self.ring_bytes} bytes in {self.slots} slots gives slots under 4 KiB; "
+                "make the ring larger or the slots fewer"
+            )
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+@dataclass
+class _Filling:
+    batch: Batch
+    slot: torch.Tensor | None
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+
+Receiver = MemoryObjectReceiveStream["Delivered | _Failure"]
+
+
+@asynccontextmanager
+async def open_pipeline(
+    plan: Plan, reader: Reader, device: Device, tuning: Tuning, stats: Stats
+) -> AsyncIterator[Receiver]:
+    """Run the pipeline for as long as the block runs; yields the stream the tensors arrive on.
+
+    Leaving the block early cancels reads, waits for reader threads to finish their current request,
+    closes the files and drops the staging memory.
+    """
+    tuning.check()
+    files = OpenFiles(plan.file_sizes)
+    body_error: Exception | None = None
+    try:
+        send, receive = create_memory_object_stream["Delivered | _Failure"](tuning.buffer)
+        async with create_task_group() as tg:
+            stats.start()
+            tg.start_soon(_report, plan, reader, device, files, tuning, stats, send)
+            try:
+                with receive:
+                    yield receive
+            except Exception as exc:  # the caller's own error: keep the task group from wrapping it
+                body_error = exc
+            finally:
+                tg.cancel_scope.cancel()
+        if body_error is not None:
+            raise body_error
+    finally:
+        files.close()
+        device.close()
+
+
+async def next_tensor(receive: Receiver, stats: Stats) -> Delivered | None:
+    """The next tensor, None at the end; raises the error that stopped the pipeline."""
+    try:
+        item = await receive.receive()
+    except anyio.EndOfStream:
+        stats.finish()
+        return None
+    if isinstance(item, _Failure):
+        stats.finish()
+        raise item.error
+    stats.delivered()
+    return item
+
+
+def ready_tensor(receive: Receiver, stats: Stats) -> Delivered | None:
+    """A tensor that is already waiting, else None (also at the end: `next_tensor` then says so)."""
+    try:
+        item = receive.receive_nowait()
+    except (anyio.WouldBlock, anyio.EndOfStream):
+        return None
+    if isinstance(item, _Failure):
+        stats.finish()
+        raise item.error
+    stats.delivered()
+    return item
+
+
+async def _report(
+    plan: Plan,
+    reader: Reader,
+    device: Device,
+    files: OpenFiles,
+    tuning: Tuning,
+    stats: Stats,
+    send: MemoryObjectSendStream[Delivered | _Failure],
+) -> None:
+    """Run the stages; an error in any of them goes to the consumer as the next item."""
+    async with send:
+        try:
+            await _run(plan, reader, device, files, tuning, stats, send)
+        except Exception as exc:
+            try:
+                await send.send(_Failure(_surface(exc)))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+
+
+async def _run(
+    plan: Plan,
+    reader: Reader,
+    device: Device,
+    files: OpenFiles,
+    tuning: Tuning,
+    stats: Stats,
+    send: MemoryObjectSendStream[Delivered | _Failure],
+) -> None:
+    nslots = min(tuning.slots, max(1, len(plan.batches)))
+    free_send, free_receive = create_memory_object_stream[torch.Tensor | None](nslots)
+    for _ in range(nslots):
+        free_send.send_nowait(device.new_slot(tuning.slot_bytes))
+    filled_send, filled_receive = create_memory_object_stream[_Filling](nslots)
+    limiter = CapacityLimiter(tuning.threads)
+
+    async def read(filling: _Filling) -> None:
+        async with create_task_group() as jobs:
+            for job in reader.jobs(filling.batch, filling.slot, files):
+                jobs.start_soon(run_job, job)
+        filling.done.set()
+
+    async def run_job(job) -> None:  # type: ignore[no-untyped-def]
+        done = await to_thread.run_sync(job, limiter=limiter)
+        stats.bytes_read += done
+
+    async def fill(tg: TaskGroup) -> None:
+        async with filled_send:
+            for batch in plan.batches:
+                filling = _Filling(batch, await free_receive.receive())
+                tg.start_soon(read, filling)
+                await filled_send.send(filling)
+
+    async with create_task_group() as tg, free_send, free_receive, filled_receive:
+        tg.start_soon(fill, tg)
+        async for filling in filled_receive:
+            await filling.done.wait()
+            made = await to_thread.run_sync(_instantiate, device, filling, files)
+            free_send.send_nowait(filling.slot)
+            for delivered in made:
+                await send.send(delivered)
+
+
+def _instantiate(device: Device, filling: _Filling, files: OpenFiles) -> list[Delivered]:
+    try:
+        return device.instantiate(filling.batch, filling.slot, files)
+    except Exception as exc:
+        names = ", ".join(repr(p.item.name) for p in filling.batch.pieces[:3])
+        paths = sorted({str(p.item.info.path) for p in filling.batch.pieces})
+        raise StreamloadError(
+            f"{', '.join(paths)}: making tensors {names}{' ...' if len(filling.batch.pieces) > 3 else ''} "
+            f"on {device.name} failed: {exc}"
+        ) from exc
+
+
+def _surface(exc: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups, as a StreamloadError."""
+    while isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
+        exc = (inner or exc.exceptions)[0]
+    if isinstance(exc, StreamloadError):
+        return exc
+    err = StreamloadError(f"loading failed: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err

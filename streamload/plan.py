@@ -1,0 +1,180 @@
+"""The plan: which tensors, in which order, packed into batches that each fit one staging slot."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Union
+
+import torch
+
+from .dtypes import torch_shape
+from .errors import UnsupportedError
+from .format import TensorInfo
+from .layers import layer_rank
+from .source import Checkpoint
+
+Patterns = Union[str, Sequence[str], Callable[[str], bool], None]
+DTypeOption = Union[torch.dtype, Mapping[str, torch.dtype | None], None]
+Order = Literal["layer", "file"]
+SLOT_ALIGN = 64  # each piece starts 64-byte aligned in its slot, so any dtype view of it is legal
+
+
+@dataclass(frozen=True)
+class Item:
+    """A tensor as it will be delivered: where its bytes are and what torch tensor they become."""
+
+    info: TensorInfo
+    shape: tuple[int, ...]  # torch shape (F4 packs two elements per torch element)
+    stored: torch.dtype  # dtype of the bytes
+    out: torch.dtype  # dtype handed to the caller
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+
+@dataclass(frozen=True)
+class Piece:
+    """`length` bytes of `item` starting at byte `offset` of the tensor, placed at `slot_offset`."""
+
+    item: Item
+    offset: int
+    length: int
+    slot_offset: int
+
+    @property
+    def file_offset(self) -> int:
+        return self.item.info.begin + self.offset
+
+    @property
+    def last(self) -> bool:
+        return self.offset + self.length == self.item.info.nbytes
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The pieces read into one slot together."""
+
+    index: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.length for p in self.pieces)
+
+
+@dataclass(frozen=True)
+class Plan:
+    items: tuple[Item, ...]
+    batches: tuple[Batch, ...]
+    file_sizes: dict[Path, int]  # the files the selected tensors come from
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.info.nbytes for i in self.items)
+
+
+def _matcher(patterns: Patterns) -> Callable[[str], bool] | None:
+    if patterns is None:
+        return None
+    if callable(patterns):
+        return patterns
+    pats = [patterns] if isinstance(patterns, str) else list(patterns)
+    return lambda name: any(fnmatch.fnmatchcase(name, p) for p in pats)
+
+
+def select(names: Iterable[str], include: Patterns = None, exclude: Patterns = None) -> list[str]:
+    """Names kept by `include` (all when None) and not dropped by `exclude` (fnmatch patterns or predicates)."""
+    inc, exc = _matcher(include), _matcher(exclude)
+    return [n for n in names if (inc is None or inc(n)) and not (exc is not None and exc(n))]
+
+
+def out_dtype(info: TensorInfo, stored: torch.dtype, dtype: DTypeOption) -> torch.dtype:
+    """The dtype to hand out: `dtype` applies to floating-point tensors only (not fp8, ints, bool)."""
+    if dtype is None or not info.dtype.floating:
+        return stored
+    if isinstance(dtype, torch.dtype):
+        target: torch.dtype | None = dtype
+    else:
+        target = next((d for pat, d in dtype.items() if fnmatch.fnmatchcase(info.name, pat)), None)
+    return stored if target is None else target
+
+
+def make_plan(
+    checkpoint: Checkpoint,
+    *,
+    slot_bytes: int,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    order: Order = "layer",
+    dtype: DTypeOption = None,
+) -> Plan:
+    """Select, order and pack the tensors of `checkpoint` into batches of at most `slot_bytes`."""
+    if order not in ("layer", "file"):
+        raise ValueError(f"order must be 'layer' or 'file', not {order!r}")
+    if slot_bytes < SLOT_ALIGN or slot_bytes % SLOT_ALIGN:
+        raise ValueError(f"slot size must be a positive multiple of {SLOT_ALIGN} bytes, not {slot_bytes}")
+    file_rank = {f.path: i for i, f in enumerate(checkpoint.files)}
+    infos = [checkpoint.tensors[n] for n in select(checkpoint.tensors, include, exclude)]
+
+    def by_file(t: TensorInfo) -> tuple[int, int]:
+        return (file_rank[t.path], t.begin)
+
+    if order == "layer":
+        infos.sort(key=lambda t: (layer_rank(t.name), by_file(t)))
+    else:
+        infos.sort(key=by_file)
+    items = tuple(_item(t, dtype) for t in infos)
+    used = {t.path for t in infos}
+    sizes = {f.path: f.size for f in checkpoint.files if f.path in used}
+    return Plan(items, tuple(_pack(items, slot_bytes)), sizes)
+
+
+def _item(info: TensorInfo, dtype: DTypeOption) -> Item:
+    stored = info.dtype.torch_dtype
+    shape = torch_shape(info.dtype, info.shape)
+    if stored is None or shape is None:
+        raise UnsupportedError(
+            f"{info.path}: tensor {info.name!r}: dtype {info.dtype.name} with shape {list(info.shape)} "
+            f"has no torch representation in torch {torch.__version__}"
+        )
+    return Item(info, shape, stored, out_dtype(info, stored, dtype))
+
+
+def _pack(items: Sequence[Item], slot_bytes: int) -> list[Batch]:
+    """Greedy packing in order. A tensor that fits a slot is never split; a larger one is cut into
+    slot-sized pieces on element boundaries (so each piece converts on its own)."""
+    batches: list[Batch] = []
+    pieces: list[Piece] = []
+    used = 0
+
+    def close() -> None:
+        nonlocal pieces, used
+        if pieces:
+            batches.append(Batch(len(batches), tuple(pieces)))
+        pieces, used = [], 0
+
+    for item in items:
+        size = item.info.nbytes
+        if _aligned(used) + size > slot_bytes:
+            close()
+        step = slot_bytes - slot_bytes % max(1, item.stored.itemsize)
+        offset = 0
+        while True:
+            length = min(step, size - offset)
+            at = _aligned(used)
+            pieces.append(Piece(item, offset, length, at))
+            used = at + length
+            offset += length
+            if offset >= size:
+                break
+            close()
+    close()
+    return batches
+
+
+def _aligned(n: int) -> int:
+    return -(-n // SLOT_ALIGN) * SLOT_ALIGN

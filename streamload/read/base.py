@@ -1,0 +1,116 @@
+"""What every reader shares: open files, contiguous spans of a batch, and the job type."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ..errors import ReadError
+from ..format import open_regular
+from ..plan import Batch
+
+Job = Callable[[], int]  # blocking; runs on a reader thread; returns the bytes it brought in
+
+
+class Reader(Protocol):
+    name: str
+
+    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
+        """Blocking jobs that, once all have run, leave the batch's bytes in `slot` (or resident)."""
+        ...
+
+
+class OpenFiles:
+    """File descriptors (and, on demand, private read-only mappings) of the files a plan reads.
+
+    Closing drops the descriptors; a mapping stays alive as long as a tensor viewing it does.
+    """
+
+    def __init__(self, sizes: dict[Path, int]) -> None:
+        self._sizes = sizes
+        self._fds: dict[Path, int] = {}
+        self._maps: dict[Path, torch.UntypedStorage] = {}
+        self._lock = threading.Lock()
+        try:
+            for path, size in sizes.items():
+                self._fds[path] = fd = open_regular(path)
+                now = os.fstat(fd).st_size
+                if now != size:
+                    raise ReadError(f"{path}: file is now {now} bytes, not the {size} its header was read from")
+        except BaseException:
+            self.close()
+            raise
+
+    def fd(self, path: Path) -> int:
+        return self._fds[path]
+
+    def mapping(self, path: Path) -> torch.UntypedStorage:
+        with self._lock:
+            storage = self._maps.get(path)
+            if storage is None:
+                # shared=False: MAP_PRIVATE, so writes to a tensor never reach the file (copy on write).
+                storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=self._sizes[path])
+                self._maps[path] = storage
+            return storage
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        self._maps = {}
+        for fd in fds.values():
+            os.close(fd)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes contiguous in one file, scattered to `parts` = [(slot_offset, length)] in order."""
+
+    path: Path
+    file_offset: int
+    parts: tuple[tuple[int, int], ...]
+
+    @property
+    def length(self) -> int:
+        return sum(n for _, n in self.parts)
+
+
+def spans(batch: Batch, chunk_bytes: int) -> Iterable[Span]:
+    """The batch's byte ranges, merged where contiguous in a file and cut to at most `chunk_bytes`,
+    so that one large tensor is read by several threads at once."""
+    path: Path | None = None
+    start = end = 0
+    parts: list[tuple[int, int]] = []
+    for p in batch.pieces:
+        if p.length == 0:
+            continue
+        info = p.item.info
+        if parts and (info.path != path or p.file_offset != end or end - start + p.length > chunk_bytes):
+            yield from _cut(Span(path, start, tuple(parts)), chunk_bytes)  # type: ignore[arg-type]
+            parts = []
+        if not parts:
+            path, start, end = info.path, p.file_offset, p.file_offset
+        parts.append((p.slot_offset, p.length))
+        end += p.length
+    if parts:
+        yield from _cut(Span(path, start, tuple(parts)), chunk_bytes)  # type: ignore[arg-type]
+
+
+def _cut(span: Span, chunk_bytes: int) -> Iterable[Span]:
+    if span.length <= chunk_bytes:
+        yield span
+        return
+    file_offset = span.file_offset
+    for slot_offset, length in span.parts:
+        for at in range(0, length, chunk_bytes):
+            n = min(chunk_bytes, length - at)
+            yield Span(span.path, file_offset + at, ((slot_offset + at, n),))
+        file_offset += length
+
+
+def read_error(path: Path, offset: int, why: str) -> ReadError:
+    return ReadError(f"{path}: reading at offset {offset} failed: {why}")

@@ -1,0 +1,52 @@
+"""The POSIX reader: parallel `preadv` into a staging slot (the GIL is released during the syscall)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ..plan import Batch
+from .base import Job, OpenFiles, Span, read_error, spans
+
+
+class PosixReader:
+    name = "posix"
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+
+    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
+        assert slot is not None, "the posix reader reads into a staging slot"
+        view = memoryview(slot.numpy()).cast("B")
+        return [functools.partial(_read_span, files.fd(s.path), s, view) for s in spans(batch, self.chunk_bytes)]
+
+
+def _read_span(fd: int, span: Span, slot: memoryview) -> int:
+    buffers = [slot[at : at + n] for at, n in span.parts]
+    offset, done, total = span.file_offset, 0, span.length
+    while done < total:
+        try:
+            n = os.preadv(fd, buffers, offset)
+        except OSError as exc:
+            raise read_error(span.path, offset, exc.strerror or str(exc)) from exc
+        if n == 0:
+            raise read_error(span.path, offset, "unexpected end of file (truncated since its header was read?)")
+        done += n
+        offset += n
+        buffers = _advance(buffers, n)
+    return total
+
+
+def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """Drop the first `n` bytes of a scatter list after a short read."""
+    while n and buffers:
+        first = buffers[0]
+        if n >= len(first):
+            n -= len(first)
+            buffers = buffers[1:]
+        else:
+            buffers = [first[n:], *buffers[1:]]
+            n = 0
+    return buffers

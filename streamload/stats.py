@@ -1,0 +1,47 @@
+"""Progress counters of one stream: live while it runs, final after."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    """What a progress bar or a benchmark wants to know about a stream."""
+
+    bytes_total: int = 0
+    tensors_total: int = 0
+    reader: str = ""
+    device: str = ""
+    bytes_read: int = 0
+    tensors_done: int = 0
+    time_to_first_tensor: float | None = None
+    started: float | None = field(default=None, repr=False)
+    finished: float | None = field(default=None, repr=False)
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the stream started (until it finished, once it has)."""
+        if self.started is None:
+            return 0.0
+        return (self.finished or time.perf_counter()) - self.started
+
+    @property
+    def gbps(self) -> float:
+        """Bytes read per second so far, in GB/s (10^9)."""
+        return self.bytes_read / self.elapsed / 1e9 if self.elapsed else 0.0
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+
+    def delivered(self) -> None:
+        self.tensors_done += 1
+        if self.time_to_first_tensor is None:
+            self.time_to_first_tensor = self.elapsed
+        if self.tensors_done == self.tensors_total:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.finished is None and self.started is not None:
+            self.finished = time.perf_counter()
