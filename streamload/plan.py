@@ -6,7 +6,7 @@ import fnmatch
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 
@@ -16,8 +16,8 @@ from .format import TensorInfo
 from .layers import layer_rank
 from .source import Checkpoint
 
-Patterns = Union[str, Sequence[str], Callable[[str], bool], None]
-DTypeOption = Union[torch.dtype, Mapping[str, torch.dtype | None], None]
+Patterns = str | Sequence[str] | Callable[[str], bool] | None
+DTypeOption = torch.dtype | Mapping[str, torch.dtype | None] | None
 Order = Literal["layer", "file"]
 SLOT_ALIGN = 64  # each piece starts 64-byte aligned in its slot, so any dtype view of it is legal
 

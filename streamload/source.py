@@ -7,13 +7,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
 
 from .errors import MissingFileError, SourceError
 from .format import FileHeader, TensorInfo, read_header
 
-PathLike = Union[str, "os.PathLike[str]"]
-Source = Union[PathLike, Sequence[PathLike]]
+PathLike = str | os.PathLike[str]
+Source = PathLike | Sequence[PathLike]
 INDEX_NAME = "model.safetensors.index.json"
 
 
