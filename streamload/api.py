@@ -56,9 +56,14 @@ class TensorStream:
         return open_pipeline(self._plan, self._reader, self._device, self._tuning, self.stats)
 
     def _claim(self, mode: Literal["async", "sync"]) -> None:
+        self._check_not_done()
         if self._mode is not None:
-            raise StreamloadError("a TensorStream runs once; call streamload.iter() again for another pass")
+            raise StreamloadError("this TensorStream is already running")
         self._mode = mode
+
+    def _check_not_done(self) -> None:
+        if self._mode == "done":
+            raise StreamloadError("a TensorStream runs once; call streamload.iter() again for another pass")
 
     # -- async face: the pipeline runs in the caller's event loop, inside `async with` -----------------
     async def __aenter__(self) -> TensorStream:
@@ -74,6 +79,7 @@ class TensorStream:
         return await core.__aexit__(et, e, tb) if core is not None else None
 
     def __aiter__(self) -> TensorStream:
+        self._check_not_done()
         return self
 
     async def __anext__(self) -> Delivered:
@@ -122,6 +128,7 @@ class TensorStream:
         self.__exit__(None, None, None)
 
     def __iter__(self) -> TensorStream:
+        self._check_not_done()
         return self
 
     def __next__(self) -> Delivered:

@@ -1,0 +1,182 @@
+"""Tensors arrive bit-identical to safetensors.torch.load_file, with every option and both readers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+import streamload
+from streamload.plan import SLOT_ALIGN, make_plan
+from streamload.source import open_checkpoint
+
+from .conftest import random_tensor, same_bits, write_raw
+
+READERS = ["mmap", "posix"]
+SMALL_RING = {"ring_bytes": 64 * 1024, "slots": 4, "chunk_bytes": 4096}  # many batches, split tensors
+
+DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.uint16, torch.uint32, torch.uint64,
+]  # fmt: skip
+
+
+@pytest.fixture
+def every_dtype(tmp_path: Path) -> Path:
+    tensors = {f"t.{str(d).removeprefix('torch.')}": random_tensor(d, (33, 7), seed=i) for i, d in enumerate(DTYPES)}
+    tensors["scalar"] = torch.tensor(3.5, dtype=torch.float32)
+    tensors["empty"] = torch.empty(0, 4, dtype=torch.bfloat16)
+    tensors["big"] = random_tensor(torch.bfloat16, (300, 257), seed=99)  # larger than a small slot
+    path = tmp_path / "all.safetensors"
+    save_file(tensors, path, metadata={"format": "pt", "who": "test"})
+    return path
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("tuning", [{}, SMALL_RING], ids=["default", "small-ring"])
+def test_bit_exact_every_dtype(every_dtype: Path, reader: str, tuning: dict) -> None:
+    ref = load_file(every_dtype)
+    got = streamload.load(every_dtype, device="cpu", reader=reader, **tuning)
+    assert got.keys() == ref.keys()
+    for name, t in ref.items():
+        assert same_bits(got[name], t), name
+    assert streamload.inspect(every_dtype).metadata == {"format": "pt", "who": "test"}
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_dtypes_python_safetensors_lacks(tmp_path: Path, reader: str) -> None:
+    e8m0 = bytes(range(256))
+    fp4 = bytes(range(255, -1, -1)) * 2
+    path = write_raw(tmp_path / "x.safetensors", {"scale": ("F8_E8M0", [16, 16], e8m0), "q": ("F4", [8, 128], fp4)})
+    got = streamload.load(path, device="cpu", reader=reader)
+    assert got["scale"].dtype == torch.float8_e8m0fnu and got["scale"].shape == (16, 16)
+    assert bytes(got["scale"].view(torch.uint8).numpy()) == e8m0
+    assert got["q"].dtype == torch.float4_e2m1fn_x2 and got["q"].shape == (8, 64)
+    assert bytes(got["q"].view(torch.uint8).numpy()) == fp4
+
+
+def test_unrepresentable_dtype_named(tmp_path: Path) -> None:
+    path = write_raw(tmp_path / "f6.safetensors", {"w6": ("F6_E2M3", [4], b"\0\0\0"), "ok": ("U8", [1], b"\1")})
+    with pytest.raises(streamload.UnsupportedError, match="w6") as info:
+        streamload.iter(path)
+    assert str(path) in str(info.value)
+    assert streamload.load(path, device="cpu", exclude="w6")["ok"].tolist() == [1]
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("tuning", [{}, SMALL_RING], ids=["default", "small-ring"])
+def test_dtype_conversion(every_dtype: Path, reader: str, tuning: dict) -> None:
+    ref = load_file(every_dtype)
+    got = streamload.load(every_dtype, device="cpu", reader=reader, dtype=torch.float16, **tuning)
+    for name, t in ref.items():
+        floating = t.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+        want = t.to(torch.float16) if floating else t  # ints, bool, fp8 and complex keep their dtype
+        assert same_bits(got[name], want), name
+
+
+def test_dtype_mapping(every_dtype: Path) -> None:
+    got = streamload.load(
+        every_dtype, device="cpu", dtype={"big": torch.float32, "t.float64": None, "*": torch.bfloat16}
+    )
+    assert got["big"].dtype == torch.float32
+    assert got["t.float64"].dtype == torch.float64
+    assert got["t.float16"].dtype == torch.bfloat16
+    assert got["t.int8"].dtype == torch.int8
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_include_exclude_read_only_selected_bytes(every_dtype: Path, reader: str) -> None:
+    with streamload.iter(every_dtype, device="cpu", reader=reader, include=["t.*", "big"], exclude="t.int*") as s:
+        names = [n for n, _ in s]
+    assert sorted(names) == sorted(
+        n for n in load_file(every_dtype) if (n.startswith("t.") and not n.startswith("t.int")) or n == "big"
+    )
+    assert (
+        s.stats.bytes_read
+        == s.stats.bytes_total
+        == sum(t.nbytes for n, t in open_checkpoint(every_dtype).tensors.items() if n in names)
+    )
+    assert streamload.load(every_dtype, device="cpu", include=lambda n: n == "scalar").keys() == {"scalar"}
+
+
+def test_layer_and_file_order(tmp_path: Path) -> None:
+    # Shard files hold layers out of order; "layer" order crosses files, "file" order follows offsets.
+    def t() -> torch.Tensor:
+        return torch.zeros(2)
+
+    save_file({"lm_head.weight": t(), "model.layers.1.w": t(), "model.layers.10.w": t()}, tmp_path / "a.safetensors")
+    save_file({"model.norm.weight": t(), "model.layers.0.w": t(), "model.embed_tokens.weight": t(),
+               "model.layers.2.w": t()}, tmp_path / "b.safetensors")  # fmt: skip
+    names = [n for n, _ in streamload.iter(tmp_path, device="cpu")]
+    assert names[0] == "model.embed_tokens.weight"
+    layers = [n for n in names if ".layers." in n]
+    assert layers == ["model.layers.0.w", "model.layers.1.w", "model.layers.2.w", "model.layers.10.w"]
+    assert set(names[-2:]) == {"lm_head.weight", "model.norm.weight"}
+    by_file = [n for n, _ in streamload.iter(tmp_path, device="cpu", order="file")]
+    a = open_checkpoint(tmp_path / "a.safetensors").files[0].tensors
+    b = open_checkpoint(tmp_path / "b.safetensors").files[0].tensors
+    assert by_file == [x.name for x in a] + [x.name for x in b]
+
+
+def test_hf_sharded_checkpoint(tmp_path: Path) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    state = {f"model.layers.{i}.{p}": random_tensor(torch.bfloat16, (64, 48), seed=i * 3 + j)
+             for i in range(6) for j, p in enumerate(["q", "k", "v"])}  # fmt: skip
+    state["model.embed_tokens.weight"] = random_tensor(torch.float32, (100, 16), seed=7)
+    save_torch_state_dict(state, tmp_path, max_shard_size=40_000)
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "model.safetensors.index.json").exists()
+    (tmp_path / "stray.safetensors").write_bytes(b"not named by the index, so never opened")
+    got = streamload.load(tmp_path, device="cpu")
+    assert got.keys() == state.keys()
+    for name, t in state.items():
+        assert same_bits(got[name], t)
+    assert len(streamload.inspect(tmp_path).files) == len(shards)
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_kept_tensors_survive_ring_wraparound(tmp_path: Path, reader: str) -> None:
+    # 48 x 64 KiB tensors through a 128 KiB ring: the ring wraps ~24 times while we keep everything.
+    g = torch.Generator().manual_seed(0)
+    state = {f"layers.{i}.w": torch.randn(128, 128, generator=g) for i in range(48)}
+    save_file(state, tmp_path / "m.safetensors")
+    kept = []
+    with streamload.iter(tmp_path / "m.safetensors", device="cpu", reader=reader, ring_bytes=128 * 1024, slots=2) as s:
+        for name, t in s:
+            kept.append((name, t))
+            t.add_(1)  # owned: writing to it must touch neither the file nor any other tensor
+    assert len(kept) == 48
+    for name, t in kept:
+        assert torch.equal(t, state[name] + 1), name
+    assert same_bits(load_file(tmp_path / "m.safetensors")["layers.0.w"], state["layers.0.w"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(0, 5000), st.sampled_from(["U8", "F16", "F32", "F64"])), max_size=12),
+    slot=st.integers(1, 64).map(lambda k: k * SLOT_ALIGN),
+)
+def test_plan_covers_every_byte_once(tmp_path_factory: pytest.TempPathFactory, sizes: list, slot: int) -> None:
+    width = {"U8": 1, "F16": 2, "F32": 4, "F64": 8}
+    entries = {f"t{i}": (d, [n], bytes(n * width[d])) for i, (n, d) in enumerate(sizes)}
+    path = write_raw(tmp_path_factory.mktemp("p") / "p.safetensors", entries)
+    plan = make_plan(open_checkpoint(path), slot_bytes=slot, dtype=torch.float64)
+    seen: dict[str, list[tuple[int, int]]] = {}
+    for batch in plan.batches:
+        ends = [p.slot_offset + p.length for p in batch.pieces]
+        assert max(ends) <= slot and all(p.slot_offset % SLOT_ALIGN == 0 for p in batch.pieces)
+        for p in batch.pieces:
+            assert p.offset % p.item.stored.itemsize == 0 and p.length % p.item.stored.itemsize == 0
+            seen.setdefault(p.item.name, []).append((p.offset, p.length))
+    for item in plan.items:
+        ranges = seen[item.name]
+        assert ranges[0][0] == 0 and sum(n for _, n in ranges) == item.info.nbytes
+        assert all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+        if item.info.nbytes <= slot:
+            assert len(ranges) == 1  # a tensor that fits a slot is never split

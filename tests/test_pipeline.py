@@ -1,0 +1,191 @@
+"""The pipeline's behaviour: async and sync faces, streaming, errors, early exit and cleanup."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import streamload
+from streamload.device import StagedCPU
+
+from .conftest import open_fds, own_threads, same_bits
+
+pytestmark = pytest.mark.anyio
+RING = {"ring_bytes": 256 * 1024, "slots": 2, "chunk_bytes": 32 * 1024}  # forces many batches
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(1)
+    save_file(
+        {f"model.layers.{i}.w": torch.randn(128, 256, generator=g) for i in range(16)}, tmp_path / "m.safetensors"
+    )
+    return tmp_path / "m.safetensors"
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+async def test_async_with(model: Path, reader: str) -> None:
+    ref = load_file(model)
+    async with streamload.iter(model, device="cpu", reader=reader, **RING) as stream:
+        got = {name: t async for name, t in stream}
+    assert got.keys() == ref.keys() and all(same_bits(got[k], ref[k]) for k in ref)
+    assert stream.stats.tensors_done == 16 and stream.stats.bytes_read == stream.stats.bytes_total
+    assert stream.stats.time_to_first_tensor is not None and stream.stats.elapsed > 0
+
+
+async def test_bare_async_for(model: Path) -> None:
+    ref = load_file(model)
+    got = {name: t async for name, t in streamload.iter(model, device="cpu", **RING)}
+    assert all(same_bits(got[k], ref[k]) for k in ref)
+
+
+def test_sync_for_and_with(model: Path) -> None:
+    ref = load_file(model)
+    assert all(same_bits(t, ref[n]) for n, t in streamload.iter(model, device="cpu", **RING))
+    with streamload.iter(model, device="cpu", reader="posix", **RING) as stream:
+        assert [n for n, _ in stream] == sorted(ref, key=lambda n: int(n.split(".")[2]))
+
+
+def test_stream_runs_once(model: Path) -> None:
+    stream = streamload.iter(model, device="cpu")
+    list(stream)
+    with pytest.raises(streamload.StreamloadError, match="runs once"):
+        list(stream)
+
+
+async def test_tensors_arrive_before_the_last_byte(model: Path) -> None:
+    async with streamload.iter(model, device="cpu", reader="posix", **RING) as stream:
+        async for _name, _t in stream:
+            first_seen = stream.stats.bytes_read
+            break
+    # With a 256 KiB ring, the first tensor is handed out long before the 2 MiB are read.
+    assert first_seen <= 256 * 1024 + 128 * 256 * 4 < stream.stats.bytes_total
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+async def test_error_in_read_stage_reaches_consumer(model: Path, reader: str) -> None:
+    stream = streamload.iter(model, device="cpu", reader=reader, **RING)
+    os.truncate(model, model.stat().st_size // 2)  # after the header was read
+    with pytest.raises(streamload.StreamloadError, match=str(model)):
+        async with stream:
+            async for _ in stream:
+                pass
+
+
+def test_error_in_instantiate_stage_reaches_sync_consumer(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = 0
+    real = StagedCPU.instantiate
+
+    def failing(self, batch, slot, files):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("device fell over")
+        return real(self, batch, slot, files)
+
+    monkeypatch.setattr(StagedCPU, "instantiate", failing)
+    seen = []
+    with pytest.raises(streamload.StreamloadError, match="device fell over") as info:
+        for name, _ in streamload.iter(model, device="cpu", reader="posix", **RING):
+            seen.append(name)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert str(model) in str(info.value)
+    assert 0 < len(seen) < 16  # what arrived before the failure was handed out
+
+
+async def test_consumer_error_propagates_unwrapped(model: Path) -> None:
+    with pytest.raises(KeyError, match="mine"):
+        async with streamload.iter(model, device="cpu", **RING) as stream:
+            async for _ in stream:
+                raise KeyError("mine")
+
+
+def _leaks_nothing(run) -> None:  # type: ignore[no-untyped-def]
+    fds, threads = open_fds(), own_threads()
+    run()
+    gc.collect()
+    assert open_fds() <= fds
+    assert own_threads() <= threads
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+def test_break_in_sync_loop_cleans_up(model: Path, reader: str) -> None:
+    def run() -> None:
+        for _ in streamload.iter(model, device="cpu", reader=reader, **RING):
+            break
+
+    _leaks_nothing(run)
+
+    def run_with() -> None:
+        with streamload.iter(model, device="cpu", reader=reader, **RING) as stream:
+            next(iter(stream))
+
+    _leaks_nothing(run_with)
+
+
+async def test_break_in_async_loop_cleans_up(model: Path) -> None:
+    fds = open_fds()
+    async with streamload.iter(model, device="cpu", reader="posix", **RING) as stream:
+        async for _ in stream:
+            break
+    assert open_fds() <= fds
+    async for _ in streamload.iter(model, device="cpu", **RING):
+        break
+    gc.collect()
+    assert open_fds() <= fds
+
+
+async def test_cancelling_the_consumer_stops_the_pipeline(model: Path) -> None:
+    fds = open_fds()
+    got = 0
+    with anyio.move_on_after(5) as outer:
+        async with anyio.create_task_group() as tg:
+
+            async def consume() -> None:
+                nonlocal got
+                async with streamload.iter(model, device="cpu", reader="posix", **RING) as stream:
+                    async for _ in stream:
+                        got += 1
+                        if got == 2:
+                            tg.cancel_scope.cancel()
+                        await anyio.sleep(0)
+
+            tg.start_soon(consume)
+    assert not outer.cancelled_caught and got >= 2
+    assert open_fds() <= fds
+
+
+def test_stats_live_and_final(model: Path) -> None:
+    with streamload.iter(model, device="cpu", reader="posix", **RING) as stream:
+        assert stream.stats.tensors_total == 16 and stream.stats.reader == "posix" and stream.stats.device == "cpu"
+        n, _ = next(stream)
+        mid = stream.stats.tensors_done
+        rest = list(stream)
+    assert mid >= 1 and len(rest) == 15
+    elapsed = stream.stats.elapsed
+    assert stream.stats.tensors_done == 16 and stream.stats.elapsed == elapsed  # frozen once finished
+
+
+def test_load_from_inside_an_event_loop(model: Path) -> None:
+    async def main() -> dict[str, torch.Tensor]:
+        return streamload.load(model, device="cpu")  # the sync face runs its own loop on a thread
+
+    assert anyio.run(main).keys() == load_file(model).keys()
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+def test_file_truncated_mid_stream(model: Path, reader: str) -> None:
+    got = 0
+    with pytest.raises(streamload.ReadError, match=str(model)):
+        with streamload.iter(model, device="cpu", reader=reader, **RING) as stream:
+            for _ in stream:
+                got += 1
+                if got == 1:
+                    os.truncate(model, 4096)
+    assert got < 16

@@ -1,0 +1,96 @@
+"""Finding a checkpoint's files: clear errors for every way a source can be wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import streamload
+
+
+def shard(path: Path, **tensors: torch.Tensor) -> Path:
+    save_file(tensors, path)
+    return path
+
+
+def test_file_dir_list_and_pathlike(tmp_path: Path) -> None:
+    a = shard(tmp_path / "a.safetensors", x=torch.ones(2))
+    b = shard(tmp_path / "b.safetensors", y=torch.zeros(3))
+    assert streamload.load(str(a), device="cpu").keys() == {"x"}
+    assert streamload.load(tmp_path, device="cpu").keys() == {"x", "y"}
+    assert streamload.load([b, str(a)], device="cpu").keys() == {"x", "y"}
+    assert [f.path.name for f in streamload.inspect(tmp_path).files] == ["a.safetensors", "b.safetensors"]
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(streamload.MissingFileError, match="nope") as info:
+        streamload.iter(tmp_path / "nope.safetensors")
+    assert isinstance(info.value, FileNotFoundError)
+    with pytest.raises(streamload.MissingFileError, match="gone"):
+        streamload.iter([tmp_path / "gone.safetensors"])
+
+
+def test_directory_without_safetensors(tmp_path: Path) -> None:
+    (tmp_path / "model.bin").write_bytes(b"x")
+    with pytest.raises(streamload.SourceError, match=str(tmp_path)):
+        streamload.iter(tmp_path)
+
+
+def test_index_names_missing_shard(tmp_path: Path) -> None:
+    shard(tmp_path / "s1.safetensors", a=torch.ones(1))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}))
+    with pytest.raises(streamload.MissingFileError, match="s2.safetensors") as info:
+        streamload.iter(tmp_path)
+    assert str(index) in str(info.value)
+
+
+def test_index_maps_tensor_absent_from_shard(tmp_path: Path) -> None:
+    shard(tmp_path / "s1.safetensors", a=torch.ones(1))
+    shard(tmp_path / "s2.safetensors", b=torch.ones(1))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}})
+    )
+    with pytest.raises(streamload.SourceError, match="'b'.*s1.safetensors"):
+        streamload.iter(tmp_path)
+
+
+@pytest.mark.parametrize("doc", ["{not json", '{"weight_map": [1]}', '{"weight_map": {"a": "../x.safetensors"}}'])
+def test_bad_index(tmp_path: Path, doc: str) -> None:
+    (tmp_path / "model.safetensors.index.json").write_text(doc)
+    with pytest.raises(streamload.SourceError, match="index"):
+        streamload.iter(tmp_path)
+
+
+def test_same_tensor_in_two_files(tmp_path: Path) -> None:
+    a = shard(tmp_path / "a.safetensors", w=torch.ones(1))
+    b = shard(tmp_path / "b.safetensors", w=torch.ones(1))
+    with pytest.raises(streamload.SourceError, match="'w'") as info:
+        streamload.iter(tmp_path)
+    assert str(a) in str(info.value) and str(b) in str(info.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_file(tmp_path: Path) -> None:
+    a = shard(tmp_path / "a.safetensors", w=torch.ones(1))
+    a.chmod(0)
+    with pytest.raises(streamload.SourceError, match="cannot open"):
+        streamload.iter(a)
+
+
+def test_directory_given_as_file_in_list(tmp_path: Path) -> None:
+    (tmp_path / "d.safetensors").mkdir()
+    with pytest.raises(streamload.SourceError, match="not a regular file"):
+        streamload.iter([tmp_path / "d.safetensors"])
+
+
+def test_open_failure_names_file(tmp_path: Path) -> None:
+    a = shard(tmp_path / "a.safetensors", w=torch.ones(1))
+    with pytest.raises(streamload.SourceError, match="cannot open") as info:
+        streamload.iter([a / "inner.safetensors"])  # ENOTDIR: opening fails although the name looks fine
+    assert "inner.safetensors" in str(info.value)
