@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,6 @@ def test_plan_covers_every_byte_once(tmp_path_factory: pytest.TempPathFactory, s
     for item in plan.items:
         ranges = seen[item.name]
         assert ranges[0][0] == 0 and sum(n for _, n in ranges) == item.info.nbytes
-        assert all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+        assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(ranges))
         if item.info.nbytes <= slot:
             assert len(ranges) == 1  # a tensor that fits a slot is never split

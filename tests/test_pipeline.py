@@ -164,7 +164,7 @@ async def test_cancelling_the_consumer_stops_the_pipeline(model: Path) -> None:
 def test_stats_live_and_final(model: Path) -> None:
     with streamload.iter(model, device="cpu", reader="posix", **RING) as stream:
         assert stream.stats.tensors_total == 16 and stream.stats.reader == "posix" and stream.stats.device == "cpu"
-        n, _ = next(stream)
+        next(stream)
         mid = stream.stats.tensors_done
         rest = list(stream)
     assert mid >= 1 and len(rest) == 15

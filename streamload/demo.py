@@ -1,0 +1,112 @@
+"""`streamload demo`: write a small llama-shaped checkpoint, stream it to the best device, show the numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import streamload
+from streamload.layers import layer_of
+
+
+@dataclass(frozen=True)
+class Shape:
+    vocab: int = 32000
+    hidden: int = 1024
+    intermediate: int = 2816
+    layers: int = 12
+
+
+def llama_tensors(shape: Shape) -> dict[str, tuple[int, ...]]:
+    h, i = shape.hidden, shape.intermediate
+    names: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab, h)}
+    for n in range(shape.layers):
+        p = f"model.layers.{n}."
+        names |= {p + f"self_attn.{x}_proj.weight": (h, h) for x in "qkvo"}
+        names |= {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h)}
+        names |= {p + "mlp.down_proj.weight": (h, i)}
+        names |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    names |= {"model.norm.weight": (h,), "lm_head.weight": (shape.vocab, h)}
+    return names
+
+
+def write_checkpoint(directory: Path, shape: Shape = Shape(), shards: int = 2) -> Path:
+    """Write random bf16 weights as `shards` files plus a `model.safetensors.index.json`, as HF does."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    specs = list(llama_tensors(shape).items())
+    per = -(-len(specs) // shards)
+    weight_map: dict[str, str] = {}
+    for k in range(shards):
+        part = specs[k * per : (k + 1) * per]
+        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in part}, directory / fname)
+        weight_map |= {n: fname for n, _ in part}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    """Flush and evict the files from the page cache, so the next read comes from the disk."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run(device: str | None = None, cold: bool = True, keep: Path | None = None) -> None:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    console = Console()
+    with tempfile.TemporaryDirectory(prefix="streamload-demo-") as tmp:
+        directory = keep or Path(tmp)
+        directory.mkdir(parents=True, exist_ok=True)
+        with console.status("writing a synthetic llama-shaped checkpoint (bf16, 2 shards)..."):
+            write_checkpoint(directory)
+        files = sorted(directory.glob("*.safetensors"))
+        if cold:
+            drop_page_cache(files)
+        stream = streamload.iter(directory, device=device)
+        layer_sizes = Counter(layer.index for name in stream.checkpoint.tensors if (layer := layer_of(name)))
+        first_layer: float | None = None
+        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn())  # fmt: skip
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task("streaming", total=stream.stats.bytes_total)
+            with stream:
+                for name, _tensor in stream:
+                    layer = layer_of(name)
+                    if layer is not None and layer.index == 0:
+                        layer_sizes[0] -= 1
+                        if layer_sizes[0] == 0:
+                            first_layer = stream.stats.elapsed
+                    progress.update(task, completed=stream.stats.bytes_read)
+        s = stream.stats
+        where = directory if keep else "a temporary directory"
+        console.print(f"[bold]{where}[/bold]: {len(files)} files, {'cold' if cold else 'warm'} page cache")
+        console.print(
+            f"{s.tensors_done} tensors, {s.bytes_read / 1e9:.2f} GB to {s.device} via {s.reader} in {s.elapsed:.2f} s "
+            f"= [bold]{s.gbps:.2f} GB/s[/bold]"
+        )
+        console.print(
+            f"first tensor after {1e3 * (s.time_to_first_tensor or 0):.1f} ms, "
+            f"first full layer after {1e3 * (first_layer or 0):.1f} ms"
+        )
