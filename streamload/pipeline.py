@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import torch
-from anyio import CapacityLimiter, create_memory_object_stream, create_task_group, to_thread
+from anyio import create_memory_object_stream, create_task_group, to_thread
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -23,6 +23,7 @@ from .device import Delivered, Device
 from .errors import StreamloadError
 from .plan import Batch, Plan
 from .read import OpenFiles, Reader
+from .read.pool import ReaderPool
 from .stats import Stats
 
 if sys.version_info < (3, 11):
@@ -81,22 +82,25 @@ async def open_pipeline(
     """
     tuning.check()
     files = OpenFiles(plan.file_sizes)
+    pool = ReaderPool(tuning.threads, stats.add_read)
     body_error: Exception | None = None
     try:
         send, receive = create_memory_object_stream["Delivered | _Failure"](tuning.buffer)
         async with create_task_group() as tg:
             stats.start()
-            tg.start_soon(_report, plan, reader, device, files, tuning, stats, send)
+            tg.start_soon(_report, plan, reader, device, files, pool, tuning, send)
             try:
                 with receive:
                     yield receive
             except Exception as exc:  # the caller's own error: keep the task group from wrapping it
                 body_error = exc
             finally:
+                pool.stop()
                 tg.cancel_scope.cancel()
         if body_error is not None:
             raise body_error
     finally:
+        pool.close()  # every read has returned by now: nothing writes into a slot or uses a descriptor
         files.close()
         device.close()
 
@@ -133,14 +137,14 @@ async def _report(
     reader: Reader,
     device: Device,
     files: OpenFiles,
+    pool: ReaderPool,
     tuning: Tuning,
-    stats: Stats,
     send: MemoryObjectSendStream[Delivered | _Failure],
 ) -> None:
     """Run the stages; an error in any of them goes to the consumer as the next item."""
     async with send:
         try:
-            await _run(plan, reader, device, files, tuning, stats, send)
+            await _run(plan, reader, device, files, pool, tuning, send)
         except Exception as exc:
             try:
                 await send.send(_Failure(_surface(exc)))
@@ -153,8 +157,8 @@ async def _run(
     reader: Reader,
     device: Device,
     files: OpenFiles,
+    pool: ReaderPool,
     tuning: Tuning,
-    stats: Stats,
     send: MemoryObjectSendStream[Delivered | _Failure],
 ) -> None:
     nslots = min(tuning.slots, max(1, len(plan.batches)))
@@ -162,17 +166,14 @@ async def _run(
     for _ in range(nslots):
         free_send.send_nowait(device.new_slot(tuning.slot_bytes))
     filled_send, filled_receive = create_memory_object_stream[_Filling](nslots)
-    limiter = CapacityLimiter(tuning.threads)
 
     async def read(filling: _Filling) -> None:
-        async with create_task_group() as jobs:
-            for job in reader.jobs(filling.batch, filling.slot, files):
-                jobs.start_soon(run_job, job)
+        try:
+            await pool.run_async(reader.jobs(filling.batch, filling.slot, files))
+        except BaseException:
+            pool.stop()  # the stream fails: later requests need not run
+            raise
         filling.done.set()
-
-    async def run_job(job) -> None:  # type: ignore[no-untyped-def]
-        done = await to_thread.run_sync(job, limiter=limiter)
-        stats.bytes_read += done
 
     async def fill(tg: TaskGroup) -> None:
         async with filled_send:
@@ -185,7 +186,10 @@ async def _run(
         tg.start_soon(fill, tg)
         async for filling in filled_receive:
             await filling.done.wait()
-            made = await to_thread.run_sync(_instantiate, device, filling, files)
+            if device.cheap(filling.batch):
+                made = _instantiate(device, filling, files)
+            else:
+                made = await to_thread.run_sync(_instantiate, device, filling, files)
             free_send.send_nowait(filling.slot)
             for delivered in made:
                 await send.send(delivered)

@@ -35,6 +35,9 @@ class Stats:
     def start(self) -> None:
         self.started = time.perf_counter()
 
+    def add_read(self, n: int) -> None:
+        self.bytes_read += n
+
     def delivered(self) -> None:
         self.tensors_done += 1
         if self.time_to_first_tensor is None:

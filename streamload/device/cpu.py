@@ -23,6 +23,9 @@ class StagedCPU:
     def new_slot(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
 
+    def cheap(self, batch: Batch) -> bool:
+        return False  # copies every byte
+
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]:
         assert slot is not None
         out = []
@@ -47,6 +50,9 @@ class MappedCPU:
 
     def new_slot(self, nbytes: int) -> None:
         return None
+
+    def cheap(self, batch: Batch) -> bool:
+        return all(p.item.out == p.item.stored for p in batch.pieces)  # views only, no conversion
 
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]:
         return [(p.item.name, convert(_view(p.item, files), p.item)) for p in batch.pieces if p.last]

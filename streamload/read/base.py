@@ -18,6 +18,16 @@ from ..plan import Batch
 Job = Callable[[], int]  # blocking; runs on a reader thread; returns the bytes it brought in
 
 
+@dataclass(frozen=True)
+class Done:
+    """A job for bytes that have arrived already (in the page cache): it only counts them."""
+
+    nbytes: int
+
+    def __call__(self) -> int:
+        return self.nbytes
+
+
 class Reader(Protocol):
     name: str
 

@@ -1,7 +1,9 @@
 """The mapping reader: makes a batch's bytes resident in a private read-only file mapping.
 
-On a warm page cache this costs no copy at all (the pages are mapped, not copied), which is why the
-CPU path prefers it; on a cold cache several threads fault in disjoint ranges at once.
+Bytes already in the page cache (one `cachestat` call tells) have arrived: they are left for the
+caller's first access to map (as `safetensors.torch.load_file` does), which costs no copy at all.
+Ranges not yet cached get readahead for the whole range at once, then several threads fault them in
+with MADV_POPULATE_READ, which reports an I/O error or a truncated file as an error code, not SIGBUS.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import torch
 
 from ..plan import Batch
-from .base import Job, OpenFiles, Span, read_error, spans
+from .base import Done, Job, OpenFiles, Span, read_error, spans
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: fault pages in without touching them from user space
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -22,8 +24,19 @@ try:
     _madvise = _libc.madvise
     _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     _madvise.restype = ctypes.c_int
+    _syscall = _libc.syscall
+    _syscall.restype = ctypes.c_long
 except (OSError, AttributeError):  # not Linux/glibc: fall back to touching pages
-    _madvise = None
+    _madvise = _syscall = None
+_SYS_CACHESTAT = 451  # Linux >= 6.5, the same number on every architecture
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
 
 
 class MmapReader:
@@ -33,12 +46,20 @@ class MmapReader:
         self.chunk_bytes = chunk_bytes
 
     def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
-        return [functools.partial(_populate, files.mapping(s.path), s) for s in spans(batch, self.chunk_bytes)]
+        jobs: list[Job] = []
+        for s in spans(batch, self.chunk_bytes):
+            fd = files.fd(s.path)
+            if _cached(fd, s.file_offset, s.length):  # arrived already: nothing to do, no thread hop
+                jobs.append(Done(s.length))
+            else:
+                jobs.append(functools.partial(_populate, fd, files.mapping(s.path), s))
+        return jobs
 
 
-def _populate(mapping: torch.UntypedStorage, span: Span) -> int:
-    base = mapping.data_ptr()
-    start = base + span.file_offset
+def _populate(fd: int, mapping: torch.UntypedStorage, span: Span) -> int:
+    # Start readahead of the whole range at once (a deep queue), then wait for it page by page.
+    os.posix_fadvise(fd, span.file_offset, span.length, os.POSIX_FADV_WILLNEED)
+    start = mapping.data_ptr() + span.file_offset
     end = start + span.length
     aligned = start - start % _PAGE
     if _madvise is not None and _madvise(aligned, end - aligned, _MADV_POPULATE_READ) == 0:
@@ -50,6 +71,20 @@ def _populate(mapping: torch.UntypedStorage, span: Span) -> int:
         raise read_error(span.path, span.file_offset, os.strerror(err))
     _touch(mapping, span)
     return span.length
+
+
+def _cached(fd: int, offset: int, length: int) -> bool:
+    """Whether every page of the range is in the page cache (one cachestat call; False if unknown)."""
+    if _syscall is None:
+        return False
+    first = offset - offset % _PAGE
+    pages = -(-(offset + length - first) // _PAGE)
+    stat = _CacheStat()
+    rng = _Range(first, pages * _PAGE)
+    args = (ctypes.c_long(_SYS_CACHESTAT), ctypes.c_long(fd), ctypes.byref(rng), ctypes.byref(stat), ctypes.c_long(0))
+    if _syscall(*args) != 0:  # ENOSYS before Linux 6.5: treat as not cached, populate does the rest
+        return False
+    return stat.cache >= pages
 
 
 def _touch(mapping: torch.UntypedStorage, span: Span) -> None:
