@@ -88,7 +88,7 @@ async def open_pipeline(
         send, receive = create_memory_object_stream["Delivered | _Failure"](tuning.buffer)
         async with create_task_group() as tg:
             stats.start()
-            tg.start_soon(_report, plan, reader, device, files, pool, tuning, send)
+            tg.start_soon(_Stages(plan, reader, device, files, pool, tuning).report, send)
             try:
                 with receive:
                     yield receive
@@ -112,11 +112,7 @@ async def next_tensor(receive: Receiver, stats: Stats) -> Delivered | None:
     except anyio.EndOfStream:
         stats.finish()
         return None
-    if isinstance(item, _Failure):
-        stats.finish()
-        raise item.error
-    stats.delivered()
-    return item
+    return _accept(item, stats)
 
 
 def ready_tensor(receive: Receiver, stats: Stats) -> Delivered | None:
@@ -125,6 +121,10 @@ def ready_tensor(receive: Receiver, stats: Stats) -> Delivered | None:
         item = receive.receive_nowait()
     except (anyio.WouldBlock, anyio.EndOfStream):
         return None
+    return _accept(item, stats)
+
+
+def _accept(item: Delivered | _Failure, stats: Stats) -> Delivered:
     if isinstance(item, _Failure):
         stats.finish()
         raise item.error
@@ -132,67 +132,60 @@ def ready_tensor(receive: Receiver, stats: Stats) -> Delivered | None:
     return item
 
 
-async def _report(
-    plan: Plan,
-    reader: Reader,
-    device: Device,
-    files: OpenFiles,
-    pool: ReaderPool,
-    tuning: Tuning,
-    send: MemoryObjectSendStream[Delivered | _Failure],
-) -> None:
-    """Run the stages; an error in any of them goes to the consumer as the next item."""
-    async with send:
-        try:
-            await _run(plan, reader, device, files, pool, tuning, send)
-        except Exception as exc:
+@dataclass
+class _Stages:
+    plan: Plan
+    reader: Reader
+    device: Device
+    files: OpenFiles
+    pool: ReaderPool
+    tuning: Tuning
+
+    async def report(self, send: MemoryObjectSendStream[Delivered | _Failure]) -> None:
+        """Run the stages; an error in any of them goes to the consumer as the next item."""
+        async with send:
             try:
-                await send.send(_Failure(_surface(exc)))
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
+                await self.run(send)
+            except Exception as exc:
+                try:
+                    await send.send(_Failure(_surface(exc)))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass
 
+    async def run(self, send: MemoryObjectSendStream[Delivered | _Failure]) -> None:
+        plan, device, pool = self.plan, self.device, self.pool
+        nslots = min(self.tuning.slots, max(1, len(plan.batches)))
+        free_send, free_receive = create_memory_object_stream[torch.Tensor | None](nslots)
+        for _ in range(nslots):
+            free_send.send_nowait(device.new_slot(self.tuning.slot_bytes))
+        filled_send, filled_receive = create_memory_object_stream[_Filling](nslots)
 
-async def _run(
-    plan: Plan,
-    reader: Reader,
-    device: Device,
-    files: OpenFiles,
-    pool: ReaderPool,
-    tuning: Tuning,
-    send: MemoryObjectSendStream[Delivered | _Failure],
-) -> None:
-    nslots = min(tuning.slots, max(1, len(plan.batches)))
-    free_send, free_receive = create_memory_object_stream[torch.Tensor | None](nslots)
-    for _ in range(nslots):
-        free_send.send_nowait(device.new_slot(tuning.slot_bytes))
-    filled_send, filled_receive = create_memory_object_stream[_Filling](nslots)
+        async def read(filling: _Filling) -> None:
+            try:
+                await pool.run_async(self.reader.jobs(filling.batch, filling.slot, self.files))
+            except BaseException:
+                pool.stop()  # the stream fails: later requests need not run
+                raise
+            filling.done.set()
 
-    async def read(filling: _Filling) -> None:
-        try:
-            await pool.run_async(reader.jobs(filling.batch, filling.slot, files))
-        except BaseException:
-            pool.stop()  # the stream fails: later requests need not run
-            raise
-        filling.done.set()
+        async def fill(tg: TaskGroup) -> None:
+            async with filled_send:
+                for batch in plan.batches:
+                    filling = _Filling(batch, await free_receive.receive())
+                    tg.start_soon(read, filling)
+                    await filled_send.send(filling)
 
-    async def fill(tg: TaskGroup) -> None:
-        async with filled_send:
-            for batch in plan.batches:
-                filling = _Filling(batch, await free_receive.receive())
-                tg.start_soon(read, filling)
-                await filled_send.send(filling)
-
-    async with create_task_group() as tg, free_send, free_receive, filled_receive:
-        tg.start_soon(fill, tg)
-        async for filling in filled_receive:
-            await filling.done.wait()
-            if device.cheap(filling.batch):
-                made = _instantiate(device, filling, files)
-            else:
-                made = await to_thread.run_sync(_instantiate, device, filling, files)
-            free_send.send_nowait(filling.slot)
-            for delivered in made:
-                await send.send(delivered)
+        async with create_task_group() as tg, free_send, free_receive, filled_receive:
+            tg.start_soon(fill, tg)
+            async for filling in filled_receive:
+                await filling.done.wait()
+                if device.cheap(filling.batch):
+                    made = _instantiate(device, filling, self.files)
+                else:
+                    made = await to_thread.run_sync(_instantiate, device, filling, self.files)
+                free_send.send_nowait(filling.slot)
+                for delivered in made:
+                    await send.send(delivered)
 
 
 def _instantiate(device: Device, filling: _Filling, files: OpenFiles) -> list[Delivered]:
