@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -124,3 +125,9 @@ def _cut(span: Span, chunk_bytes: int) -> Iterable[Span]:
 
 def read_error(path: Path, offset: int, why: str) -> ReadError:
     return ReadError(f"{path}: reading at offset {offset} failed: {why}")
+
+
+def writable_bytes(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous host tensor's bytes (without needing numpy)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")

@@ -8,7 +8,7 @@ import os
 import torch
 
 from ..plan import Batch
-from .base import Job, OpenFiles, Span, read_error, spans
+from .base import Job, OpenFiles, Span, read_error, spans, writable_bytes
 
 
 class PosixReader:
@@ -19,7 +19,7 @@ class PosixReader:
 
     def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
         assert slot is not None, "the posix reader reads into a staging slot"
-        view = memoryview(slot.numpy()).cast("B")
+        view = writable_bytes(slot)
         return [functools.partial(_read_span, files.fd(s.path), s, view) for s in spans(batch, self.chunk_bytes)]
 
 
