@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import builtins
+import logging
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
@@ -12,6 +14,7 @@ import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .device import Delivered, Device, MappedCPU, StagedCPU
+from .device.cuda import CudaDevice
 from .errors import StreamloadError, UnsupportedError
 from .pipeline import Receiver, Tuning, next_tensor, open_pipeline, ready_tensor
 from .plan import DTypeOption, Order, Patterns, Plan, make_plan
@@ -19,7 +22,8 @@ from .read import MmapReader, PosixReader, Reader
 from .source import Checkpoint, Source, open_checkpoint
 from .stats import Stats
 
-ReaderName = Literal["auto", "mmap", "posix"]
+ReaderName = Literal["auto", "mmap", "posix", "kvikio"]
+log = logging.getLogger("streamload")
 _TAKE = 256  # tensors the sync face fetches per hop to the pipeline's thread
 
 
@@ -90,7 +94,7 @@ class TensorStream:
             item = await anyio.to_thread.run_sync(self._next_or_none)
         if item is None:
             raise StopAsyncIteration
-        return item
+        return _handoff(item)
 
     async def aclose(self) -> None:
         if self._core is not None:
@@ -135,7 +139,7 @@ class TensorStream:
         item = self._next_or_none()
         if item is None:
             raise StopIteration
-        return item
+        return _handoff(item)
 
     def _next_or_none(self) -> Delivered | None:
         if self._mode is None:
@@ -176,6 +180,14 @@ class TensorStream:
                 pass
 
 
+def _handoff(item: Delivered) -> Delivered:
+    """Tie a device tensor to the receiving thread's current stream (see device/cuda.py)."""
+    t = item[1]
+    if t.is_cuda:
+        t.record_stream(torch.cuda.current_stream(t.device))
+    return item
+
+
 def iter(
     source: Source,
     *,
@@ -204,8 +216,10 @@ def iter(
     tuning = Tuning(ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes)
     tuning.check()
     dev = torch.device(device) if device is not None else _default_device()
-    read, make = _route(dev, reader, tuning)
     checkpoint = open_checkpoint(source)
+    first = checkpoint.files[0].path if checkpoint.files else None
+    read, make = _route(dev, reader, tuning, first)
+    log.info("streamload: %s via %s into %s", first, read.name, make.name)
     plan = make_plan(
         checkpoint, slot_bytes=tuning.slot_bytes, include=include, exclude=exclude, order=order, dtype=dtype
     )
@@ -234,15 +248,39 @@ def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _route(dev: torch.device, reader: str, tuning: Tuning) -> tuple[Reader, Device]:
-    if reader not in ("auto", "mmap", "posix"):
-        raise ValueError(f"reader must be 'auto', 'mmap' or 'posix', not {reader!r}")
+def _route(dev: torch.device, reader: str, tuning: Tuning, first_file: Path | None) -> tuple[Reader, Device]:
+    if reader not in ("auto", "mmap", "posix", "kvikio"):
+        raise ValueError(f"reader must be 'auto', 'mmap', 'posix' or 'kvikio', not {reader!r}")
     if dev.type == "cpu":
+        if reader == "kvikio":
+            raise UnsupportedError("the kvikio reader reads into GPU memory: use it with device='cuda'")
         # Measured (docs/benchmarks.md): mapping beats copying on the CPU, warm and cold.
         if reader == "posix":
             return PosixReader(tuning.chunk_bytes), StagedCPU()
         return MmapReader(tuning.chunk_bytes), MappedCPU()
-    raise UnsupportedError(f"device {dev} is not supported by this version of streamload (only 'cpu')")
+    if dev.type != "cuda":
+        raise UnsupportedError(f"device {dev} is not supported (use 'cpu', 'cuda' or 'cuda:N')")
+    if not torch.cuda.is_available():
+        raise UnsupportedError(f"device {dev}: this torch sees no CUDA device")
+    if reader == "mmap":
+        raise UnsupportedError("the mmap reader is for device='cpu'; use 'posix' or 'kvikio' with CUDA")
+    if reader in ("auto", "kvikio"):
+        try:
+            from .read.kvikio import KvikioReader
+
+            kv = KvikioReader(tuning.threads, tuning.chunk_bytes)
+            # auto takes kvikio where it can use GPUDirect Storage; in its POSIX mode it bounces
+            # through host memory just as our own pinned path does.
+            if reader == "kvikio" or kv.gds:
+                if first_file is not None:
+                    kv.probe(first_file, dev)
+                return kv, CudaDevice(dev, host_slots=False)
+            kv.close()
+        except UnsupportedError as exc:
+            if reader == "kvikio":
+                raise
+            log.warning("streamload: kvikio is unavailable (%s); reading with preadv into pinned memory", exc)
+    return PosixReader(tuning.chunk_bytes), CudaDevice(dev, host_slots=True)
 
 
 __all__ = ["TensorStream", "inspect", "iter", "load"]

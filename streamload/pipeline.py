@@ -101,6 +101,7 @@ async def open_pipeline(
             raise body_error
     finally:
         pool.close()  # every read has returned by now: nothing writes into a slot or uses a descriptor
+        reader.close()
         files.close()
         device.close()
 

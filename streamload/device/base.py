@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
@@ -44,16 +45,26 @@ class Assembler:
     Tensors larger than a slot arrive in several pieces, in order, on consecutive batches.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
         self.device = device
+        self._stream = stream  # allocations and copies run here (None: the current stream)
         self._partial: dict[str, torch.Tensor] = {}
 
     def copy(self, piece: Piece, slot: torch.Tensor, non_blocking: bool = False) -> torch.Tensor | None:
         item = piece.item
-        dest = self._partial.pop(item.name, None) if piece.offset else None
-        if dest is None:
-            dest = torch.empty(item.shape, dtype=item.out, device=self.device)
-        src = slot[piece.slot_offset : piece.slot_offset + piece.length]
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            dest = self._partial.pop(item.name, None) if piece.offset else None
+            if dest is None:
+                dest = torch.empty(item.shape, dtype=item.out, device=self.device)
+            self._write(dest, piece, slot[piece.slot_offset : piece.slot_offset + piece.length], non_blocking)
+        if piece.last:
+            return dest
+        self._partial[item.name] = dest
+        return None
+
+    @staticmethod
+    def _write(dest: torch.Tensor, piece: Piece, src: torch.Tensor, non_blocking: bool) -> None:
+        item = piece.item
         if piece.length:
             if item.out == item.stored:
                 raw_bytes(dest)[piece.offset : piece.offset + piece.length].copy_(src, non_blocking=non_blocking)
@@ -63,10 +74,6 @@ class Assembler:
                 dest.view(-1)[first : first + piece.length // size].copy_(
                     src.view(item.stored), non_blocking=non_blocking
                 )
-        if piece.last:
-            return dest
-        self._partial[item.name] = dest
-        return None
 
     def clear(self) -> None:
         self._partial.clear()

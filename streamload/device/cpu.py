@@ -11,17 +11,16 @@ from .base import Assembler, Delivered, convert
 
 
 class StagedCPU:
-    """Slots are host tensors; `pin` asks for page-locked memory (for a later copy to a GPU)."""
+    """Slots are host tensors; each tensor is copied out of its slot into its own allocation."""
 
     name = "cpu"
     staged = True
 
-    def __init__(self, pin: bool = False) -> None:
-        self._pin = pin
+    def __init__(self) -> None:
         self._assembler = Assembler(torch.device("cpu"))
 
     def new_slot(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def cheap(self, batch: Batch) -> bool:
         return False  # copies every byte

@@ -36,6 +36,10 @@ class Reader(Protocol):
         """Blocking jobs that, once all have run, leave the batch's bytes in `slot` (or resident)."""
         ...
 
+    def close(self) -> None:
+        """Release what the reader opened (called once the last job has returned)."""
+        ...
+
 
 class OpenFiles:
     """File descriptors (and, on demand, private read-only mappings) of the files a plan reads.

@@ -45,6 +45,9 @@ class MmapReader:
     def __init__(self, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
 
+    def close(self) -> None:
+        pass
+
     def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
         jobs: list[Job] = []
         for s in spans(batch, self.chunk_bytes):

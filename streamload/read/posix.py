@@ -17,6 +17,9 @@ class PosixReader:
     def __init__(self, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
 
+    def close(self) -> None:
+        pass
+
     def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
         assert slot is not None, "the posix reader reads into a staging slot"
         view = writable_bytes(slot)

@@ -1,0 +1,76 @@
+"""The CUDA device: staged slots -> owned device tensors, on a stream of its own.
+
+Slots live in device memory when a reader writes there (kvikio), or in pinned host memory (the posix
+reader), in which case each filled slot goes to one device scratch buffer with a single asynchronous
+host-to-device copy. Every tensor is its own allocation, written by one `copy_` from a view of the
+slot's bytes reinterpreted as the stored dtype, so a dtype conversion costs nothing extra.
+
+The contract: `instantiate` runs on a worker thread and returns once its stream's work is complete
+(the event is waited on there, never in the event loop or the consumer), so a tensor handed out is
+ready on any stream with no synchronize by the caller, and its slot may be refilled. Tensors are
+allocated on the loader's stream; when one is handed out, it is marked with `record_stream` for the
+caller's current stream, so the caching allocator never reuses its memory while the caller's
+queued work may still read it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..plan import Batch
+from ..read import OpenFiles
+from .base import Assembler, Delivered
+
+
+class CudaDevice:
+    staged = True
+
+    def __init__(self, device: torch.device, host_slots: bool) -> None:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.name = str(device)
+        self.host_slots = host_slots
+        self._stream = torch.cuda.Stream(device)
+        self._assembler = Assembler(device, stream=self._stream)
+        self._scratch: torch.Tensor | None = None
+
+    def new_slot(self, nbytes: int) -> torch.Tensor:
+        if self.host_slots:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._device_buffer(nbytes)
+
+    def _device_buffer(self, nbytes: int) -> torch.Tensor:
+        # From our stream's pool: a block another stream freed with work still queued is never handed
+        # to a writer (kvikio, our copies) that does not wait for that stream.
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def cheap(self, batch: Batch) -> bool:
+        return False  # waits for the device
+
+    def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]:
+        assert slot is not None
+        with torch.cuda.device(self.device):
+            src = self._to_device(batch, slot) if self.host_slots else slot
+            out = []
+            for piece in batch.pieces:
+                t = self._assembler.copy(piece, src, non_blocking=True)
+                if t is not None:
+                    out.append((piece.item.name, t))
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        done.synchronize()
+        return out
+
+    def _to_device(self, batch: Batch, slot: torch.Tensor) -> torch.Tensor:
+        used = max((p.slot_offset + p.length for p in batch.pieces), default=0)
+        if self._scratch is None:
+            self._scratch = self._device_buffer(slot.numel())
+        with torch.cuda.stream(self._stream):
+            self._scratch[:used].copy_(slot[:used], non_blocking=True)
+        return self._scratch
+
+    def close(self) -> None:
+        self._assembler.clear()
+        self._scratch = None

@@ -1,0 +1,84 @@
+"""The kvikio reader: file -> device memory through GPUDirect Storage, or kvikio's POSIX mode.
+
+kvikio and its CUDA libraries are imported only when this reader is chosen; any failure to import or
+to read raises `UnsupportedError`, which the router turns into a fallback to the posix reader.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedError
+from ..plan import Batch
+from .base import Job, OpenFiles, read_error, spans
+
+
+class KvikioReader:
+    """Reads each span with `CuFile.pread` straight into the device slot; kvikio splits every request
+    into `task_size` tasks on its own thread pool of `threads` threads."""
+
+    def __init__(self, threads: int, task_size: int) -> None:
+        try:
+            import kvikio
+            import kvikio.defaults
+        except Exception as exc:  # ImportError, or a missing libcufile/libcuda behind it
+            raise UnsupportedError(f"kvikio cannot be imported: {exc}") from exc
+        self._kvikio: Any = kvikio
+        kvikio.defaults.set({"num_threads": threads, "task_size": task_size})
+        self.gds = not kvikio.defaults.is_compat_mode_preferred()
+        self.name = "kvikio-gds" if self.gds else "kvikio-posix"
+        self.chunk_bytes = max(task_size, 64 << 20)  # kvikio parallelises inside one request
+        self._handles: dict[Path, Any] = {}
+        self._lock = threading.Lock()
+
+    def probe(self, path: Path, device: torch.device) -> None:
+        """Read a file's first 8 bytes through kvikio and compare: kvikio's first I/O is where a
+        missing driver or libcufile shows up."""
+        buf = torch.zeros(8, dtype=torch.uint8, device=device)
+        try:
+            n = self._handle(path).pread(buf, 8, 0).get()
+        except Exception as exc:
+            raise UnsupportedError(f"kvikio cannot read {path}: {exc}") from exc
+        with open(path, "rb") as f:
+            expected = f.read(8)
+        if n != 8 or bytes(buf.cpu().tolist()) != expected:
+            raise UnsupportedError(f"kvikio read wrong bytes from {path}")
+
+    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
+        assert slot is not None and slot.is_cuda, "the kvikio reader reads into a device slot"
+        jobs: list[Job] = []
+        for span in spans(batch, self.chunk_bytes):
+            file_offset = span.file_offset
+            for slot_offset, length in span.parts:
+                dest = slot[slot_offset : slot_offset + length]
+                jobs.append(functools.partial(self._read, span.path, dest, length, file_offset))
+                file_offset += length
+        return jobs
+
+    def _read(self, path: Path, dest: torch.Tensor, length: int, file_offset: int) -> int:
+        try:
+            n = self._handle(path).pread(dest, length, file_offset).get()
+        except Exception as exc:
+            raise read_error(path, file_offset, f"kvikio: {exc}") from exc
+        if n != length:
+            raise read_error(path, file_offset + n, "unexpected end of file (truncated since its header was read?)")
+        return n
+
+    def _handle(self, path: Path) -> Any:
+        with self._lock:
+            handle = self._handles.get(path)
+            if handle is None:
+                handle = self._handles[path] = self._kvikio.CuFile(os.fspath(path), "r")
+            return handle
+
+    def close(self) -> None:
+        with self._lock:
+            handles, self._handles = self._handles, {}
+        for h in handles.values():
+            h.close()
