@@ -181,3 +181,42 @@ def test_plan_covers_every_byte_once(tmp_path_factory: pytest.TempPathFactory, s
         assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(ranges))
         if item.info.nbytes <= slot:
             assert len(ranges) == 1  # a tensor that fits a slot is never split
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shapes=st.lists(st.tuples(st.integers(0, 3000), st.sampled_from(DTYPES)), min_size=1, max_size=10),
+    files=st.integers(1, 3),
+    slots=st.integers(1, 5),
+    slot_kib=st.integers(4, 24),
+    chunk_kib=st.integers(4, 16),
+    reader=st.sampled_from(READERS),
+    convert=st.booleans(),
+)
+def test_ring_reuse_random_checkpoints(
+    tmp_path_factory: pytest.TempPathFactory,
+    shapes: list,
+    files: int,
+    slots: int,
+    slot_kib: int,
+    chunk_kib: int,
+    reader: str,
+    convert: bool,
+) -> None:
+    """Random tensors over random files through random rings: every byte lands where it belongs."""
+    directory = tmp_path_factory.mktemp("ring")
+    state = {f"layers.{i % 4}.t{i}": random_tensor(d, (n,), seed=i) for i, (n, d) in enumerate(shapes)}
+    names = list(state)
+    for k in range(files):
+        part = {n: state[n] for n in names[k::files]}
+        if part:
+            save_file(part, directory / f"s{k}.safetensors")
+    dtype = torch.float32 if convert else None
+    got = streamload.load(
+        directory, device="cpu", reader=reader, dtype=dtype,
+        ring_bytes=slots * slot_kib * 1024, slots=slots, chunk_bytes=chunk_kib * 1024,
+    )  # fmt: skip
+    assert got.keys() == state.keys()
+    for name, t in state.items():
+        floating = t.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+        assert same_bits(got[name], t.to(torch.float32) if convert and floating else t), name
