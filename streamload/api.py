@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import weakref
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from pathlib import Path
 from types import TracebackType
@@ -91,7 +92,8 @@ class TensorStream:
             assert self._receive is not None
             item = await next_tensor(self._receive, self.stats)
         else:  # a bare `async for`: no block to scope a task group, so the sync face runs it on a thread
-            item = await anyio.to_thread.run_sync(self._next_or_none)
+            # (through a weak reference: an idle worker thread must not keep a dropped stream alive)
+            item = await anyio.to_thread.run_sync(_next_of, weakref.ref(self))
         if item is None:
             raise StopAsyncIteration
         return _handoff(item)
@@ -178,6 +180,11 @@ class TensorStream:
                 self.close()
             except Exception:
                 pass
+
+
+def _next_of(ref: weakref.ref[TensorStream]) -> Delivered | None:
+    stream = ref()
+    return None if stream is None else stream._next_or_none()
 
 
 def _handoff(item: Delivered) -> Delivered:

@@ -1,31 +1,184 @@
-"""The `streamload` command."""
+"""The `streamload` command: demo, inspect, load, bench."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import NoReturn
 
 from .errors import StreamloadError
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="streamload", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not usage + traceback
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="streamload", description="Stream safetensors checkpoints into CPU or GPU memory.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
     demo = sub.add_parser("demo", help="write a small synthetic checkpoint and stream it, with numbers")
     demo.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     demo.add_argument("--warm", action="store_true", help="leave the files in the page cache (default: cold)")
     demo.add_argument("--keep", type=Path, default=None, help="write the checkpoint here and keep it")
-    args = parser.parse_args(argv)
+
+    inspect = sub.add_parser("inspect", help="describe a checkpoint from its headers alone")
+    inspect.add_argument("path")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    load = sub.add_parser("load", help="load a checkpoint and report, with a progress bar")
+    load.add_argument("path")
+    load.add_argument("--device", default=None)
+    load.add_argument("--dtype", default=None, help="convert floating-point tensors, e.g. float16, bfloat16")
+    load.add_argument("--reader", default="auto", choices=["auto", "mmap", "posix", "kvikio"])
+
+    bench = sub.add_parser("bench", help="compare every installed loader on a checkpoint, in one run")
+    bench.add_argument("path")
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--cold", action="store_true", help="evict the files from the page cache before each run")
+    bench.add_argument("--warm", action="store_true", help="also (with --cold) or only measure a warm cache")
+    bench.add_argument("--runs", type=_positive, default=5)
+    bench.add_argument("--loaders", nargs="+", default=None, help="names from `streamload.bench.LOADERS`")
+    bench.add_argument("--json", type=Path, default=None, help="write rows and raw runs here")
+    bench.add_argument("--plot", type=Path, default=None, help="write the arrival-curve PNG here")
+    bench.add_argument("--markdown", type=Path, default=None, help="write the tables here")
+    return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         if args.command == "demo":
             from .demo import run
 
             run(device=args.device, cold=not args.warm, keep=args.keep)
-    except StreamloadError as exc:
+        elif args.command == "inspect":
+            _inspect(args.path, as_json=args.json)
+        elif args.command == "load":
+            _load(args.path, args.device, args.dtype, args.reader)
+        elif args.command == "bench":
+            _bench(args)
+    except (StreamloadError, ValueError) as exc:
         print(f"streamload: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _inspect(path: str, as_json: bool) -> None:
+    from .api import inspect
+    from .layers import layer_of
+
+    ckpt = inspect(path)
+    tensors = list(ckpt.tensors.values())
+    layers = Counter(layer.name for t in tensors if (layer := layer_of(t.name)))
+    dtypes = Counter(t.dtype.name for t in tensors)
+    largest = max(tensors, key=lambda t: t.nbytes, default=None)
+    summary = {
+        "files": [{"path": str(f.path), "bytes": f.size, "tensors": len(f.tensors)} for f in ckpt.files],
+        "tensors": len(tensors),
+        "bytes": ckpt.nbytes,
+        "layers": len(layers),
+        "tensors_per_layer": dict(layers),
+        "dtypes": {
+            d: {"tensors": n, "bytes": sum(t.nbytes for t in tensors if t.dtype.name == d)} for d, n in dtypes.items()
+        },
+        "largest": None if largest is None else {"name": largest.name, "bytes": largest.nbytes},
+        "metadata": ckpt.metadata,
+    }
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    files = Table("file", "bytes", "tensors", title=f"{path}")
+    for f in summary["files"]:
+        files.add_row(Path(f["path"]).name, f"{f['bytes']:,}", str(f["tensors"]))
+    console.print(files)
+    kinds = Table("dtype", "tensors", "bytes")
+    for d, v in summary["dtypes"].items():
+        kinds.add_row(d, str(v["tensors"]), f"{v['bytes']:,}")
+    console.print(kinds)
+    per_layer = Counter(layers.values())
+    shape = ", ".join(f"{n} layers x {k} tensors" for k, n in sorted(per_layer.items())) or "no layers"
+    console.print(f"{len(tensors)} tensors, {ckpt.nbytes / 1e9:.3f} GB; {shape}")
+    if largest is not None:
+        what = f"{largest.nbytes / 1e6:.1f} MB, {largest.dtype.name} {list(largest.shape)}"
+        console.print(f"largest: {largest.name} ({what})")
+    if ckpt.metadata:
+        console.print(f"metadata: {ckpt.metadata}")
+
+
+def _load(path: str, device: str | None, dtype: str | None, reader: str) -> None:
+    import torch
+
+    from .api import iter as stream_iter
+
+    torch_dtype = None
+    if dtype is not None:
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}; use a torch name such as float16 or bfloat16")
+    stream = stream_iter(path, device=device, dtype=torch_dtype, reader=reader)  # type: ignore[arg-type]
+    s = stream.stats
+    if sys.stderr.isatty():
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn())  # fmt: skip
+        with Progress(*columns, transient=False) as progress, stream:
+            task = progress.add_task("loading", total=s.bytes_total)
+            for _ in stream:
+                progress.update(task, completed=s.bytes_read)
+    else:  # plain lines for logs: one per ~10% of the bytes
+        next_mark = 0.1
+        with stream:
+            for _ in stream:
+                if s.bytes_total and s.bytes_read / s.bytes_total >= next_mark:
+                    print(f"{s.bytes_read / s.bytes_total:4.0%} {s.bytes_read / 1e9:.2f} GB {s.gbps:.2f} GB/s "
+                          f"{s.tensors_done}/{s.tensors_total} tensors", flush=True)  # fmt: skip
+                    next_mark = s.bytes_read / s.bytes_total + 0.1
+    print(f"{s.tensors_done} tensors, {s.bytes_read / 1e9:.2f} GB to {s.device} via {s.reader} in {s.elapsed:.2f} s "
+          f"({s.gbps:.2f} GB/s), first tensor after {1e3 * (s.time_to_first_tensor or 0):.1f} ms")  # fmt: skip
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from . import bench
+    from .source import open_checkpoint
+
+    total = open_checkpoint(args.path).nbytes
+    modes = tuple(m for m, on in (("cold", args.cold), ("warm", args.warm or not args.cold)) if on)
+    summaries = bench.bench(args.path, device=args.device, modes=modes, runs=args.runs, loaders=args.loaders,
+                            log=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+    rows = bench.report(summaries, total)
+    text = bench.table(rows, total)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.json:
+        raw = [{"loader": s.loader, "mode": s.mode, "runs": [vars(r) for r in s.runs]} for s in summaries]
+        args.json.write_text(json.dumps({"bytes": total, "device": args.device, "rows": rows, "raw": raw}, indent=1))
+    if args.plot:
+        bench.plot(summaries, rows, total, args.plot)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,66 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["frobnicate"])
     assert info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("small")
+    write_checkpoint(path, Shape(vocab=256, hidden=64, intermediate=96, layers=4), shards=2)
+    return path
+
+
+def test_inspect_json(small_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert main(["inspect", str(small_model), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["files"]) == 2 and doc["layers"] == 4 and doc["tensors"] == 4 * 9 + 3
+    assert set(doc["tensors_per_layer"].values()) == {9}
+    assert doc["largest"]["name"] in ("model.embed_tokens.weight", "lm_head.weight")
+    assert doc["bytes"] == sum(v["bytes"] for v in doc["dtypes"].values())
+
+
+def test_inspect_table(small_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(small_model)]) == 0
+    out = capsys.readouterr().out
+    assert "4 layers x 9 tensors" in out and "BF16" in out
+
+
+def test_load_reports_plain_lines_when_not_a_tty(small_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["load", str(small_model), "--device", "cpu", "--dtype", "float16", "--reader", "posix"]) == 0
+    out = capsys.readouterr().out
+    assert "39 tensors" in out and "via posix" in out and "100%" in out
+
+
+def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["load", str(tmp_path / "missing")]) == 1
+    assert main(["load", str(tmp_path), "--dtype", "float17"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("streamload: error:") for line in err)
+    for argv in (["bench"], ["bench", "x", "--runs", "0"], ["load", "x", "--reader", "fast"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+    assert all(len(e.strip().splitlines()) == 1 for e in capsys.readouterr().err.split("streamload")[1:])
+
+
+def test_bench_runs_loaders_and_writes_json_and_plot(small_model: Path, tmp_path: Path) -> None:
+    import json
+
+    argv = ["bench", str(small_model), "--runs", "1", "--cold", "--warm", "--json", str(tmp_path / "b.json"),
+            "--plot", str(tmp_path / "b.png"), "--loaders", "streamload-mmap", "safetensors-load_file",
+            "ceiling-read", "instanttensor"]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "b.json").read_text())
+    rows = {(r["mode"], r["loader"]): r for r in doc["rows"]}
+    assert set(rows) == {(m, ld) for m in ("cold", "warm") for ld in ("streamload-mmap", "safetensors-load_file",
+                                                                          "ceiling-read")}  # fmt: skip
+    for r in rows.values():
+        assert r["seconds"] > 0 and r["peak_rss"] > 0
+    assert rows[("warm", "safetensors-load_file")]["x_load_file"] == 1.0
+    assert rows[("warm", "streamload-mmap")]["first_layer_s"] is not None
+    raw = next(x for x in doc["raw"] if x["loader"] == "streamload-mmap")
+    arrivals = raw["runs"][0]["arrivals"]
+    assert arrivals[-1][1] == doc["bytes"] and all(a[0] <= b[0] for a, b in itertools.pairwise(arrivals))
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"

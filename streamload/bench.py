@@ -1,0 +1,429 @@
+"""`streamload bench`: every loader on one checkpoint, each run in a fresh process, side by side.
+
+Runs alternate between loaders (so drift on a noisy machine hits all of them alike) and the median
+of N is reported. Every loader's tensors are made resident on the target device before its clock
+stops: on the CPU one byte of every 4 KiB page is read, so a lazily mapped tensor counts as loaded
+only once its pages are in. Cold runs evict the files from the page cache first. The ceilings are
+measured in the same run: parallel reads of the same files, and pinned host-to-device copies.
+
+    streamload bench path/to/model --device cpu --cold --runs 5 --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PAGE = 4096
+READ_THREADS, READ_CHUNK = 16, 16 << 20  # the read ceiling: 16 threads x 16 MiB requests
+
+
+@dataclass(frozen=True)
+class Loader:
+    name: str
+    needs: str | None  # module that must be importable, else the loader is skipped with a note
+    devices: tuple[str, ...]  # device types it runs on
+    ceiling: bool = False
+
+
+LOADERS = [
+    Loader("streamload-mmap", None, ("cpu",)),
+    Loader("streamload-posix", None, ("cpu", "cuda")),
+    Loader("streamload-kvikio", "kvikio", ("cuda",)),
+    Loader("safetensors-load_file", "safetensors", ("cpu", "cuda")),
+    Loader("safetensors-safe_open", "safetensors", ("cpu", "cuda")),
+    Loader("fastsafetensors", "fastsafetensors", ("cpu", "cuda")),
+    Loader("fastsafetensors-gds", "fastsafetensors", ("cuda",)),
+    Loader("runai", "runai_model_streamer", ("cpu", "cuda")),
+    Loader("instanttensor", "instanttensor", ("cuda",)),
+    Loader("ceiling-read", None, ("cpu", "cuda"), ceiling=True),
+    Loader("ceiling-odirect", None, ("cpu", "cuda"), ceiling=True),
+    Loader("ceiling-h2d", None, ("cuda",), ceiling=True),
+]
+
+
+@dataclass
+class Run:
+    """One load in one process: total seconds, and when each tensor became usable."""
+
+    seconds: float
+    arrivals: list[tuple[float, int]]  # (seconds since start, bytes usable so far)
+    first_tensor: float
+    first_layer: float | None
+    peak_rss: int
+    peak_extra_device: int | None = None
+
+
+@dataclass
+class Summary:
+    loader: str
+    mode: str
+    runs: list[Run] = field(default_factory=list)
+
+    def median(self, key: Callable[[Run], float | None]) -> float | None:
+        values = [v for r in self.runs if (v := key(r)) is not None]
+        return statistics.median(values) if values else None
+
+
+# -- one load, in the child process -----------------------------------------------------------------
+
+
+def _touch(t: Any) -> None:
+    """Make a tensor resident: on the CPU read one byte per page; on a GPU its bytes are there."""
+    import torch
+
+    if t.is_cuda or t.numel() == 0:
+        return
+    raw = torch.empty(0, dtype=torch.uint8).set_(
+        t.untyped_storage(), t.storage_offset() * t.element_size(), (t.numel() * t.element_size(),), (1,)
+    )
+    raw[::PAGE].sum()
+
+
+def _tensors(loader: str, files: list[str], device: str) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) pairs as each loader gives them, on `device`."""
+    if loader.startswith("streamload-"):
+        import streamload
+
+        yield from streamload.iter(files, device=device, reader=loader.removeprefix("streamload-"))  # type: ignore[arg-type]
+    elif loader == "safetensors-load_file":
+        from safetensors.torch import load_file
+
+        for f in files:
+            yield from load_file(f, device=device).items()
+    elif loader == "safetensors-safe_open":
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(f, framework="pt", device=device) as fh:
+                for name in fh.keys():
+                    yield name, fh.get_tensor(name)
+    elif loader.startswith("fastsafetensors"):
+        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+        fl = SafeTensorsFileLoader(SingleGroup(), device, nogds=loader == "fastsafetensors")
+        try:
+            fl.add_filenames({0: files})
+            buffer = fl.copy_files_to_device()
+            try:
+                for name in buffer.key_to_rank_lidx:
+                    yield name, buffer.get_tensor(name).clone()  # owned: the buffer is freed on close
+            finally:
+                buffer.close()
+        finally:
+            fl.close()
+    elif loader == "runai":
+        from runai_model_streamer import SafetensorsStreamer
+
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_files(files)
+            for name, t in streamer.get_tensors():
+                yield name, t.to(device) if device != "cpu" else t
+    elif loader == "instanttensor":
+        from instanttensor import safe_open as it_open
+
+        with it_open(files, framework="pt", device=device) as fh:
+            yield from fh.tensors()
+    else:
+        raise SystemExit(f"unknown loader {loader}")
+
+
+def _ceiling(loader: str, files: list[str], device: str) -> None:
+    if loader == "ceiling-h2d":
+        _h2d(sum(os.path.getsize(f) for f in files), device)
+    else:
+        parallel_read(files, direct=loader == "ceiling-odirect", pinned=device.startswith("cuda"))
+
+
+def parallel_read(files: list[str], direct: bool, pinned: bool) -> None:
+    """Read the files with READ_THREADS threads of READ_CHUNK-byte preadv into per-thread buffers."""
+    local = threading.local()
+    fds = [os.open(f, os.O_RDONLY | (os.O_DIRECT if direct else 0)) for f in files]
+    jobs = [(fd, off) for fd, f in zip(fds, files, strict=True) for off in range(0, os.path.getsize(f), READ_CHUNK)]
+
+    def buffer() -> memoryview:
+        if not hasattr(local, "buf"):
+            if pinned:
+                import torch
+
+                from .read.base import writable_bytes
+
+                local.tensor = torch.empty(READ_CHUNK, dtype=torch.uint8, pin_memory=True)
+                local.buf = writable_bytes(local.tensor)
+            else:
+                local.buf = memoryview(mmap.mmap(-1, READ_CHUNK))  # page-aligned, as O_DIRECT needs
+        return local.buf
+
+    try:
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            list(pool.map(lambda job: os.preadv(job[0], [buffer()], job[1]), jobs))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _h2d(nbytes: int, device: str) -> None:
+    """Copy `nbytes` from pinned host memory to the device, 256 MiB at a time."""
+    import torch
+
+    chunk = 256 << 20
+    host = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(chunk, dtype=torch.uint8, device=device)
+    for off in range(0, nbytes, chunk):
+        n = min(chunk, nbytes - off)
+        dev[:n].copy_(host[:n], non_blocking=True)
+    torch.cuda.synchronize(device)
+
+
+_MODULES = {
+    "streamload": "streamload",
+    "safetensors": "safetensors.torch",
+    "fastsafetensors": "fastsafetensors",
+    "runai": "runai_model_streamer",
+    "instanttensor": "instanttensor",
+}
+
+
+def child(loader: str, files: list[str], device: str) -> Run:
+    import torch
+
+    module = _MODULES.get(loader.split("-")[0])
+    if module is not None:
+        importlib.import_module(module)  # imports are not part of the load
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.init()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    layer0 = _layer0_names(files)
+    start = time.perf_counter()
+    if loader.startswith("ceiling"):
+        _ceiling(loader, files, device)
+        seconds = time.perf_counter() - start
+        total = sum(os.path.getsize(f) for f in files)
+        return Run(seconds, [(seconds, total)], seconds, None, _peak_rss())
+    kept, arrivals, done, first_layer = [], [], 0, None
+    pending = set(layer0)
+    for name, t in _tensors(loader, files, device):
+        _touch(t)
+        kept.append(t)
+        done += t.numel() * t.element_size()
+        now = time.perf_counter() - start
+        arrivals.append((now, done))
+        pending.discard(name)
+        if first_layer is None and layer0 and not pending:
+            first_layer = now
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    extra = None
+    if cuda:
+        extra = max(0, torch.cuda.max_memory_allocated(device) - base - done)
+    first = arrivals[0][0] if arrivals else seconds
+    return Run(seconds, arrivals, first, first_layer, _peak_rss(), extra)
+
+
+def _layer0_names(files: list[str]) -> set[str]:
+    from .layers import layer_of
+    from .source import open_checkpoint
+
+    names = open_checkpoint(files).tensors
+    return {n for n in names if (layer := layer_of(n)) is not None and layer.index == 0}
+
+
+def _peak_rss() -> int:
+    """This process's own peak RSS (VmHWM; wait4's ru_maxrss would include what fork inherited)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return max(int(fields[k].split()[0]) * 1024 for k in ("VmHWM", "VmRSS"))
+
+
+# -- the parent: schedule, evict, summarise -----------------------------------------------------------
+
+
+def evict(files: Iterable[str]) -> None:
+    """Drop the files from the page cache (flushing them first), or all caches where permitted."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def available(loaders: Iterable[str], device: str) -> tuple[list[str], list[str]]:
+    """The loaders that can run here, and a note for each that cannot."""
+    by_name = {ld.name: ld for ld in LOADERS}
+    kind = device.split(":")[0]
+    ok, notes = [], []
+    for name in loaders:
+        ld = by_name.get(name)
+        if ld is None:
+            raise ValueError(f"unknown loader {name!r}; known: {', '.join(by_name)}")
+        if kind not in ld.devices:
+            notes.append(f"{name}: skipped, does not run on {kind}")
+        elif ld.needs and importlib.util.find_spec(ld.needs) is None:
+            notes.append(f"{name}: skipped, {ld.needs} is not installed (pip install 'streamload[bench]')")
+        else:
+            ok.append(name)
+    return ok, notes
+
+
+def run_child(loader: str, files: list[str], device: str) -> Run:
+    cmd = [sys.executable, "-m", "streamload.bench", "--child", loader, device, *files]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode:
+        tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"{loader} failed: {tail}")
+    return Run(**json.loads(out.stdout))
+
+
+def bench(
+    path: str | os.PathLike[str],
+    *,
+    device: str = "cpu",
+    modes: tuple[str, ...] = ("warm",),
+    runs: int = 5,
+    loaders: Iterable[str] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[Summary]:
+    """Run every available loader `runs` times per mode, alternating; returns the raw runs.
+
+    >>> summaries = bench("model/", device="cpu", modes=("cold", "warm"), runs=5)  # doctest: +SKIP
+    """
+    from .source import open_checkpoint
+
+    files = [str(f.path) for f in open_checkpoint(path).files]
+    names, notes = available(loaders or [ld.name for ld in LOADERS], device)
+    for note in notes:
+        log(note)
+    results = {(mode, name): Summary(name, mode) for mode in modes for name in names}
+    for mode in modes:
+        if mode == "warm":
+            parallel_read(files, direct=False, pinned=False)  # fill the page cache
+        for r in range(runs):
+            for name in names:
+                if mode == "cold":
+                    evict(files)
+                try:
+                    run = run_child(name, files, device)
+                except RuntimeError as exc:
+                    log(f"{mode} run {r + 1}/{runs} {exc}")
+                    continue
+                results[(mode, name)].runs.append(run)
+                log(f"{mode} run {r + 1}/{runs} {name}: {run.seconds:.3f} s")
+    return [s for s in results.values() if s.runs]
+
+
+def report(summaries: list[Summary], total: int) -> list[dict[str, Any]]:
+    """One row per loader and mode, with the ceiling fractions and ratios to load_file."""
+    rows = []
+    for mode in sorted({s.mode for s in summaries}):
+        group = [s for s in summaries if s.mode == mode]
+        secs = {s.loader: s.median(lambda r: r.seconds) or 0.0 for s in group}
+        ceiling = _ceiling_seconds(secs)
+        ref = secs.get("safetensors-load_file")
+        for s in group:
+            t = secs[s.loader]
+            extra = [r.peak_extra_device for r in s.runs if r.peak_extra_device is not None]
+            rows.append({
+                "mode": mode,
+                "loader": s.loader,
+                "runs": len(s.runs),
+                "seconds": t,
+                "gb_per_s": total / t / 1e9 if t else 0.0,
+                "x_load_file": ref / t if ref and t else None,
+                "of_ceiling": ceiling / t if ceiling and t else None,
+                "first_tensor_s": s.median(lambda r: r.first_tensor),
+                "first_layer_s": s.median(lambda r: r.first_layer),
+                "peak_rss": max(r.peak_rss for r in s.runs),
+                "peak_extra_device": max(extra) if extra else None,
+            })  # fmt: skip
+    return rows
+
+
+def _ceiling_seconds(secs: dict[str, float]) -> float | None:
+    """Storage gives the faster of its two read ceilings; on a GPU the slower of storage and PCIe bounds."""
+    reads = [secs[n] for n in ("ceiling-read", "ceiling-odirect") if n in secs]
+    bounds = ([min(reads)] if reads else []) + ([secs["ceiling-h2d"]] if "ceiling-h2d" in secs else [])
+    return max(bounds) if bounds else None
+
+
+def table(rows: list[dict[str, Any]], total: int) -> str:
+    """Markdown, one table per mode ("of ceiling": see `_ceiling_seconds`)."""
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.0f} ms"
+
+    out = []
+    for mode in sorted({r["mode"] for r in rows}):
+        out += [f"\n**{mode}**, {total / 1e9:.2f} GB, median of {max(r['runs'] for r in rows)} runs\n",
+                "| loader | seconds | GB/s | x load_file | of ceiling | first tensor | first layer | peak RSS "
+                "| peak extra device |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in (r for r in rows if r["mode"] == mode):
+            dev = "-" if r["peak_extra_device"] is None else f"{r['peak_extra_device'] / 2**20:.0f} MiB"
+            out.append(
+                f"| {r['loader']} | {r['seconds']:.3f} | {r['gb_per_s']:.2f} | "
+                f"{'-' if r['x_load_file'] is None else format(r['x_load_file'], '.2f') + 'x'} | "
+                f"{'-' if r['of_ceiling'] is None else format(r['of_ceiling'], '.0%')} | "
+                f"{ms(r['first_tensor_s'])} | {ms(r['first_layer_s'])} | {r['peak_rss'] / 2**30:.2f} GiB | {dev} |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def plot(summaries: list[Summary], rows: list[dict[str, Any]], total: int, path: str | os.PathLike[str]) -> None:
+    """Arrival curves (fraction of bytes usable over time, median-time run of each loader) and GB/s bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({s.mode for s in summaries})
+    fig, axes = plt.subplots(len(modes), 2, figsize=(13, 4.2 * len(modes)), squeeze=False)
+    for row_axes, mode in zip(axes, modes, strict=True):
+        curves, bars = row_axes
+        for s in (s for s in summaries if s.mode == mode and not s.loader.startswith("ceiling")):
+            run = sorted(s.runs, key=lambda r: r.seconds)[len(s.runs) // 2]
+            xs = [0.0] + [t for t, _ in run.arrivals] + [run.seconds]
+            ys = [0.0] + [b / total for _, b in run.arrivals] + [run.arrivals[-1][1] / total if run.arrivals else 0]
+            curves.step(xs, ys, where="post", label=s.loader, linewidth=1.8)
+        curves.set(title=f"{mode}: bytes usable by the caller", xlabel="seconds since start",
+                   ylabel="fraction of checkpoint", ylim=(0, 1.02))  # fmt: skip
+        curves.grid(alpha=0.3)
+        curves.legend(fontsize=8)
+        mine = [r for r in rows if r["mode"] == mode]
+        loaders = [r for r in mine if not r["loader"].startswith("ceiling")]
+        bars.barh([r["loader"] for r in loaders], [r["gb_per_s"] for r in loaders], color="tab:blue")
+        for r in (r for r in mine if r["loader"].startswith("ceiling")):
+            bars.axvline(r["gb_per_s"], linestyle="--", color="tab:red" if "read" in r["loader"] else "tab:gray")
+            bars.text(r["gb_per_s"], 0.02, r["loader"], transform=bars.get_xaxis_transform(), rotation=90,
+                      fontsize=7, va="bottom", ha="right")  # fmt: skip
+        bars.set(title=f"{mode}: GB/s (dashed: ceilings)", xlabel="GB/s")
+        bars.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--child"]:
+        loader, device, *files = args[1:]
+        print(json.dumps(asdict(child(loader, files, device))))
+
+
+if __name__ == "__main__":
+    main()
