@@ -312,12 +312,12 @@ def bench(
         log(note)
     results = {(mode, name): Summary(name, mode) for mode in modes for name in names}
     for mode in modes:
-        if mode == "warm":
-            parallel_read(files, direct=False, pinned=False)  # fill the page cache
         for r in range(runs):
             for name in names:
                 if mode == "cold":
                     evict(files)
+                else:  # (re)fill the page cache: a loader may have evicted what it read
+                    parallel_read(files, direct=False, pinned=False)
                 try:
                     run = run_child(name, files, device)
                 except RuntimeError as exc:
