@@ -120,7 +120,7 @@ def _tensors(loader: str, files: list[str], device: str) -> Iterator[tuple[str, 
             buffer = fl.copy_files_to_device()
             try:
                 for name in buffer.key_to_rank_lidx:
-                    yield name, buffer.get_tensor(name).clone()  # owned: the buffer is freed on close
+                    yield name, buffer.get_tensor(name)  # views of its buffer, valid until close()
             finally:
                 buffer.close()
         finally:
