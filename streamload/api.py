@@ -23,6 +23,11 @@ from .read import MmapReader, PosixReader, Reader
 from .source import Checkpoint, Source, open_checkpoint
 from .stats import Stats
 
+try:  # the sync face's event loop: import its backend now rather than inside the first load's clock
+    import anyio._backends._asyncio
+except ImportError:  # pragma: no cover - a future anyio may move it; then it loads on first use
+    pass
+
 ReaderName = Literal["auto", "mmap", "posix", "kvikio"]
 log = logging.getLogger("streamload")
 _TAKE = 256  # tensors the sync face fetches per hop to the pipeline's thread
