@@ -7,7 +7,9 @@
 from .api import TensorStream, inspect, iter, load
 from .errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError, UnsupportedError
 from .format import FileHeader, TensorInfo
-from .layers import Layer, layer_of
+from .grouped import LayerStream, layers
+from .layers import Layer, group_of, layer_of
+from .module import LoadResult, aload_into, load_into
 from .source import Checkpoint
 from .stats import Stats
 
@@ -17,6 +19,8 @@ __all__ = [
     "FileHeader",
     "HeaderError",
     "Layer",
+    "LayerStream",
+    "LoadResult",
     "MissingFileError",
     "ReadError",
     "SourceError",
@@ -25,8 +29,12 @@ __all__ = [
     "TensorInfo",
     "TensorStream",
     "UnsupportedError",
+    "aload_into",
+    "group_of",
     "inspect",
     "iter",
     "layer_of",
+    "layers",
     "load",
+    "load_into",
 ]

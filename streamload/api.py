@@ -47,7 +47,8 @@ class TensorStream:
         self.stats = Stats(
             bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=reader.name, device=device.name
         )
-        self._plan, self._reader, self._device, self._tuning = plan, reader, device, tuning
+        self.plan = plan
+        self._reader, self._device, self._tuning = reader, device, tuning
         self._mode: Literal["async", "sync", "done"] | None = None
         self._receive: Receiver | None = None
         self._core: AbstractAsyncContextManager[Receiver] | None = None
@@ -63,7 +64,7 @@ class TensorStream:
         return self.checkpoint.metadata
 
     def _pipeline(self) -> AbstractAsyncContextManager[Receiver]:
-        return open_pipeline(self._plan, self._reader, self._device, self._tuning, self.stats)
+        return open_pipeline(self.plan, self._reader, self._device, self._tuning, self.stats)
 
     def _claim(self, mode: Literal["async", "sync"]) -> None:
         self._check_not_done()

@@ -36,3 +36,15 @@ def layer_rank(name: str) -> tuple[int, int]:
     if layer is not None:
         return (1, layer.index)
     return (0, 0) if _FRONT.search(name) else (2, 0)
+
+
+def group_of(name: str) -> str:
+    """The group `streamload.layers` puts a tensor in: its layer, else "pre" or "post".
+
+    >>> group_of("model.embed_tokens.weight"), group_of("model.layers.2.mlp.experts.7.w1"), group_of("lm_head.weight")
+    ('pre', 'model.layers.2', 'post')
+    """
+    layer = layer_of(name)
+    if layer is not None:
+        return layer.name
+    return "pre" if layer_rank(name)[0] == 0 else "post"

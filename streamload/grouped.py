@@ -1,0 +1,85 @@
+"""`streamload.layers`: whole layers, each handed out once every one of its tensors has arrived."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from .api import TensorStream
+from .api import iter as stream_tensors
+from .layers import group_of
+from .source import Source
+
+Group = tuple[str, dict[str, torch.Tensor]]
+
+
+class LayerStream:
+    """`(key, {name: tensor})` per group, as each group completes; use like a `TensorStream`
+    (`for`/`async for`, ideally inside `with`/`async with`). `stats` are the tensor stream's."""
+
+    def __init__(self, stream: TensorStream, key: Callable[[str], str]) -> None:
+        self.stream = stream
+        self._key = key
+        self._left = Counter(key(i.name) for i in stream.plan.items)
+        self._partial: dict[str, dict[str, torch.Tensor]] = {}
+
+    @property
+    def stats(self):  # type: ignore[no-untyped-def]
+        return self.stream.stats
+
+    @property
+    def group_keys(self) -> list[str]:
+        """Every group key, in the order the plan reads them."""
+        return list(self._left)
+
+    def _add(self, name: str, t: torch.Tensor) -> Group | None:
+        key = self._key(name)
+        group = self._partial.setdefault(key, {})
+        group[name] = t
+        self._left[key] -= 1
+        if self._left[key]:
+            return None
+        return key, self._partial.pop(key)
+
+    def __iter__(self) -> Iterator[Group]:
+        for name, t in self.stream:
+            if (done := self._add(name, t)) is not None:
+                yield done
+
+    async def __aiter__(self) -> AsyncIterator[Group]:
+        async for name, t in self.stream:
+            if (done := self._add(name, t)) is not None:
+                yield done
+
+    def __enter__(self) -> LayerStream:
+        self.stream.__enter__()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stream.__exit__(et, e, tb)
+
+    async def __aenter__(self) -> LayerStream:
+        await self.stream.__aenter__()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        return await self.stream.__aexit__(et, e, tb)
+
+
+def layers(source: Source, *, key: Callable[[str], str] | None = None, **options: Any) -> LayerStream:
+    """Stream a checkpoint layer by layer: the tensors before the layers as group `"pre"`, then each
+    layer (`"model.layers.0"`, ...), then the rest as `"post"`; groups spanning shard files arrive
+    in layer order. `key` maps a tensor name to its group instead. Options are those of `iter`.
+
+    >>> for key, tensors in streamload.layers("model/", device="cpu"):  # doctest: +SKIP
+    ...     print(key, len(tensors))
+    pre 1
+    model.layers.0 9
+    """
+    return LayerStream(stream_tensors(source, **options), key or group_of)

@@ -1,0 +1,152 @@
+"""`load_into`: fill an `nn.Module` (also one built on the meta device) as its weights arrive."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import StreamloadError
+from .grouped import layers
+from .layers import layer_of
+from .source import Source
+
+OnLayer = Callable[[str, "nn.Module | None"], "Awaitable[None] | None"]
+
+
+@dataclass
+class LoadResult:
+    """What `load_into` did not match: checkpoint names the module lacks, and the reverse."""
+
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    left_on_meta: list[str] = field(default_factory=list)
+
+
+class _Filler:
+    """Assigns arriving tensors to a module's parameters and buffers (the logic both faces share)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        # Every name a parameter or buffer is reachable by; tied weights share one object, so an
+        # arriving tensor is assigned to all of that object's names at once.
+        self.aliases: dict[int, list[str]] = {}
+        self.kind: dict[str, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            self.aliases.setdefault(id(p), []).append(name)
+            self.kind[name] = "parameter"
+        for name, b in module.named_buffers(remove_duplicate=False):
+            self.aliases.setdefault(id(b), []).append(name)
+            self.kind[name] = "buffer"
+        self.group_of = {n: names for names in self.aliases.values() for n in names}
+        self.expected = set(module.state_dict(keep_vars=True))  # persistent buffers only
+        self.filled: set[str] = set()
+        self.result = LoadResult()
+
+    def assign(self, name: str, tensor: torch.Tensor) -> None:
+        names = self.group_of.get(name)
+        if names is None:
+            self.result.unexpected_keys.append(name)
+            return
+        old = self._get(name)
+        if self.kind[name] == "parameter":
+            new: torch.Tensor = nn.Parameter(tensor, requires_grad=old.requires_grad)
+        else:
+            new = tensor
+        for alias in names:
+            owner, attr = self._owner(alias)
+            table = owner._parameters if self.kind[alias] == "parameter" else owner._buffers
+            table[attr] = new
+            self.filled.add(alias)
+
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        path, _, attr = name.rpartition(".")
+        return self.module.get_submodule(path), attr
+
+    def _get(self, name: str) -> torch.Tensor:
+        owner, attr = self._owner(name)
+        return owner._parameters[attr] if self.kind[name] == "parameter" else owner._buffers[attr]  # type: ignore[return-value]
+
+    def submodule(self, key: str) -> nn.Module | None:
+        try:
+            return self.module.get_submodule(key)
+        except AttributeError:
+            return None
+
+    def finish(self, strict: bool) -> LoadResult:
+        r = self.result
+        r.missing_keys = sorted(self.expected - self.filled)
+        r.left_on_meta = sorted(
+            n for n in self.kind if n not in self.filled and (t := self._get(n)) is not None and t.is_meta
+        )
+        if strict and (r.missing_keys or r.unexpected_keys or r.left_on_meta):
+            parts = []
+            if r.missing_keys:
+                parts.append(f"missing keys: {_short(r.missing_keys)}")
+            if r.unexpected_keys:
+                parts.append(f"unexpected keys: {_short(r.unexpected_keys)}")
+            extra = [n for n in r.left_on_meta if n not in r.missing_keys]
+            if extra:
+                parts.append(f"left on the meta device, not in the checkpoint: {_short(extra)}")
+            raise StreamloadError(f"loading into {type(self.module).__name__}: " + "; ".join(parts))
+        return r
+
+
+def _short(names: list[str], most: int = 20) -> str:
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def load_into(
+    module: nn.Module,
+    source: Source,
+    *,
+    strict: bool = True,
+    on_layer: Callable[[str, nn.Module | None], Any] | None = None,
+    **options: Any,
+) -> LoadResult:
+    """Fill `module`'s parameters and buffers from a checkpoint as the tensors arrive.
+
+    Tensors are assigned, not copied (`load_state_dict(assign=True)` semantics), so a module built on
+    the meta device ends up holding the loaded tensors with no second copy; tied weights stay tied.
+    `on_layer(key, submodule)` runs as soon as a layer is complete, while later layers still load.
+    With `strict`, missing and unexpected keys (and buffers left on meta) raise one error at the end.
+    Options are those of `streamload.iter` (device, dtype, include, ...).
+
+    >>> with torch.device("meta"):  # doctest: +SKIP
+    ...     model = MyModel(config)
+    >>> streamload.load_into(model, "model/", device="cuda", on_layer=lambda k, m: warm_up(m))  # doctest: +SKIP
+    """
+    filler = _Filler(module)
+    with layers(source, **options) as groups:
+        for key, tensors in groups:
+            for name, t in tensors.items():
+                filler.assign(name, t)
+            if on_layer is not None and layer_of(key + ".") is not None:
+                on_layer(key, filler.submodule(key))
+    return filler.finish(strict)
+
+
+async def aload_into(
+    module: nn.Module,
+    source: Source,
+    *,
+    strict: bool = True,
+    on_layer: OnLayer | None = None,
+    **options: Any,
+) -> LoadResult:
+    """`load_into` for async code; `on_layer` may be a coroutine function."""
+    filler = _Filler(module)
+    async with layers(source, **options) as groups:
+        async for key, tensors in groups:
+            for name, t in tensors.items():
+                filler.assign(name, t)
+            if on_layer is not None and layer_of(key + ".") is not None:
+                done = on_layer(key, filler.submodule(key))
+                if inspect.isawaitable(done):
+                    await done
+    return filler.finish(strict)
