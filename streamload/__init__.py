@@ -10,6 +10,7 @@ from .format import FileHeader, TensorInfo
 from .grouped import LayerStream, layers
 from .layers import Layer, group_of, layer_of
 from .module import LoadResult, aload_into, load_into
+from .shard import ShardSpec
 from .source import Checkpoint
 from .stats import Stats
 
@@ -23,6 +24,7 @@ __all__ = [
     "LoadResult",
     "MissingFileError",
     "ReadError",
+    "ShardSpec",
     "SourceError",
     "Stats",
     "StreamloadError",

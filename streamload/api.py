@@ -20,6 +20,7 @@ from .errors import StreamloadError, UnsupportedError
 from .pipeline import Receiver, Tuning, next_tensor, open_pipeline, ready_tensor
 from .plan import DTypeOption, Order, Patterns, Plan, make_plan
 from .read import MmapReader, PosixReader, Reader
+from .shard import ShardSpec
 from .source import Checkpoint, Source, open_checkpoint
 from .stats import Stats
 
@@ -214,17 +215,19 @@ def iter(
     slots: int = Tuning.slots,
     threads: int = Tuning.threads,
     chunk_bytes: int = Tuning.chunk_bytes,
+    shard: ShardSpec | None = None,
 ) -> TensorStream:
     """Stream the tensors of a safetensors checkpoint, each as soon as its bytes are in.
 
-    `source` is a file, a directory (its `model.safetensors.index.json` when present) or a list of files.
-    `dtype` converts floating-point tensors (a dtype, or {fnmatch pattern: dtype}); `include` /
-    `exclude` select tensors by pattern or predicate, and unselected bytes are never read. `order`
-    is "layer" (layer i before layer i+1 across all files) or "file".
+        `source` is a file, a directory (its `model.safetensors.index.json` when present) or a list of files.
+        `dtype` converts floating-point tensors (a dtype, or {fnmatch pattern: dtype}); `include` /
+        `exclude` select tensors by pattern or predicate, and unselected bytes are never read. `order`
+        is "layer" (layer i before layer i+1 across all files) or "file". `shard` (a `ShardSpec`) keeps
+    only this rank's part of each tensor, and reads only the bytes of that part.
 
-    >>> import streamload
-    >>> for name, t in streamload.iter("model.safetensors", device="cpu"):  # doctest: +SKIP
-    ...     print(name, t.shape)
+        >>> import streamload
+        >>> for name, t in streamload.iter("model.safetensors", device="cpu"):  # doctest: +SKIP
+        ...     print(name, t.shape)
     """
     tuning = Tuning(ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes)
     tuning.check()
@@ -234,7 +237,13 @@ def iter(
     read, make = _route(dev, reader, tuning, first)
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
     plan = make_plan(
-        checkpoint, slot_bytes=tuning.slot_bytes, include=include, exclude=exclude, order=order, dtype=dtype
+        checkpoint,
+        slot_bytes=tuning.slot_bytes,
+        include=include,
+        exclude=exclude,
+        order=order,
+        dtype=dtype,
+        shard=shard,
     )
     return TensorStream(checkpoint, plan, read, make, tuning)
 

@@ -14,6 +14,7 @@ from .dtypes import torch_shape
 from .errors import UnsupportedError
 from .format import TensorInfo
 from .layers import layer_rank
+from .shard import SKIP, ShardSpec, Slice, byte_ranges
 from .source import Checkpoint
 
 Patterns = str | Sequence[str] | Callable[[str], bool] | None
@@ -27,31 +28,35 @@ class Item:
     """A tensor as it will be delivered: where its bytes are and what torch tensor they become."""
 
     info: TensorInfo
-    shape: tuple[int, ...]  # torch shape (F4 packs two elements per torch element)
+    shape: tuple[int, ...]  # torch shape delivered (F4 packs two elements per torch element)
     stored: torch.dtype  # dtype of the bytes
     out: torch.dtype  # dtype handed to the caller
+    ranges: tuple[tuple[int, int], ...]  # (file offset, length): concatenated, the delivered bytes
+    part: Slice | None = None  # this rank's slice of the full tensor, if sharded
 
     @property
     def name(self) -> str:
         return self.info.name
 
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.ranges)
+
 
 @dataclass(frozen=True)
 class Piece:
-    """`length` bytes of `item` starting at byte `offset` of the tensor, placed at `slot_offset`."""
+    """`length` bytes of `item`, from `file_offset`, that are bytes `offset...` of the delivered
+    tensor, placed at `slot_offset` of a slot."""
 
     item: Item
     offset: int
     length: int
     slot_offset: int
-
-    @property
-    def file_offset(self) -> int:
-        return self.item.info.begin + self.offset
+    file_offset: int
 
     @property
     def last(self) -> bool:
-        return self.offset + self.length == self.item.info.nbytes
+        return self.offset + self.length == self.item.nbytes
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ class Plan:
 
     @property
     def nbytes(self) -> int:
-        return sum(i.info.nbytes for i in self.items)
+        return sum(i.nbytes for i in self.items)
 
 
 def _matcher(patterns: Patterns) -> Callable[[str], bool] | None:
@@ -111,8 +116,10 @@ def make_plan(
     exclude: Patterns = None,
     order: Order = "layer",
     dtype: DTypeOption = None,
+    shard: ShardSpec | None = None,
 ) -> Plan:
-    """Select, order and pack the tensors of `checkpoint` into batches of at most `slot_bytes`."""
+    """Select, order and pack the tensors of `checkpoint` into batches of at most `slot_bytes`;
+    with `shard`, only this rank's part of each tensor (and only its bytes are read)."""
     if order not in ("layer", "file"):
         raise ValueError(f"order must be 'layer' or 'file', not {order!r}")
     if slot_bytes < SLOT_ALIGN or slot_bytes % SLOT_ALIGN:
@@ -127,13 +134,14 @@ def make_plan(
         infos.sort(key=lambda t: (layer_rank(t.name), by_file(t)))
     else:
         infos.sort(key=by_file)
-    items = tuple(_item(t, dtype) for t in infos)
+    spec = shard.resolved() if shard is not None else None
+    items = tuple(item for t in infos if (item := _item(t, dtype, spec)) is not None)
     used = {t.path for t in infos}
     sizes = {f.path: f.size for f in checkpoint.files if f.path in used}
     return Plan(items, tuple(_pack(items, slot_bytes)), sizes)
 
 
-def _item(info: TensorInfo, dtype: DTypeOption) -> Item:
+def _item(info: TensorInfo, dtype: DTypeOption, shard: ShardSpec | None) -> Item | None:
     stored = info.dtype.torch_dtype
     shape = torch_shape(info.dtype, info.shape)
     if stored is None or shape is None:
@@ -141,12 +149,21 @@ def _item(info: TensorInfo, dtype: DTypeOption) -> Item:
             f"{info.path}: tensor {info.name!r}: dtype {info.dtype.name} with shape {list(info.shape)} "
             f"has no torch representation in torch {torch.__version__}"
         )
-    return Item(info, shape, stored, out_dtype(info, stored, dtype))
+    out = out_dtype(info, stored, dtype)
+    part = shard.slice(info.name, shape) if shard is not None else None
+    if part == SKIP:
+        return None
+    if not isinstance(part, Slice):
+        return Item(info, shape, stored, out, ((info.begin, info.nbytes),))
+    ranges = byte_ranges(info.begin, shape, stored.itemsize, part)
+    sliced = (*shape[: part.dim], part.length, *shape[part.dim + 1 :])
+    return Item(info, sliced, stored, out, tuple(r for r in ranges if r[1]), part)
 
 
 def _pack(items: Sequence[Item], slot_bytes: int) -> list[Batch]:
     """Greedy packing in order. A tensor that fits a slot is never split; a larger one is cut into
-    slot-sized pieces on element boundaries (so each piece converts on its own)."""
+    slot-sized pieces on element boundaries (so each piece converts on its own). A sharded tensor's
+    byte ranges are laid out back to back, in the order they make up the rank's slice."""
     batches: list[Batch] = []
     pieces: list[Piece] = []
     used = 0
@@ -158,20 +175,27 @@ def _pack(items: Sequence[Item], slot_bytes: int) -> list[Batch]:
         pieces, used = [], 0
 
     for item in items:
-        size = item.info.nbytes
+        size = item.nbytes
         if _aligned(used) + size > slot_bytes:
             close()
-        step = slot_bytes - slot_bytes % max(1, item.stored.itemsize)
+        width = max(1, item.stored.itemsize)
+        at = _aligned(used)  # an item starts aligned; its ranges follow each other without gaps
         offset = 0
-        while True:
-            length = min(step, size - offset)
-            at = _aligned(used)
-            pieces.append(Piece(item, offset, length, at))
-            used = at + length
-            offset += length
-            if offset >= size:
-                break
-            close()
+        for file_offset, length in item.ranges or ((item.info.begin, 0),):
+            done = 0
+            while True:
+                room = (slot_bytes - at) // width * width
+                if room == 0 and length > done:  # the rest continues in the next slot
+                    close()
+                    at, room = 0, slot_bytes // width * width
+                n = min(room, length - done)
+                pieces.append(Piece(item, offset, n, at, file_offset + done))
+                at += n
+                used = at
+                offset += n
+                done += n
+                if done >= length:
+                    break
     close()
     return batches
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import torch_shape
+from ..format import TensorInfo
 from ..plan import Batch, Item
 from ..read import OpenFiles
 from .base import Assembler, Delivered, convert
@@ -62,14 +64,24 @@ class MappedCPU:
 
 def _view(item: Item, files: OpenFiles) -> torch.Tensor:
     info = item.info
+    shape = torch_shape(info.dtype, info.shape)
+    assert shape is not None  # the plan only admits tensors torch can hold
+    full = _mapped(info, item.stored, shape, files)
+    if item.part is None:
+        return full
+    # A rank's slice: copied out of the full tensor's view, which reads only the slice's pages.
+    return full.narrow(item.part.dim, item.part.start, item.part.length).clone()
+
+
+def _mapped(info: TensorInfo, dtype: torch.dtype, shape: tuple[int, ...], files: OpenFiles) -> torch.Tensor:
     if info.nbytes == 0:
-        return torch.empty(item.shape, dtype=item.stored)
+        return torch.empty(shape, dtype=dtype)
     storage = files.mapping(info.path)
-    size = item.stored.itemsize
+    size = dtype.itemsize
     if info.begin % size:  # the format does not promise alignment: copy such a tensor out
         raw = torch.empty(0, dtype=torch.uint8).set_(storage, info.begin, (info.nbytes,), (1,))
-        return raw.clone().view(item.stored).reshape(item.shape)
-    return torch.empty(0, dtype=item.stored).set_(storage, info.begin // size, item.shape, _strides(item.shape))
+        return raw.clone().view(dtype).reshape(shape)
+    return torch.empty(0, dtype=dtype).set_(storage, info.begin // size, shape, _strides(shape))
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
