@@ -82,8 +82,6 @@ def byte_ranges(begin: int, shape: tuple[int, ...], itemsize: int, part: Slice) 
     outer = math.prod(shape[: part.dim])
     block, stride = part.length * inner, shape[part.dim] * inner
     first = begin + part.start * inner
-    if part.length == shape[part.dim]:  # a world of one: the whole tensor
-        return [(begin, block * outer)]
     if outer == 1:
         return [(first, block)]
     return [(first + k * stride, block) for k in range(outer)]

@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from ..dtypes import torch_shape
 from ..plan import Batch, Item, Piece
 from ..read import OpenFiles
 
@@ -55,18 +56,29 @@ class Assembler:
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             dest = self._partial.pop(item.name, None) if piece.offset else None
             if dest is None:
-                dest = torch.empty(item.shape, dtype=item.out, device=self.device)
+                dest = self._allocate(item)
             self._write(dest, piece, slot[piece.slot_offset : piece.slot_offset + piece.length], non_blocking)
-        if piece.last:
-            return dest
-        self._partial[item.name] = dest
-        return None
+            if not piece.last:
+                self._partial[item.name] = dest
+                return None
+            if item.read_whole:  # the whole tensor was read: keep this rank's part, owned and contiguous
+                assert item.part is not None
+                part = dest.narrow(item.part.dim, item.part.start, item.part.length)
+                dest = part.to(item.out, copy=True, memory_format=torch.contiguous_format)
+        return dest
+
+    def _allocate(self, item: Item) -> torch.Tensor:
+        if item.read_whole:
+            shape = torch_shape(item.info.dtype, item.info.shape)
+            assert shape is not None
+            return torch.empty(shape, dtype=item.stored, device=self.device)
+        return torch.empty(item.shape, dtype=item.out, device=self.device)
 
     @staticmethod
     def _write(dest: torch.Tensor, piece: Piece, src: torch.Tensor, non_blocking: bool) -> None:
         item = piece.item
         if piece.length:
-            if item.out == item.stored:
+            if dest.dtype == item.stored:
                 raw_bytes(dest)[piece.offset : piece.offset + piece.length].copy_(src, non_blocking=non_blocking)
             else:
                 size = item.stored.itemsize

@@ -93,6 +93,10 @@ class Span:
     def length(self) -> int:
         return sum(n for _, n in self.parts)
 
+    @property
+    def end(self) -> int:
+        return self.file_offset + self.length
+
 
 def spans(batch: Batch, chunk_bytes: int) -> Iterable[Span]:
     """The batch's byte ranges, merged where contiguous in a file and cut to at most `chunk_bytes`,
@@ -113,6 +117,20 @@ def spans(batch: Batch, chunk_bytes: int) -> Iterable[Span]:
         end += p.length
     if parts:
         yield from _cut(Span(path, start, tuple(parts)), chunk_bytes)  # type: ignore[arg-type]
+
+
+def span_groups(batch: Batch, chunk_bytes: int) -> list[list[Span]]:
+    """`spans`, gathered into runs of one file of up to `chunk_bytes` together: one job each, so that
+    thousands of small ranges (a rank's columns of a row-split tensor) cost few thread hops."""
+    groups: list[list[Span]] = []
+    size = 0
+    for span in spans(batch, chunk_bytes):
+        if not groups or groups[-1][0].path != span.path or size + span.length > chunk_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(span)
+        size += span.length
+    return groups
 
 
 def _cut(span: Span, chunk_bytes: int) -> Iterable[Span]:

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..plan import Batch
-from .base import Job, OpenFiles, read_error, spans
+from .base import Job, OpenFiles, Span, read_error, span_groups
 
 
 class KvikioReader:
@@ -52,14 +52,16 @@ class KvikioReader:
 
     def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
         assert slot is not None and slot.is_cuda, "the kvikio reader reads into a device slot"
-        jobs: list[Job] = []
-        for span in spans(batch, self.chunk_bytes):
+        return [functools.partial(self._read_group, group, slot) for group in span_groups(batch, self.chunk_bytes)]
+
+    def _read_group(self, group: list[Span], slot: torch.Tensor) -> int:
+        done = 0
+        for span in group:
             file_offset = span.file_offset
             for slot_offset, length in span.parts:
-                dest = slot[slot_offset : slot_offset + length]
-                jobs.append(functools.partial(self._read, span.path, dest, length, file_offset))
+                done += self._read(span.path, slot[slot_offset : slot_offset + length], length, file_offset)
                 file_offset += length
-        return jobs
+        return done
 
     def _read(self, path: Path, dest: torch.Tensor, length: int, file_offset: int) -> int:
         try:

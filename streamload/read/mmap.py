@@ -15,7 +15,7 @@ import os
 import torch
 
 from ..plan import Batch
-from .base import Done, Job, OpenFiles, Span, read_error, spans
+from .base import Done, Job, OpenFiles, Span, read_error, span_groups
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: fault pages in without touching them from user space
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -50,13 +50,18 @@ class MmapReader:
 
     def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
         jobs: list[Job] = []
-        for s in spans(batch, self.chunk_bytes):
-            fd = files.fd(s.path)
-            if _cached(fd, s.file_offset, s.length):  # arrived already: nothing to do, no thread hop
-                jobs.append(Done(s.length))
+        for group in span_groups(batch, self.chunk_bytes):
+            fd = files.fd(group[0].path)
+            start, end = group[0].file_offset, group[-1].end
+            if _cached(fd, start, end - start):  # arrived already: nothing to do, no thread hop
+                jobs.append(Done(sum(s.length for s in group)))
             else:
-                jobs.append(functools.partial(_populate, fd, files.mapping(s.path), s))
+                jobs.append(functools.partial(_populate_all, fd, files.mapping(group[0].path), group))
         return jobs
+
+
+def _populate_all(fd: int, mapping: torch.UntypedStorage, group: list[Span]) -> int:
+    return sum(_populate(fd, mapping, span) for span in group)
 
 
 def _populate(fd: int, mapping: torch.UntypedStorage, span: Span) -> int:

@@ -8,7 +8,7 @@ import os
 import torch
 
 from ..plan import Batch
-from .base import Job, OpenFiles, Span, read_error, spans, writable_bytes
+from .base import Job, OpenFiles, Span, read_error, span_groups, writable_bytes
 
 
 class PosixReader:
@@ -23,7 +23,13 @@ class PosixReader:
     def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
         assert slot is not None, "the posix reader reads into a staging slot"
         view = writable_bytes(slot)
-        return [functools.partial(_read_span, files.fd(s.path), s, view) for s in spans(batch, self.chunk_bytes)]
+        return [
+            functools.partial(_read_spans, files.fd(g[0].path), g, view) for g in span_groups(batch, self.chunk_bytes)
+        ]
+
+
+def _read_spans(fd: int, group: list[Span], slot: memoryview) -> int:
+    return sum(_read_span(fd, span, slot) for span in group)
 
 
 def _read_span(fd: int, span: Span, slot: memoryview) -> int:
