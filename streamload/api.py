@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import warnings
 import weakref
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from pathlib import Path
@@ -183,6 +184,12 @@ class TensorStream:
 
     def __del__(self) -> None:
         if self._portal_cm is not None:
+            warnings.warn(
+                "a streamload stream was left open and is closed by garbage collection; "
+                "use `with streamload.iter(...)` or call close()",
+                ResourceWarning,
+                stacklevel=2,
+            )
             try:
                 self.close()
             except Exception:

@@ -90,10 +90,13 @@ def _from_index(index: Path) -> tuple[list[Path], dict[str, str], Path, dict[str
     ):
         raise SourceError(f"{index}: 'weight_map' must map tensor names to file names")
     shards = sorted(set(weight_map.values()))
+    root = index.parent.resolve()
     for shard in shards:
-        if Path(shard).name != shard:
+        if Path(shard).name != shard or shard in (".", ".."):
             raise SourceError(f"{index}: shard {shard!r} is not a plain file name")
         if not (index.parent / shard).is_file():
             raise MissingFileError(f"{index}: shard {shard} is missing")
+        if (index.parent / shard).resolve().parent != root:  # a symlink pointing out of the checkpoint
+            raise SourceError(f"{index}: shard {shard} links outside the checkpoint's directory")
     meta = doc.get("metadata")
     return [index.parent / s for s in shards], weight_map, index, meta if isinstance(meta, dict) else None

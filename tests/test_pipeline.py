@@ -189,3 +189,13 @@ def test_file_truncated_mid_stream(model: Path, reader: str) -> None:
                 if got == 1:
                     os.truncate(model, 4096)
     assert got < 16
+
+
+def test_abandoned_sync_stream_warns_and_cleans_up(model: Path) -> None:
+    fds = open_fds()
+    stream = streamload.iter(model, device="cpu", **RING)
+    next(stream)
+    with pytest.warns(ResourceWarning, match="left open"):
+        del stream
+        gc.collect()
+    assert open_fds() <= fds

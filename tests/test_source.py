@@ -94,3 +94,15 @@ def test_open_failure_names_file(tmp_path: Path) -> None:
     with pytest.raises(streamload.SourceError, match="cannot open") as info:
         streamload.iter([a / "inner.safetensors"])  # ENOTDIR: opening fails although the name looks fine
     assert "inner.safetensors" in str(info.value)
+
+
+def test_index_shard_symlink_outside_is_rejected(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shard(outside / "secret.safetensors", a=torch.ones(1))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "s1.safetensors").symlink_to(outside / "secret.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors"}}))
+    with pytest.raises(streamload.SourceError, match="links outside"):
+        streamload.iter(model)
