@@ -254,7 +254,7 @@ def _peak_rss() -> int:
 
 
 def evict(files: Iterable[str]) -> None:
-    """Drop the files from the page cache (flushing them first), or all caches where permitted."""
+    """Drop the files from the page cache (flushing them first), so the next read comes from the disk."""
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:

@@ -134,18 +134,9 @@ def _load(path: str, device: str | None, dtype: str | None, reader: str) -> None
     stream = stream_iter(path, device=device, dtype=torch_dtype, reader=reader)  # type: ignore[arg-type]
     s = stream.stats
     if sys.stderr.isatty():
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
+        from .progress import progress_bar
 
-        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TimeRemainingColumn())  # fmt: skip
-        with Progress(*columns, transient=False) as progress, stream:
+        with progress_bar() as progress, stream:
             task = progress.add_task("loading", total=s.bytes_total)
             for _ in stream:
                 progress.update(task, completed=s.bytes_read)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -53,27 +52,11 @@ def write_checkpoint(directory: Path, shape: Shape = Shape(), shards: int = 2) -
     return directory
 
 
-def drop_page_cache(paths: list[Path]) -> None:
-    """Flush and evict the files from the page cache, so the next read comes from the disk."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def run(device: str | None = None, cold: bool = True, keep: Path | None = None) -> None:
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+
+    from .bench import evict
+    from .progress import progress_bar
 
     console = Console()
     with tempfile.TemporaryDirectory(prefix="streamload-demo-") as tmp:
@@ -83,13 +66,11 @@ def run(device: str | None = None, cold: bool = True, keep: Path | None = None) 
             write_checkpoint(directory)
         files = sorted(directory.glob("*.safetensors"))
         if cold:
-            drop_page_cache(files)
+            evict(str(f) for f in files)
         stream = streamload.iter(directory, device=device)
         layer_sizes = Counter(layer.index for name in stream.checkpoint.tensors if (layer := layer_of(name)))
         first_layer: float | None = None
-        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TimeRemainingColumn())  # fmt: skip
-        with Progress(*columns, console=console) as progress:
+        with progress_bar(console=console) as progress:
             task = progress.add_task("streaming", total=stream.stats.bytes_total)
             with stream:
                 for name, _tensor in stream:
