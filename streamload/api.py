@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import builtins
 import logging
 import warnings
 import weakref
@@ -313,4 +312,3 @@ def _route(dev: torch.device, reader: str, tuning: Tuning, first_file: Path | No
 
 
 __all__ = ["TensorStream", "inspect", "iter", "load"]
-_ = builtins  # `iter` shadows the builtin inside this module on purpose

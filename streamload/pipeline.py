@@ -80,7 +80,6 @@ async def open_pipeline(
     Leaving the block early cancels reads, waits for reader threads to finish their current request,
     closes the files and drops the staging memory.
     """
-    tuning.check()
     files = OpenFiles(plan.file_sizes)
     pool = ReaderPool(tuning.threads, stats.add_read)
     body_error: Exception | None = None
