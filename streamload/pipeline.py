@@ -40,7 +40,7 @@ class Tuning:
     slots: int = 4  # ring slots: reads of up to `slots` batches are in flight
     threads: int = 8  # reader threads
     chunk_bytes: int = 8 * MiB  # the most one read request asks for
-    buffer: int = 32  # tensors made but not yet taken by the consumer
+    buffer: int = 16  # tensors made but not yet taken by the consumer (memory beyond the ring)
 
     @property
     def slot_bytes(self) -> int:
