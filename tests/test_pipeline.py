@@ -199,3 +199,24 @@ def test_abandoned_sync_stream_warns_and_cleans_up(model: Path) -> None:
         del stream
         gc.collect()
     assert open_fds() <= fds
+
+
+def test_out_of_memory_allocating_a_tensor(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamload.device import base
+
+    real, calls = base.Assembler._allocate, 0
+
+    def failing(self, item):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            raise torch.OutOfMemoryError("CPU out of memory (injected)")
+        return real(self, item)
+
+    monkeypatch.setattr(base.Assembler, "_allocate", failing)
+    fds, threads = open_fds(), own_threads()
+    with pytest.raises(streamload.StreamloadError, match="out of memory") as info:
+        streamload.load(model, device="cpu", reader="posix", **RING)
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError) and str(model) in str(info.value)
+    gc.collect()
+    assert open_fds() <= fds and own_threads() <= threads
