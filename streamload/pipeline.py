@@ -2,8 +2,8 @@
 
 A filler task takes a free slot from the ring (this is the backpressure), starts the reader's jobs for
 the next batch on reader threads and queues the batch; the instantiator takes batches in plan order,
-waits for their bytes, turns them into tensors on a worker thread, returns the slot to the ring and
-sends the tensors to the consumer. Reads of later batches run while earlier ones are instantiated.
+waits for their bytes, turns them into tensors (on a worker thread unless that is cheap: views),
+returns the slot to the ring and sends the tensors to the consumer. Reads of later batches run while earlier ones are instantiated.
 """
 
 from __future__ import annotations
@@ -49,11 +49,13 @@ class Tuning:
     def check(self) -> None:
         if self.slots < 1 or self.threads < 1 or self.buffer < 0:
             raise ValueError("slots and threads must be >= 1, buffer >= 0")
-        if self.slot_bytes < 4096 or self.chunk_bytes < 4096:
+        if self.slot_bytes < 4096:
             raise ValueError(
                 f"ring of {self.ring_bytes} bytes in {self.slots} slots gives slots under 4 KiB; "
                 "make the ring larger or the slots fewer"
             )
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes must be at least 4096, not {self.chunk_bytes}")
 
 
 @dataclass
