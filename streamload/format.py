@@ -6,6 +6,7 @@ The layout: 8 bytes little-endian N, N bytes of UTF-8 JSON, then the data sectio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -50,6 +51,7 @@ class FileHeader:
     data_start: int
     tensors: tuple[TensorInfo, ...]  # in file order
     metadata: dict[str, str] | None
+    identity: tuple[int, ...] = ()  # (device, inode, size, mtime) when read: reads check it is the same file
 
 
 def open_regular(path: Path) -> int:
@@ -78,7 +80,8 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
     path = Path(path)
     fd = open_regular(path)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size, identity = st.st_size, file_identity(st)
         head = _pread_exact(fd, path, min(size, _FIRST_READ), 0)
         if size < 8:
             raise HeaderError(f"{path}: file is {size} bytes, too short for a safetensors header")
@@ -91,7 +94,11 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
             head += _pread_exact(fd, path, 8 + n - len(head), len(head))
     finally:
         os.close(fd)
-    return parse_header(path, size, head[8 : 8 + n])
+    return dataclasses.replace(parse_header(path, size, head[8 : 8 + n]), identity=identity)
+
+
+def file_identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _pread_exact(fd: int, path: Path, count: int, offset: int) -> bytes:

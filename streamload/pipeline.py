@@ -3,7 +3,8 @@
 A filler task takes a free slot from the ring (this is the backpressure), starts the reader's jobs for
 the next batch on reader threads and queues the batch; the instantiator takes batches in plan order,
 waits for their bytes, turns them into tensors (on a worker thread unless that is cheap: views),
-returns the slot to the ring and sends the tensors to the consumer. Reads of later batches run while earlier ones are instantiated.
+returns the slot to the ring and sends the tensors to the consumer. Reads of later batches run while
+earlier ones are instantiated.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ async def open_pipeline(
     Leaving the block early cancels reads, waits for reader threads to finish their current request,
     closes the files and drops the staging memory.
     """
-    files = OpenFiles(plan.file_sizes)
+    files = OpenFiles(plan.files)
     pool = ReaderPool(tuning.threads, stats.add_read)
     body_error: Exception | None = None
     try:

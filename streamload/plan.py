@@ -13,7 +13,7 @@ import torch
 
 from .dtypes import torch_shape
 from .errors import UnsupportedError
-from .format import TensorInfo
+from .format import FileHeader, TensorInfo
 from .layers import layer_rank
 from .shard import SKIP, ShardSpec, Slice, byte_ranges
 from .source import Checkpoint
@@ -78,7 +78,7 @@ class Batch:
 class Plan:
     items: tuple[Item, ...]
     batches: tuple[Batch, ...]
-    file_sizes: dict[Path, int]  # the files the selected tensors come from
+    files: dict[Path, FileHeader]  # the files the selected tensors come from
 
     @property
     def nbytes(self) -> int:
@@ -140,8 +140,8 @@ def make_plan(
     spec = shard.resolved() if shard is not None else None
     items = tuple(item for t in infos if (item := _item(t, dtype, spec)) is not None)
     used = {t.path for t in infos}
-    sizes = {f.path: f.size for f in checkpoint.files if f.path in used}
-    return Plan(items, tuple(_pack(items, slot_bytes)), sizes)
+    files = {f.path: f for f in checkpoint.files if f.path in used}
+    return Plan(items, tuple(_pack(items, slot_bytes)), files)
 
 
 def _item(info: TensorInfo, dtype: DTypeOption, shard: ShardSpec | None) -> Item | None:

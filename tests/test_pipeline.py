@@ -220,3 +220,16 @@ def test_out_of_memory_allocating_a_tensor(model: Path, monkeypatch: pytest.Monk
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError) and str(model) in str(info.value)
     gc.collect()
     assert open_fds() <= fds and own_threads() <= threads
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+def test_file_replaced_after_its_header_was_read(model: Path, tmp_path: Path, reader: str) -> None:
+    stream = streamload.iter(model, device="cpu", reader=reader, **RING)
+    other = tmp_path / "other.safetensors"
+    g = torch.Generator().manual_seed(9)
+    save_file({f"model.layers.{i}.w": torch.randn(128, 256, generator=g) for i in range(16)}, other)
+    assert other.stat().st_size == model.stat().st_size  # same size: only the identity check can tell
+    os.replace(other, model)
+    with pytest.raises(streamload.ReadError, match="replaced or modified"):
+        with stream:
+            list(stream)

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from ..errors import ReadError
-from ..format import open_regular
+from ..format import FileHeader, file_identity, open_regular
 from ..plan import Batch
 
 Job = Callable[[], int]  # blocking; runs on a reader thread; returns the bytes it brought in
@@ -47,17 +47,19 @@ class OpenFiles:
     Closing drops the descriptors; a mapping stays alive as long as a tensor viewing it does.
     """
 
-    def __init__(self, sizes: dict[Path, int]) -> None:
-        self._sizes = sizes
+    def __init__(self, headers: dict[Path, FileHeader]) -> None:
+        self._headers = headers
         self._fds: dict[Path, int] = {}
         self._maps: dict[Path, torch.UntypedStorage] = {}
         self._lock = threading.Lock()
         try:
-            for path, size in sizes.items():
+            for path, header in headers.items():
                 self._fds[path] = fd = open_regular(path)
-                now = os.fstat(fd).st_size
-                if now != size:
-                    raise ReadError(f"{path}: file is now {now} bytes, not the {size} its header was read from")
+                st = os.fstat(fd)
+                if st.st_size != header.size:
+                    raise ReadError(f"{path}: file is now {st.st_size} bytes, not the {header.size} its header said")
+                if header.identity and file_identity(st) != header.identity:
+                    raise ReadError(f"{path}: file was replaced or modified after its header was read")
         except BaseException:
             self.close()
             raise
@@ -70,7 +72,12 @@ class OpenFiles:
             storage = self._maps.get(path)
             if storage is None:
                 # shared=False: MAP_PRIVATE, so writes to a tensor never reach the file (copy on write).
-                storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=self._sizes[path])
+                # Mapped through our descriptor, not the name: the very file whose header was read.
+                name = f"/proc/self/fd/{self._fds[path]}"
+                if not os.path.exists(name):  # no /proc: the name it is
+                    name = str(path)
+                size = self._headers[path].size
+                storage = torch.UntypedStorage.from_file(name, shared=False, nbytes=size)
                 self._maps[path] = storage
             return storage
 
