@@ -36,7 +36,6 @@ class Loader:
     name: str
     needs: str | None  # module that must be importable, else the loader is skipped with a note
     devices: tuple[str, ...]  # device types it runs on
-    ceiling: bool = False
 
 
 LOADERS = [
@@ -49,9 +48,9 @@ LOADERS = [
     Loader("fastsafetensors-gds", "fastsafetensors", ("cuda",)),
     Loader("runai", "runai_model_streamer", ("cpu", "cuda")),
     Loader("instanttensor", "instanttensor", ("cuda",)),
-    Loader("ceiling-read", None, ("cpu", "cuda"), ceiling=True),
-    Loader("ceiling-odirect", None, ("cpu", "cuda"), ceiling=True),
-    Loader("ceiling-h2d", None, ("cuda",), ceiling=True),
+    Loader("ceiling-read", None, ("cpu", "cuda")),
+    Loader("ceiling-odirect", None, ("cpu", "cuda")),
+    Loader("ceiling-h2d", None, ("cuda",)),
 ]
 
 

@@ -1,7 +1,7 @@
 """Readers: they fill bytes (into staging slots, or into the page tables of a file mapping)."""
 
-from .base import Job, OpenFiles, Reader, spans
+from .base import Job, OpenFiles, Reader
 from .mmap import MmapReader
 from .posix import PosixReader
 
-__all__ = ["Job", "MmapReader", "OpenFiles", "PosixReader", "Reader", "spans"]
+__all__ = ["Job", "MmapReader", "OpenFiles", "PosixReader", "Reader"]
