@@ -17,7 +17,6 @@ about as long as loading them.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 import streamload
+from streamload.bench import evict
 
 
 class Block(nn.Module):
@@ -52,14 +52,6 @@ class Model(nn.Module):
         self.layers = nn.ModuleList(Block(d, ffn) for _ in range(layers))
         self.norm = nn.RMSNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
-
-
-def evict(directory: Path) -> None:
-    for f in directory.glob("*.safetensors"):
-        fd = os.open(f, os.O_RDONLY)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 def main() -> None:
@@ -102,7 +94,7 @@ def main() -> None:
         # Calibrate (after one untimed round of each): warm-up passes so that warming all layers
         # takes about as long as a cold load.
         for _ in range(2):
-            evict(directory)
+            evict(str(f) for f in directory.glob("*.safetensors"))
             t = time.perf_counter()
             model = fresh()
             streamload.load_into(model, directory, device=device)
@@ -120,7 +112,7 @@ def main() -> None:
 
         sequential, overlapped, first_layer = [], [], []
         for _ in range(args.runs):
-            evict(directory)
+            evict(str(f) for f in directory.glob("*.safetensors"))
             t = time.perf_counter()
             model = fresh()
             streamload.load_into(model, directory, device=device)
@@ -128,7 +120,7 @@ def main() -> None:
                 warm_up(f"layers.{i}", layer)
             sequential.append(time.perf_counter() - t)
 
-            evict(directory)
+            evict(str(f) for f in directory.glob("*.safetensors"))
             t = time.perf_counter()
             model = fresh()
             seen: list[float] = []

@@ -225,15 +225,15 @@ def iter(
 ) -> TensorStream:
     """Stream the tensors of a safetensors checkpoint, each as soon as its bytes are in.
 
-        `source` is a file, a directory (its `model.safetensors.index.json` when present) or a list of files.
-        `dtype` converts floating-point tensors (a dtype, or {fnmatch pattern: dtype}); `include` /
-        `exclude` select tensors by pattern or predicate, and unselected bytes are never read. `order`
-        is "layer" (layer i before layer i+1 across all files) or "file". `shard` (a `ShardSpec`) keeps
+    `source` is a file, a directory (its `model.safetensors.index.json` when present) or a list of files.
+    `dtype` converts floating-point tensors (a dtype, or {fnmatch pattern: dtype}); `include` /
+    `exclude` select tensors by pattern or predicate, and unselected bytes are never read. `order`
+    is "layer" (layer i before layer i+1 across all files) or "file". `shard` (a `ShardSpec`) keeps
     only this rank's part of each tensor, and reads only the bytes of that part.
 
-        >>> import streamload
-        >>> for name, t in streamload.iter("model.safetensors", device="cpu"):  # doctest: +SKIP
-        ...     print(name, t.shape)
+    >>> import streamload
+    >>> for name, t in streamload.iter("model.safetensors", device="cpu"):  # doctest: +SKIP
+    ...     print(name, t.shape)
     """
     tuning = Tuning(ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes)
     tuning.check()

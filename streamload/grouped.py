@@ -13,6 +13,7 @@ from .api import TensorStream
 from .api import iter as stream_tensors
 from .layers import group_of
 from .source import Source
+from .stats import Stats
 
 Group = tuple[str, dict[str, torch.Tensor]]
 
@@ -28,7 +29,7 @@ class LayerStream:
         self._partial: dict[str, dict[str, torch.Tensor]] = {}
 
     @property
-    def stats(self):  # type: ignore[no-untyped-def]
+    def stats(self) -> Stats:
         return self.stream.stats
 
     @property

@@ -156,6 +156,10 @@ def read_error(path: Path, offset: int, why: str) -> ReadError:
     return ReadError(f"{path}: reading at offset {offset} failed: {why}")
 
 
+def eof_error(path: Path, offset: int) -> ReadError:
+    return read_error(path, offset, "unexpected end of file (truncated since its header was read?)")
+
+
 def writable_bytes(t: torch.Tensor) -> memoryview:
     """A writable memoryview of a contiguous host tensor's bytes (without needing numpy)."""
     n = t.numel() * t.element_size()

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..plan import Batch
-from .base import Job, OpenFiles, Span, read_error, span_groups
+from .base import Job, OpenFiles, Span, eof_error, read_error, span_groups
 
 
 class KvikioReader:
@@ -69,7 +69,7 @@ class KvikioReader:
         except Exception as exc:
             raise read_error(path, file_offset, f"kvikio: {exc}") from exc
         if n != length:
-            raise read_error(path, file_offset + n, "unexpected end of file (truncated since its header was read?)")
+            raise eof_error(path, file_offset + n)
         return n
 
     def _handle(self, path: Path) -> Any:

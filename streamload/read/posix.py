@@ -8,7 +8,7 @@ import os
 import torch
 
 from ..plan import Batch
-from .base import Job, OpenFiles, Span, read_error, span_groups, writable_bytes
+from .base import Job, OpenFiles, Span, eof_error, read_error, span_groups, writable_bytes
 
 
 class PosixReader:
@@ -41,7 +41,7 @@ def _read_span(fd: int, span: Span, slot: memoryview) -> int:
         except OSError as exc:
             raise read_error(span.path, offset, exc.strerror or str(exc)) from exc
         if n == 0:
-            raise read_error(span.path, offset, "unexpected end of file (truncated since its header was read?)")
+            raise eof_error(span.path, offset)
         done += n
         offset += n
         buffers = _advance(buffers, n)
