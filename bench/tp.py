@@ -2,7 +2,9 @@
 
 Each rank is its own process in a gloo process group and loads its shard of the checkpoint with
 Megatron-style rules (q/k/v/gate/up and the embeddings split on dim 0, o/down on dim 1, norms
-replicated), from a cold page cache, touching every page of what it gets.
+replicated), from a cold page cache, touching every page of what it gets: first each rank alone
+(every rank reads what it keeps, replicated tensors included), then cooperatively (ranks divide the
+reads of what several of them need whole and all-gather it), alternating run by run.
 
     python bench/make_checkpoint.py /tmp/streamload-bench
     python bench/tp.py /tmp/streamload-bench --runs 3
@@ -18,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -33,12 +36,12 @@ RULES = {
 }  # fmt: skip
 
 
-def rank_main(rank: int, world: int, path: str, out: str) -> None:
+def rank_main(rank: int, world: int, path: str, out: str, cooperative: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=world)
     try:
         dist.barrier()
         start = time.perf_counter()
-        with streamload.iter(path, device="cpu", shard=ShardSpec(RULES)) as stream:
+        with streamload.iter(path, device="cpu", shard=ShardSpec(RULES), cooperative=cooperative) as stream:
             kept = []
             for _name, t in stream:
                 _touch(t)
@@ -52,6 +55,29 @@ def rank_main(rank: int, world: int, path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+def exchange_main(rank: int, world: int, out: str, slot_bytes: int) -> None:
+    """The exchange's own ceiling: all-gathers of one slot's bytes, as the cooperative load makes."""
+    dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=world)
+    try:
+        part = -(-slot_bytes // world)
+        buf = torch.zeros(part * world, dtype=torch.uint8)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(buf, buf[rank * part : (rank + 1) * part])
+        start, n = time.perf_counter(), 8
+        for _ in range(n):
+            gather(buf, buf[rank * part : (rank + 1) * part])
+        if rank == 0:
+            Path(out, "gbps").write_text(str(n * slot_bytes / (time.perf_counter() - start) / 1e9))
+    finally:
+        dist.destroy_process_group()
+
+
+def exchange_gbps(world: int, slot_bytes: int) -> float:
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(exchange_main, args=(world, out, slot_bytes), nprocs=world, start_method="spawn")
+        return float(Path(out, "gbps").read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path")
@@ -61,19 +87,35 @@ def main() -> None:
     files = [str(f.path) for f in streamload.inspect(args.path).files]
     total = sum(os.path.getsize(f) for f in files)
     print(f"{total / 1e9:.2f} GB, cold page cache, median of {args.runs} runs\n")
-    print("| ranks | bytes read per rank (mean) | of checkpoint | slowest rank | GB/s, all ranks together |")
-    print("|---|---|---|---|---|")
+    print("| ranks | mode | bytes read per rank (mean) | all ranks together | slowest rank | vs. alone |")
+    print("|---|---|---|---|---|---|")
+    ceilings: list[str] = []
     for world in args.worlds:
-        slowest, per_rank = [], []
+        modes = (False, True) if world > 1 else (False,)
+        slowest: dict[bool, list[float]] = {m: [] for m in modes}
+        per_rank: dict[bool, list[float]] = {m: [] for m in modes}
         for _ in range(args.runs):
-            evict(files)
-            with tempfile.TemporaryDirectory() as out:
-                mp.start_processes(rank_main, args=(world, args.path, out), nprocs=world, start_method="spawn")
-                results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
-            slowest.append(max(r["seconds"] for r in results))
-            per_rank.append(statistics.mean(r["bytes_read"] for r in results))
-        s, b = statistics.median(slowest), statistics.median(per_rank)
-        print(f"| {world} | {b / 1e9:.3f} GB | {b / total:.0%} | {s:.3f} s | {b * world / s / 1e9:.2f} |")
+            for cooperative in modes:  # alternating: the machine's drift hits both alike
+                evict(files)
+                with tempfile.TemporaryDirectory() as out:
+                    mp.start_processes(
+                        rank_main, args=(world, args.path, out, cooperative), nprocs=world, start_method="spawn"
+                    )
+                    results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+                slowest[cooperative].append(max(r["seconds"] for r in results))
+                per_rank[cooperative].append(statistics.mean(r["bytes_read"] for r in results))
+        alone = statistics.median(slowest[False])
+        if world > 1:
+            slot = streamload.api.Tuning().slot_bytes
+            ceilings.append(f"{world} ranks: {exchange_gbps(world, slot):.2f} GB/s of slot bytes")
+        for cooperative in modes:
+            s, b = statistics.median(slowest[cooperative]), statistics.median(per_rank[cooperative])
+            mode = "cooperative" if cooperative else "alone"
+            print(
+                f"| {world} | {mode} | {b / 1e9:.3f} GB ({b / total:.0%}) | {b * world / total:.2f}x checkpoint "
+                f"| {s:.3f} s | {alone / s:.2f}x |"
+            )
+    print(f"\nexchange ceiling (gloo all-gather of one slot, warm): {'; '.join(ceilings)}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 import weakref
@@ -17,6 +18,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from .device import Delivered, Device, MappedCPU, StagedCPU
 from .device.cuda import CudaDevice
 from .errors import StreamloadError, UnsupportedError
+from .exchange import Exchange
 from .pipeline import Receiver, Tuning, next_tensor, open_pipeline, ready_tensor
 from .plan import DTypeOption, Order, Patterns, Plan, make_plan
 from .read import MmapReader, PosixReader, Reader
@@ -43,13 +45,21 @@ class TensorStream:
     Every tensor handed out is owned by the caller: the loader never writes to it again.
     """
 
-    def __init__(self, checkpoint: Checkpoint, plan: Plan, reader: Reader, device: Device, tuning: Tuning) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        plan: Plan,
+        reader: Reader,
+        device: Device,
+        tuning: Tuning,
+        exchange: Exchange | None = None,
+    ) -> None:
         self.checkpoint = checkpoint
         self.stats = Stats(
             bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=reader.name, device=device.name
         )
         self.plan = plan
-        self._reader, self._device, self._tuning = reader, device, tuning
+        self._reader, self._device, self._tuning, self._exchange = reader, device, tuning, exchange
         self._mode: Literal["async", "sync", "done"] | None = None
         self._receive: Receiver | None = None
         self._core: AbstractAsyncContextManager[Receiver] | None = None
@@ -65,7 +75,7 @@ class TensorStream:
         return self.checkpoint.metadata
 
     def _pipeline(self) -> AbstractAsyncContextManager[Receiver]:
-        return open_pipeline(self.plan, self._reader, self._device, self._tuning, self.stats)
+        return open_pipeline(self.plan, self._reader, self._device, self._tuning, self.stats, self._exchange)
 
     def _claim(self, mode: Literal["async", "sync"]) -> None:
         self._check_not_done()
@@ -222,6 +232,7 @@ def iter(
     threads: int = Tuning.threads,
     chunk_bytes: int = Tuning.chunk_bytes,
     shard: ShardSpec | None = None,
+    cooperative: bool | Any = False,
 ) -> TensorStream:
     """Stream the tensors of a safetensors checkpoint, each as soon as its bytes are in.
 
@@ -230,6 +241,11 @@ def iter(
     `exclude` select tensors by pattern or predicate, and unselected bytes are never read. `order`
     is "layer" (layer i before layer i+1 across all files) or "file". `shard` (a `ShardSpec`) keeps
     only this rank's part of each tensor, and reads only the bytes of that part.
+
+    `cooperative=True` (or a `torch.distributed` process group; True: the default group) is for ranks
+    on shared storage: what several ranks read whole (replicated tensors, whole-read slices), each
+    reads a share of and gets the rest from the others by all-gather, so storage sees each byte once.
+    Every rank of the group must call `iter` alike and consume the stream to its end.
 
     >>> import streamload
     >>> for name, t in streamload.iter("model.safetensors", device="cpu"):  # doctest: +SKIP
@@ -240,8 +256,13 @@ def iter(
     dev = torch.device(device) if device is not None else _default_device()
     checkpoint = open_checkpoint(source)
     first = checkpoint.files[0].path if checkpoint.files else None
-    read, make = _route(dev, reader, tuning, first)
+    exchange = _exchange(cooperative, dev)
+    read, make = _route(dev, reader, tuning, first, exchange)
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
+    share = None
+    if exchange is not None:
+        layout = f"{tuning.slot_bytes}/{order}"
+        share = functools.partial(exchange.agree, checkpoint, layout=layout)
     plan = make_plan(
         checkpoint,
         slot_bytes=tuning.slot_bytes,
@@ -250,8 +271,9 @@ def iter(
         order=order,
         dtype=dtype,
         shard=shard,
+        share=share,
     )
-    return TensorStream(checkpoint, plan, read, make, tuning)
+    return TensorStream(checkpoint, plan, read, make, tuning, exchange)
 
 
 def load(source: Source, **options: Any) -> dict[str, torch.Tensor]:
@@ -276,9 +298,26 @@ def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _route(dev: torch.device, reader: str, tuning: Tuning, first_file: Path | None) -> tuple[Reader, Device]:
+def _exchange(cooperative: bool | Any, dev: torch.device) -> Exchange | None:
+    if cooperative is False or cooperative is None:
+        return None
+    exchange = Exchange(None if cooperative is True else cooperative, dev)
+    return exchange if exchange.world > 1 else None  # alone, there is nothing to divide
+
+
+def _route(
+    dev: torch.device, reader: str, tuning: Tuning, first_file: Path | None, exchange: Exchange | None = None
+) -> tuple[Reader, Device]:
     if reader not in ("auto", "mmap", "posix", "kvikio"):
         raise ValueError(f"reader must be 'auto', 'mmap', 'posix' or 'kvikio', not {reader!r}")
+    if exchange is not None and not exchange.on_device:
+        # The exchange moves bytes between staging slots in host memory.
+        if reader in ("mmap", "kvikio"):
+            raise UnsupportedError(
+                f"cooperative loading over a {'gloo' if dev.type == 'cpu' else 'host-memory'} process group "
+                f"reads into host staging slots: use reader='posix' or 'auto', not {reader!r}"
+            )
+        reader = "posix"
     if dev.type == "cpu":
         if reader == "kvikio":
             raise UnsupportedError("the kvikio reader reads into GPU memory: use it with device='cuda'")

@@ -22,6 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .device import Delivered, Device
 from .errors import StreamloadError
+from .exchange import Exchange
 from .plan import Batch, Plan
 from .read import OpenFiles, Reader
 from .read.pool import ReaderPool
@@ -76,9 +77,10 @@ Receiver = MemoryObjectReceiveStream["Delivered | _Failure"]
 
 @asynccontextmanager
 async def open_pipeline(
-    plan: Plan, reader: Reader, device: Device, tuning: Tuning, stats: Stats
+    plan: Plan, reader: Reader, device: Device, tuning: Tuning, stats: Stats, exchange: Exchange | None = None
 ) -> AsyncIterator[Receiver]:
     """Run the pipeline for as long as the block runs; yields the stream the tensors arrive on.
+    With `exchange`, shared batches are read in part and completed by the other ranks.
 
     Leaving the block early cancels reads, waits for reader threads to finish their current request,
     closes the files and drops the staging memory.
@@ -90,7 +92,7 @@ async def open_pipeline(
         send, receive = create_memory_object_stream["Delivered | _Failure"](tuning.buffer)
         async with create_task_group() as tg:
             stats.start()
-            tg.start_soon(_Stages(plan, reader, device, files, pool, tuning).report, send)
+            tg.start_soon(_Stages(plan, reader, device, files, pool, tuning, exchange).report, send)
             try:
                 with receive:
                     yield receive
@@ -106,6 +108,8 @@ async def open_pipeline(
         reader.close()
         files.close()
         device.close()
+        if exchange is not None:
+            exchange.close()
 
 
 async def next_tensor(receive: Receiver, stats: Stats) -> Delivered | None:
@@ -143,6 +147,7 @@ class _Stages:
     files: OpenFiles
     pool: ReaderPool
     tuning: Tuning
+    exchange: Exchange | None
 
     async def report(self, send: MemoryObjectSendStream[Delivered | _Failure]) -> None:
         """Run the stages; an error in any of them goes to the consumer as the next item."""
@@ -165,13 +170,17 @@ class _Stages:
             t = self.tuning
             nslots = min(nslots, 1 + -(-t.threads * t.chunk_bytes // t.slot_bytes))
         free_send, free_receive = create_memory_object_stream[torch.Tensor | None](nslots)
+        extra = self.exchange.padding if self.exchange is not None else 0
         for _ in range(nslots):
-            free_send.send_nowait(device.new_slot(self.tuning.slot_bytes))
+            free_send.send_nowait(device.new_slot(self.tuning.slot_bytes + extra))
         filled_send, filled_receive = create_memory_object_stream[_Filling](nslots)
 
         async def read(filling: _Filling) -> None:
+            batch = filling.batch
+            if batch.shared and self.exchange is not None:
+                batch = self.exchange.own_part(batch)
             try:
-                await pool.run_async(self.reader.jobs(filling.batch, filling.slot, self.files))
+                await pool.run_async(self.reader.jobs(batch, filling.slot, self.files))
             except BaseException:
                 pool.stop()  # the stream fails: later requests need not run
                 raise
@@ -188,18 +197,21 @@ class _Stages:
             tg.start_soon(fill, tg)
             async for filling in filled_receive:
                 await filling.done.wait()
-                if device.cheap(filling.batch):
-                    made = _instantiate(device, filling, self.files)
+                if device.cheap(filling.batch) and not filling.batch.shared:
+                    made = _instantiate(device, filling, self.files, self.exchange)
                 else:
-                    made = await to_thread.run_sync(_instantiate, device, filling, self.files)
+                    made = await to_thread.run_sync(_instantiate, device, filling, self.files, self.exchange)
                 free_send.send_nowait(filling.slot)
                 for delivered in made:
                     await send.send(delivered)
 
 
-def _instantiate(device: Device, filling: _Filling, files: OpenFiles) -> list[Delivered]:
+def _instantiate(device: Device, filling: _Filling, files: OpenFiles, exchange: Exchange | None) -> list[Delivered]:
+    slot = filling.slot
+    if filling.batch.shared and exchange is not None and slot is not None:
+        slot = exchange.gather(filling.batch, slot)  # a collective: in plan order on every rank
     try:
-        return device.instantiate(filling.batch, filling.slot, files)
+        return device.instantiate(filling.batch, slot, files)
     except Exception as exc:
         names = ", ".join(repr(p.item.name) for p in filling.batch.pieces[:3])
         paths = sorted({str(p.item.info.path) for p in filling.batch.pieces})

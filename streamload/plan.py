@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -21,6 +22,7 @@ from .source import Checkpoint
 Patterns = str | Sequence[str] | Callable[[str], bool] | None
 DTypeOption = torch.dtype | Mapping[str, torch.dtype | None] | None
 Order = Literal["layer", "file"]
+Share = Callable[[Sequence["Item"]], Collection[str]]  # which of these whole-tensor reads all ranks share
 MIN_STRIDED_READ = 1 << 20  # strided slices with smaller blocks are read as whole tensors
 SLOT_ALIGN = 64  # each piece starts 64-byte aligned in its slot, so any dtype view of it is legal
 
@@ -64,14 +66,31 @@ class Piece:
 
 @dataclass(frozen=True)
 class Batch:
-    """The pieces read into one slot together."""
+    """The pieces read into one slot together. A shared batch holds bytes every rank of a cooperative
+    load needs: each rank reads a part of it and the ranks exchange the rest (see exchange.py)."""
 
     index: int
     pieces: tuple[Piece, ...]
+    shared: bool = False
 
     @property
     def nbytes(self) -> int:
         return sum(p.length for p in self.pieces)
+
+    @property
+    def extent(self) -> int:
+        """Bytes of the slot the batch spans (pieces and the alignment gaps between them)."""
+        return max((p.slot_offset + p.length for p in self.pieces), default=0)
+
+    def window(self, lo: int, hi: int) -> Batch:
+        """The part of this batch that lands in slot bytes [lo, hi)."""
+        pieces = []
+        for p in self.pieces:
+            start, end = max(lo, p.slot_offset), min(hi, p.slot_offset + p.length)
+            if start < end:
+                d = start - p.slot_offset
+                pieces.append(Piece(p.item, p.offset + d, end - start, start, p.file_offset + d))
+        return Batch(self.index, tuple(pieces), self.shared)
 
 
 @dataclass(frozen=True)
@@ -120,9 +139,14 @@ def make_plan(
     order: Order = "layer",
     dtype: DTypeOption = None,
     shard: ShardSpec | None = None,
+    share: Share | None = None,
 ) -> Plan:
     """Select, order and pack the tensors of `checkpoint` into batches of at most `slot_bytes`;
-    with `shard`, only this rank's part of each tensor (and only its bytes are read)."""
+    with `shard`, only this rank's part of each tensor (and only its bytes are read).
+
+    `share` (cooperative loading) is asked which whole-tensor reads every rank makes; those are
+    packed into shared batches of their own, laid out alike on every rank whatever else a rank reads.
+    """
     if order not in ("layer", "file"):
         raise ValueError(f"order must be 'layer' or 'file', not {order!r}")
     if slot_bytes < SLOT_ALIGN or slot_bytes % SLOT_ALIGN:
@@ -141,7 +165,15 @@ def make_plan(
     items = tuple(item for t in infos if (item := _item(t, dtype, spec)) is not None)
     used = {t.path for t in infos}
     files = {f.path: f for f in checkpoint.files if f.path in used}
-    return Plan(items, tuple(_pack(items, slot_bytes)), files)
+    if share is None:
+        return Plan(items, tuple(_pack(items, slot_bytes)), files)
+    agreed = set(share([i for i in items if i.part is None or i.read_whole]))
+    shared = _pack([i for i in items if i.name in agreed], slot_bytes, shared=True)
+    local = _pack([i for i in items if i.name not in agreed], slot_bytes)
+    # Delivered in the order of their first tensors: layer by layer, whichever kind a batch is.
+    position = {item.name: k for k, item in enumerate(items)}
+    merged = sorted(shared + local, key=lambda b: position[b.pieces[0].item.name])
+    return Plan(items, tuple(Batch(k, b.pieces, b.shared) for k, b in enumerate(merged)), files)
 
 
 def _item(info: TensorInfo, dtype: DTypeOption, shard: ShardSpec | None) -> Item | None:
@@ -160,14 +192,18 @@ def _item(info: TensorInfo, dtype: DTypeOption, shard: ShardSpec | None) -> Item
         return Item(info, shape, stored, out, ((info.begin, info.nbytes),))
     ranges = byte_ranges(info.begin, shape, stored.itemsize, part)
     sliced = (*shape[: part.dim], part.length, *shape[part.dim + 1 :])
-    if len(ranges) > 1 and ranges[0][1] < MIN_STRIDED_READ:
+    # Decided on the widest rank's block, so every rank decides alike (cooperative loads rely on it).
+    assert shard is not None and shard.world_size is not None
+    widest = -(-shape[part.dim] // shard.world_size)
+    block = widest * math.prod(shape[part.dim + 1 :]) * stored.itemsize
+    if len(ranges) > 1 and block < MIN_STRIDED_READ:
         # Many small strided pieces: whole rows (the whole tensor) read in one go are cheaper than
         # scattered small reads (measured: ~4x faster cold for a rank's columns of o_proj/down_proj).
         return Item(info, sliced, stored, out, ((info.begin, info.nbytes),), part, read_whole=True)
     return Item(info, sliced, stored, out, tuple(r for r in ranges if r[1]), part)
 
 
-def _pack(items: Sequence[Item], slot_bytes: int) -> list[Batch]:
+def _pack(items: Sequence[Item], slot_bytes: int, shared: bool = False) -> list[Batch]:
     """Greedy packing in order. A tensor that fits a slot is never split; a larger one is cut into
     slot-sized pieces on element boundaries (so each piece converts on its own). A sharded tensor's
     byte ranges are laid out back to back, in the order they make up the rank's slice."""
@@ -178,7 +214,7 @@ def _pack(items: Sequence[Item], slot_bytes: int) -> list[Batch]:
     def close() -> None:
         nonlocal pieces, used
         if pieces:
-            batches.append(Batch(len(batches), tuple(pieces)))
+            batches.append(Batch(len(batches), tuple(pieces), shared))
         pieces, used = [], 0
 
     for item in items:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +18,8 @@ from safetensors.torch import load_file, save_file
 
 import streamload
 from streamload import ShardSpec
+from streamload.layers import layer_rank
+from streamload.plan import Plan, make_plan
 
 from .conftest import random_tensor, same_bits
 
@@ -114,22 +120,135 @@ def test_bad_specs_are_clear(model: Path) -> None:
         streamload.iter(model, shard=ShardSpec({"*": 5}, 0, 2))
 
 
-def _rank_main(rank: int, world: int, model: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=world)
+def _rank_main(rank: int, world: int, model: str, out: str, options: dict[str, Any]) -> None:
+    """One rank: load its shard with `options`, write what it got (or the error it met) to a file."""
+    streamload.plan.MIN_STRIDED_READ = options.pop("min_strided_read", streamload.plan.MIN_STRIDED_READ)
+    fail_after = options.pop("fail_after", {}).get(str(rank))  # this rank stops after so many tensors
+    options |= options.pop("differ", {}).get(str(rank), {})  # options only this rank uses
+    backend = options.pop("backend", "gloo")
+    dist.init_process_group(backend, init_method=f"file://{out}/pg", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=3))  # fmt: skip
+    result: dict[str, Any] = {}
+    started = time.monotonic()
     try:
-        with streamload.iter(model, device="cpu", shard=ShardSpec(RULES)) as stream:  # rank, world from dist
-            got = dict(stream)
+        got: dict[str, torch.Tensor] = {}
+        with streamload.iter(model, shard=ShardSpec(RULES), **options) as stream:
+            for name, t in stream:  # rank and world from torch.distributed
+                got[name] = t.cpu()
+                if fail_after is not None and len(got) >= fail_after:
+                    break
         full = load_file(os.path.join(model, "model.safetensors"))
-        ok = all(same_bits(got[n], t) for n, t in expected(full, rank, world).items())
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"ok": ok, "bytes_read": stream.stats.bytes_read}))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        kept = streamload.plan.select(full, options.get("include"), options.get("exclude"))
+        want = {n: t for n, t in expected(full, rank, world).items() if n in kept and (n in got or fail_after is None)}
+        result = {"ok": all(n in got and same_bits(got[n], t) for n, t in want.items()),
+                  "bytes_read": stream.stats.bytes_read}  # fmt: skip
+        if fail_after is not None:
+            time.sleep(5)  # alive but gone from the load: the others must not wait for it forever
+    except streamload.StreamloadError as exc:
+        result = {"error": str(exc)}
+    result["seconds"] = time.monotonic() - started
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def run_ranks(model: Path, out: Path, world: int, **options: Any) -> list[dict[str, Any]]:
+    options.setdefault("device", "cpu")
+    mp.start_processes(_rank_main, args=(world, str(model), str(out), options), nprocs=world, start_method="spawn")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_torch_distributed_gloo(model: Path, tmp_path: Path, world: int) -> None:
-    mp.start_processes(_rank_main, args=(world, str(model), str(tmp_path)), nprocs=world, start_method="spawn")
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    assert all(r["ok"] for r in results)
-    assert len({r["bytes_read"] for r in results}) > 1 or world == 1  # uneven splits: ranks read different amounts
+    results = run_ranks(model, tmp_path, world)
+    assert all(r.get("ok") for r in results), results
+    assert len({r["bytes_read"] for r in results}) > 1  # uneven splits: ranks read different amounts
+
+
+@pytest.mark.parametrize(("world", "strided"), [(1, False), (2, True), (3, False), (4, True), (4, False)])
+def test_cooperative_reads_each_byte_once(model: Path, tmp_path: Path, world: int, strided: bool) -> None:
+    # Tiny slots, so that many shared batches (and tensors cut across slots) are exchanged.
+    results = run_ranks(model, tmp_path, world, cooperative=True, ring_bytes=8192, slots=2, chunk_bytes=4096,
+                        min_strided_read=0 if strided else 1 << 30)  # fmt: skip
+    assert all(r.get("ok") for r in results), results
+    # Split bytes are read by their rank only, whole reads are divided among the ranks: together the
+    # ranks read the checkpoint's bytes exactly once.
+    total = sum(t.nbytes for t in streamload.inspect(model).tensors.values())
+    assert sum(r["bytes_read"] for r in results) == total
+    assert max(r["bytes_read"] for r in results) < total / world * 1.6
+
+
+def test_cooperative_ranks_may_select_differently(model: Path, tmp_path: Path) -> None:
+    # Rank 1 leaves out the norms: they are no longer read by all, so rank 0 reads them alone.
+    results = run_ranks(model, tmp_path, 2, cooperative=True, ring_bytes=16384, slots=2,
+                        differ={"1": {"exclude": "*norm*"}})  # fmt: skip
+    assert all(r.get("ok") for r in results), results
+
+
+def test_cooperative_mismatched_calls_are_a_clear_error(model: Path, tmp_path: Path) -> None:
+    results = run_ranks(model, tmp_path, 2, cooperative=True, differ={"1": {"ring_bytes": 1 << 20}})
+    for r in results:
+        assert "ranks [1] load a different checkpoint (or ring layout" in r["error"]
+
+
+def test_a_rank_leaving_a_cooperative_load_fails_the_others(model: Path, tmp_path: Path) -> None:
+    results = run_ranks(model, tmp_path, 2, cooperative=True, ring_bytes=8192, slots=2, chunk_bytes=4096,
+                        fail_after={"1": 2})  # fmt: skip
+    assert results[1]["ok"]  # what it took before leaving is right
+    error = results[0]["error"]
+    assert "rank 0 of 2: exchanging tensors" in error and "model.safetensors" in error
+    assert results[0]["seconds"] < 20  # the process group's timeout, not a hang
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_nccl_world_of_one(model: Path, tmp_path: Path) -> None:
+    results = run_ranks(model, tmp_path, 1, device="cuda", backend="nccl", cooperative=True)
+    assert results[0].get("ok"), results
+
+
+@cuda
+@pytest.mark.parametrize("world", [2, 4])
+def test_cooperative_to_one_gpu_over_gloo(model: Path, tmp_path: Path, world: int) -> None:
+    # Several ranks on one GPU: the exchange goes through pinned host slots, then one copy up per slot.
+    results = run_ranks(model, tmp_path, world, device="cuda", cooperative=True, ring_bytes=8192, slots=2,
+                        chunk_bytes=4096)  # fmt: skip
+    assert all(r.get("ok") for r in results), results
+    total = sum(t.nbytes for t in streamload.inspect(model).tensors.values())
+    assert sum(r["bytes_read"] for r in results) == total
+
+
+def test_shared_batches_are_laid_out_alike_on_every_rank(model: Path) -> None:
+    ckpt = streamload.inspect(model)
+    everywhere = {n for n in ckpt.tensors if "norm" in n or "embed" in n}
+    plans = []
+    for rank, skip in ((0, ".layers.1."), (1, ".layers.2.")):  # each rank skips other tensors
+
+        def rules(name: str, shape: tuple[int, ...], skip: str = skip) -> int | str | None:
+            return ShardSpec.SKIP if skip in name and "norm" not in name else (0 if "q_proj" in name else None)
+
+        plans.append(make_plan(ckpt, slot_bytes=256, shard=ShardSpec(rules, rank, 2),
+                               share=lambda items: everywhere & {i.name for i in items}))  # fmt: skip
+
+    def layout(plan: Plan) -> list[list[tuple[str, int, int, int]]]:
+        return [[(p.item.name, p.offset, p.length, p.slot_offset) for p in b.pieces] for b in plan.batches if b.shared]
+
+    assert layout(plans[0]) == layout(plans[1]) and layout(plans[0])
+    for plan in plans:  # every tensor once, in layer order by first piece, no batch mixes kinds
+        assert [b.index for b in plan.batches] == list(range(len(plan.batches)))
+        assert all(all((p.item.name in everywhere) == b.shared for p in b.pieces) for b in plan.batches)
+        firsts = [layer_rank(b.pieces[0].item.name) for b in plan.batches]
+        assert firsts == sorted(firsts)
+
+
+def test_a_window_of_a_batch_is_its_bytes_in_that_range(model: Path) -> None:
+    plan = make_plan(streamload.inspect(model), slot_bytes=4096)
+    for batch in plan.batches:
+        cuts = sorted({0, batch.extent} | {c for c in (100, 1000, 1001) if c < batch.extent})
+        parts = [batch.window(lo, hi) for lo, hi in itertools.pairwise(cuts)]
+        covered = [(p.slot_offset, p.file_offset, p.length) for w in parts for p in w.pieces]
+        assert sum(n for _, _, n in covered) == batch.nbytes
+        for at, file_at, n in covered:  # each byte keeps its place: slot offset -> file offset
+            whole = next(p for p in batch.pieces if p.slot_offset <= at < p.slot_offset + p.length)
+            assert file_at - whole.file_offset == at - whole.slot_offset and at + n <= whole.slot_offset + whole.length

@@ -52,7 +52,7 @@ class CudaDevice:
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]:
         assert slot is not None
         with torch.cuda.device(self.device):
-            src = self._to_device(batch, slot) if self.host_slots else slot
+            src = slot if slot.is_cuda else self._to_device(batch, slot)
             out = []
             for piece in batch.pieces:
                 t = self._assembler.copy(piece, src, non_blocking=True)

@@ -1,0 +1,137 @@
+"""Cooperative loading: ranks that need the same bytes each read a share and all-gather the rest.
+
+Every rank of the process group builds the same shared batches (plan.py packs them apart from what
+a rank reads for itself). For each one, rank r reads the r-th of `world` equal parts of the slot's
+bytes, then one `all_gather_single` into the slot itself leaves the whole batch on every rank: storage
+sees each byte once. The pipeline instantiates batches strictly in plan order, one at a time, and
+exchanges a shared batch just before instantiating it, so every rank issues the same collectives in
+the same order while later batches are still being read.
+
+Where the bytes meet: a gloo group exchanges host slots; an NCCL group exchanges device memory: a
+device slot in place, or a host slot through one device buffer of a slot's size (the only extra
+memory the exchange takes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .errors import StreamloadError, UnsupportedError
+from .plan import Batch, Item
+from .source import Checkpoint
+
+
+class Exchange:
+    """The ranks of `group` (None: the default group) loading the same checkpoint together."""
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("cooperative loading needs an initialised torch.distributed process group")
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        backend = str(dist.get_backend(group)).lower()
+        # On a CUDA device, exchange device memory when the group speaks NCCL; else go through host memory.
+        self.on_device = device.type == "cuda" and "nccl" in backend
+        if not self.on_device and "nccl" in backend and "gloo" not in backend:
+            raise UnsupportedError(
+                f"cooperative loading to {device} needs a process group that can exchange host memory "
+                f"(gloo), not {backend!r}"
+            )
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if self.on_device else None
+        self._buffer: torch.Tensor | None = None
+
+    @property
+    def padding(self) -> int:
+        """Bytes a slot needs beyond the plan's slot size: the last part is rounded up."""
+        return self.world
+
+    def _part(self, batch: Batch) -> tuple[int, int]:
+        size = -(-batch.extent // self.world)
+        return self.rank * size, size
+
+    def own_part(self, batch: Batch) -> Batch:
+        """The part of a shared batch this rank reads."""
+        lo, size = self._part(batch)
+        return batch.window(lo, lo + size)
+
+    def gather(self, batch: Batch, slot: torch.Tensor) -> torch.Tensor:
+        """Blocking: every rank's part of `batch` into one buffer (`slot`, or the device buffer), returned."""
+        lo, size = self._part(batch)
+        target = slot
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            if self.on_device and not slot.is_cuda:
+                if self._buffer is None:
+                    self._buffer = torch.empty(slot.numel(), dtype=torch.uint8, device=self.device)
+                target = self._buffer
+                target[lo : lo + size].copy_(slot[lo : lo + size], non_blocking=True)
+            try:
+                self._all_gather(target[: size * self.world], target[lo : lo + size])
+                if self._stream is not None:
+                    self._stream.synchronize()
+            except Exception as exc:
+                raise self._failed(batch, exc) from exc
+        return target
+
+    def agree(self, checkpoint: Checkpoint, candidates: Sequence[Item], layout: str) -> set[str]:
+        """Blocking, collective: the names among `candidates` (tensors this rank reads whole) that every
+        rank reads whole. First checks that all ranks load the same checkpoint with the same layout."""
+        names = sorted(checkpoint.tensors)
+        digest = hashlib.sha256(layout.encode())
+        for n in names:
+            t = checkpoint.tensors[n]
+            digest.update(f"{n}\0{t.path.name}\0{t.dtype.name}\0{t.shape}\0{t.begin}\0{t.end}\0".encode())
+        mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
+        try:
+            digests = self._gather_small(mine)
+            if not all(torch.equal(d, digests[0]) for d in digests):
+                differ = [r for r, d in enumerate(digests) if not torch.equal(d, digests[0])]
+                raise StreamloadError(
+                    f"cooperative loading: ranks {differ} load a different checkpoint (or ring layout: "
+                    f"slot size, order) than rank 0; every rank of the group must call iter() alike"
+                )
+            wanted = {i.name for i in candidates}
+            mask = torch.tensor([n in wanted for n in names], dtype=torch.uint8)
+            everyone = self._gather_small(mask).min(dim=0).values
+        except StreamloadError:
+            raise
+        except Exception as exc:
+            raise StreamloadError(
+                f"cooperative loading: rank {self.rank} of {self.world}: agreeing on the plan with the "
+                f"other ranks failed (every rank must call iter() with cooperative loading): {exc}"
+            ) from exc
+        return {n for n, keep in zip(names, everyone.tolist(), strict=True) if keep}
+
+    def _gather_small(self, t: torch.Tensor) -> torch.Tensor:
+        """All ranks' `t`, stacked (on the device the group exchanges)."""
+        where = self.device if self.on_device else torch.device("cpu")
+        t = t.to(where)
+        out = torch.empty((self.world, t.numel()), dtype=t.dtype, device=where)
+        self._all_gather(out.view(-1), t)
+        return out.cpu()
+
+    def _all_gather(self, output: torch.Tensor, part: torch.Tensor) -> None:
+        gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+        gather(output, part, group=self.group)
+
+    def _failed(self, batch: Batch, exc: Exception) -> StreamloadError:
+        names = sorted({p.item.name for p in batch.pieces})
+        paths = sorted({str(p.item.info.path) for p in batch.pieces})
+        shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+        return StreamloadError(
+            f"{', '.join(paths)}: rank {self.rank} of {self.world}: exchanging tensors {shown} with the other "
+            f"ranks failed; a rank failed, stopped early, or did not answer within the process group's "
+            f"timeout: {exc}"
+        )
+
+    def close(self) -> None:
+        self._buffer = None
