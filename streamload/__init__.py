@@ -9,6 +9,7 @@ from .errors import HeaderError, MissingFileError, ReadError, SourceError, Strea
 from .format import FileHeader, TensorInfo
 from .grouped import LayerStream, layers
 from .layers import Layer, group_of, layer_of
+from .limits import Usage, set_limits, usage
 from .module import LoadResult, aload_into, load_into
 from .shard import ShardSpec
 from .source import Checkpoint
@@ -31,6 +32,7 @@ __all__ = [
     "TensorInfo",
     "TensorStream",
     "UnsupportedError",
+    "Usage",
     "aload_into",
     "group_of",
     "inspect",
@@ -39,4 +41,6 @@ __all__ = [
     "layers",
     "load",
     "load_into",
+    "set_limits",
+    "usage",
 ]

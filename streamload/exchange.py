@@ -51,6 +51,11 @@ class Exchange:
         self._buffer: torch.Tensor | None = None
 
     @property
+    def buffers(self) -> int:
+        """Slot-sized buffers the exchange may keep besides the ring (for host slots on an NCCL group)."""
+        return 1 if self.on_device else 0
+
+    @property
     def padding(self) -> int:
         """Bytes a slot needs beyond the plan's slot size: the last part is rounded up."""
         return self.world

@@ -23,6 +23,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .device import Delivered, Device
 from .errors import StreamloadError
 from .exchange import Exchange
+from .limits import Staging
 from .plan import Batch, Plan
 from .read import OpenFiles, Reader
 from .read.pool import ReaderPool
@@ -87,12 +88,13 @@ async def open_pipeline(
     """
     files = OpenFiles(plan.files)
     pool = ReaderPool(tuning.threads, stats.add_read)
+    staging = Staging()
     body_error: Exception | None = None
     try:
         send, receive = create_memory_object_stream["Delivered | _Failure"](tuning.buffer)
         async with create_task_group() as tg:
             stats.start()
-            tg.start_soon(_Stages(plan, reader, device, files, pool, tuning, exchange).report, send)
+            tg.start_soon(_Stages(plan, reader, device, files, pool, tuning, exchange, staging).report, send)
             try:
                 with receive:
                     yield receive
@@ -110,6 +112,8 @@ async def open_pipeline(
         device.close()
         if exchange is not None:
             exchange.close()
+        stats.staging_bytes = staging.held
+        staging.give_back()
 
 
 async def next_tensor(receive: Receiver, stats: Stats) -> Delivered | None:
@@ -148,6 +152,7 @@ class _Stages:
     pool: ReaderPool
     tuning: Tuning
     exchange: Exchange | None
+    staging: Staging
 
     async def report(self, send: MemoryObjectSendStream[Delivered | _Failure]) -> None:
         """Run the stages; an error in any of them goes to the consumer as the next item."""
@@ -170,9 +175,15 @@ class _Stages:
             t = self.tuning
             nslots = min(nslots, 1 + -(-t.threads * t.chunk_bytes // t.slot_bytes))
         free_send, free_receive = create_memory_object_stream[torch.Tensor | None](nslots)
-        extra = self.exchange.padding if self.exchange is not None else 0
+        slot_bytes = self.tuning.slot_bytes + (self.exchange.padding if self.exchange is not None else 0)
+        if device.staged:
+            # Slots come from the process-wide staging budget: wait for the first (with the buffers
+            # the device and exchange keep besides the ring), take more only while the budget allows.
+            buffers = device.buffers + (self.exchange.buffers if self.exchange is not None else 0)
+            await self.staging.take_first(slot_bytes * (1 + buffers))
+            nslots = 1 + sum(self.staging.try_take(slot_bytes) for _ in range(nslots - 1))
         for _ in range(nslots):
-            free_send.send_nowait(device.new_slot(self.tuning.slot_bytes + extra))
+            free_send.send_nowait(device.new_slot(slot_bytes))
         filled_send, filled_receive = create_memory_object_stream[_Filling](nslots)
 
         async def read(filling: _Filling) -> None:

@@ -17,6 +17,7 @@ class Stats:
     bytes_read: int = 0
     tensors_done: int = 0
     time_to_first_tensor: float | None = None
+    staging_bytes: int = 0  # staging memory the stream held from the process-wide budget (set at its end)
     started: float | None = field(default=None, repr=False)
     finished: float | None = field(default=None, repr=False)
 

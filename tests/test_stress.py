@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -107,3 +109,111 @@ def test_slow_consumer_applies_backpressure(tmp_path: Path) -> None:
         assert ahead <= RING["ring_bytes"] + (Tuning.buffer + 1) * tensor_bytes
         assert stream.stats.bytes_read < stream.stats.bytes_total
         list(stream)
+
+
+SLOT = RING["ring_bytes"] // RING["slots"]
+
+
+@pytest.fixture
+def tight_limits() -> Iterator[streamload.Usage]:
+    """Three reader threads and five slots of staging for the whole process."""
+    before = streamload.usage()
+    streamload.set_limits(reader_threads=3, staging_bytes=5 * SLOT)
+    streamload.usage(reset_peak=True)
+    yield streamload.usage()
+    streamload.set_limits(reader_threads=before.reader_threads, staging_bytes=before.staging_cap)
+
+
+class Watch:
+    """Samples the reader threads alive and the staging held while loads run."""
+
+    def __init__(self) -> None:
+        self.threads = self.staging = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.0005):
+            readers = sum(t.name.startswith("streamload-read") for t in threading.enumerate())
+            self.threads = max(self.threads, readers)
+            self.staging = max(self.staging, streamload.usage().staging_bytes)
+
+    def __enter__(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def check_shared_limits(watch: Watch, limits: streamload.Usage, stats: list[streamload.Stats]) -> None:
+    after = streamload.usage()
+    assert 0 < watch.threads <= limits.reader_threads  # one pool for all sixteen streams
+    assert SLOT <= watch.staging <= after.staging_peak <= limits.staging_cap  # the cap held throughout
+    assert all(SLOT <= s.staging_bytes <= RING["ring_bytes"] for s in stats)  # each got a slot, none more than its ring
+    assert sum(s.staging_bytes for s in stats) > limits.staging_cap  # so the streams did share the budget
+    assert after.staging_bytes == 0 and after.streams == 0  # all given back, the pool idle
+    assert not any(t.name.startswith("streamload-read") for t in threading.enumerate())
+
+
+def test_sixteen_loads_share_one_reader_pool_and_staging_cap(
+    checkpoints: list[Path], tight_limits: streamload.Usage
+) -> None:
+    def one(path: Path) -> streamload.Stats:
+        with streamload.iter(path, device="cpu", reader="posix", **RING) as stream:
+            got = dict(stream)
+        assert all(same_bits(got[n], t) for n, t in load_file(path).items())
+        return stream.stats
+
+    with Watch() as watch, ThreadPoolExecutor(16) as pool:
+        stats = list(pool.map(one, checkpoints))
+    check_shared_limits(watch, tight_limits, stats)
+
+
+async def test_sixteen_loads_in_one_event_loop_share_the_limits(
+    checkpoints: list[Path], tight_limits: streamload.Usage
+) -> None:
+    stats: list[streamload.Stats] = []
+
+    async def one(path: Path) -> None:
+        async with streamload.iter(path, device="cpu", reader="posix", **RING) as stream:
+            got = {n: t async for n, t in stream}
+        assert all(same_bits(got[n], t) for n, t in load_file(path).items())
+        stats.append(stream.stats)
+
+    with Watch() as watch:
+        async with anyio.create_task_group() as tg:
+            for path in checkpoints:
+                tg.start_soon(one, path)
+    check_shared_limits(watch, tight_limits, stats)
+
+
+async def test_a_stream_waiting_for_staging_can_be_cancelled(checkpoints: list[Path]) -> None:
+    before = streamload.usage()
+    streamload.set_limits(staging_bytes=SLOT)
+    try:
+        with streamload.iter(checkpoints[0], device="cpu", reader="posix", **RING) as holder:
+            next(holder)  # holds the only slot there is
+            with anyio.move_on_after(0.2) as scope:
+                async with streamload.iter(checkpoints[1], device="cpu", reader="posix", **RING) as waiting:
+                    await waiting.__anext__()
+            assert scope.cancelled_caught and waiting.stats.bytes_read == 0
+            assert streamload.usage().staging_bytes == SLOT
+        assert streamload.usage().staging_bytes == 0
+        got = streamload.load(checkpoints[1], device="cpu", reader="posix", **RING)  # the slot is free again
+        assert all(same_bits(got[n], t) for n, t in load_file(checkpoints[1]).items())
+    finally:
+        streamload.set_limits(staging_bytes=before.staging_cap)
+
+
+def test_a_slot_larger_than_the_cap_is_a_clear_error(checkpoints: list[Path]) -> None:
+    before = streamload.usage()
+    streamload.set_limits(staging_bytes=SLOT)
+    try:
+        with pytest.raises(ValueError, match="larger than the process-wide staging cap"):
+            streamload.iter(checkpoints[0], device="cpu", reader="posix", ring_bytes=4 * SLOT, slots=2)
+    finally:
+        streamload.set_limits(staging_bytes=before.staging_cap)
+    with pytest.raises(ValueError, match="reader_threads"):
+        streamload.set_limits(reader_threads=0)

@@ -17,6 +17,7 @@ class StagedCPU:
 
     name = "cpu"
     staged = True
+    buffers = 0
 
     def __init__(self) -> None:
         self._assembler = Assembler(torch.device("cpu"))
@@ -48,6 +49,7 @@ class MappedCPU:
 
     name = "cpu"
     staged = False
+    buffers = 0
 
     def new_slot(self, nbytes: int) -> None:
         return None

@@ -31,6 +31,7 @@ class CudaDevice:
         self.device = device
         self.name = str(device)
         self.host_slots = host_slots
+        self.buffers = 1 if host_slots else 0  # the device copy of a host slot
         self._stream = torch.cuda.Stream(device)
         self._assembler = Assembler(device, stream=self._stream)
         self._scratch: torch.Tensor | None = None

@@ -1,0 +1,140 @@
+"""Process-wide limits: one pool of reader threads and one budget of staging memory for every stream.
+
+A server that loads many checkpoints at once (adapters, several models) must not grow threads and
+staging buffers with the number of loads. Every stream borrows reader threads from one pool and
+takes its ring slots from one budget: it waits for its first slot, takes more only while the budget
+allows, and gives them all back when it ends, so the staging memory of all streams together never
+exceeds the cap and every stream still makes progress.
+
+>>> import streamload
+>>> streamload.set_limits(reader_threads=16, staging_bytes=2 << 30)
+>>> streamload.usage().staging_cap
+2147483648
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import anyio
+
+GiB = 1 << 30
+_POLL = 0.005  # seconds between looks at the budget while a stream waits for its first slot
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A snapshot of the process-wide limits and what the streams use of them."""
+
+    reader_threads: int  # the pool's size
+    staging_cap: int  # bytes
+    staging_bytes: int  # bytes of staging held by running streams now
+    staging_peak: int  # the most held at once since the process started (or the last reset)
+    streams: int  # streams using the reader pool now
+
+
+class _Limits:
+    def __init__(self, reader_threads: int, staging_bytes: int) -> None:
+        self.reader_threads = reader_threads
+        self.staging_cap = staging_bytes
+        self._lock = threading.Lock()
+        self._held = 0
+        self._peak = 0
+        self._executor: ThreadPoolExecutor | None = None
+        self._users = 0
+
+    # -- reader threads: one executor while any stream runs, shut down with the last one ---------------
+    def join(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.reader_threads, thread_name_prefix="streamload-read")
+            self._users += 1
+            return self._executor
+
+    def leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            executor = self._executor if self._users == 0 else None
+            if executor is not None:
+                self._executor = None
+        if executor is not None:  # the last stream's requests have all returned: this only joins idle threads
+            executor.shutdown(wait=True)
+
+    # -- staging budget ----------------------------------------------------------------------------
+    def try_take(self, nbytes: int) -> bool:
+        with self._lock:
+            if self._held + nbytes > self.staging_cap:
+                return False
+            self._held += nbytes
+            self._peak = max(self._peak, self._held)
+            return True
+
+    def give_back(self, nbytes: int) -> None:
+        with self._lock:
+            self._held -= nbytes
+
+    def usage(self, reset_peak: bool) -> Usage:
+        with self._lock:
+            snapshot = Usage(self.reader_threads, self.staging_cap, self._held, self._peak, self._users)
+            if reset_peak:
+                self._peak = self._held
+            return snapshot
+
+
+_limits = _Limits(reader_threads=16, staging_bytes=2 * GiB)
+
+
+def set_limits(*, reader_threads: int | None = None, staging_bytes: int | None = None) -> None:
+    """Set the process-wide reader thread pool size and staging memory cap (defaults: 16, 2 GiB).
+
+    A new pool size applies from the next time no stream is running; a new cap at once (streams
+    already holding more keep it until they end).
+    """
+    if reader_threads is not None:
+        if reader_threads < 1:
+            raise ValueError(f"reader_threads must be >= 1, not {reader_threads}")
+        _limits.reader_threads = reader_threads
+    if staging_bytes is not None:
+        if staging_bytes < 4096:
+            raise ValueError(f"staging_bytes must be at least 4096, not {staging_bytes}")
+        _limits.staging_cap = staging_bytes
+
+
+def usage(reset_peak: bool = False) -> Usage:
+    """The limits and how much of them running streams use; `reset_peak` starts a new peak from now."""
+    return _limits.usage(reset_peak)
+
+
+def shared_limits() -> _Limits:
+    return _limits
+
+
+class Staging:
+    """One stream's share of the staging budget: taken slot by slot, given back all at once."""
+
+    def __init__(self) -> None:
+        self.held = 0
+
+    async def take_first(self, nbytes: int) -> None:
+        """Wait until `nbytes` fit the budget (other streams ending free it), then hold them."""
+        if nbytes > _limits.staging_cap:
+            raise ValueError(
+                f"one ring slot with its buffers needs {nbytes} bytes of staging, more than the process-wide "
+                f"cap of {_limits.staging_cap}: use a smaller ring_bytes or more slots, or raise the cap "
+                f"with streamload.set_limits(staging_bytes=...)"
+            )
+        while not _limits.try_take(nbytes):
+            await anyio.sleep(_POLL)  # a poll, not a wait on a lock: streams run on different event loops
+        self.held += nbytes
+
+    def try_take(self, nbytes: int) -> bool:
+        if _limits.try_take(nbytes):
+            self.held += nbytes
+            return True
+        return False
+
+    def give_back(self) -> None:
+        held, self.held = self.held, 0
+        _limits.give_back(held)
