@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 from pathlib import Path
@@ -14,7 +15,7 @@ from safetensors.torch import load_file, save_file
 import streamload
 from streamload.device import StagedCPU
 
-from .conftest import open_fds, own_threads, same_bits
+from .conftest import open_fds, own_threads, random_tensor, same_bits
 
 pytestmark = pytest.mark.anyio
 RING = {"ring_bytes": 256 * 1024, "slots": 2, "chunk_bytes": 32 * 1024}  # forces many batches
@@ -233,3 +234,47 @@ def test_file_replaced_after_its_header_was_read(model: Path, tmp_path: Path, re
     with pytest.raises(streamload.ReadError, match="replaced or modified"):
         with stream:
             list(stream)
+
+
+class FlakyOs:
+    """`os` for the posix reader, whose `preadv` fails transiently and reads short, in turn."""
+
+    def __init__(self, always: type[OSError] | None = None) -> None:
+        self.always = always
+        self.seen: dict[str, int] = {"eintr": 0, "eagain": 0, "short": 0, "full": 0}
+
+    def preadv(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        if self.always is not None:
+            raise self.always(errno.EAGAIN, "Resource temporarily unavailable")
+        kind = ("eintr", "eagain", "short", "full")[sum(self.seen.values()) % 4]
+        self.seen[kind] += 1
+        if kind == "eintr":
+            raise InterruptedError(errno.EINTR, "Interrupted system call")
+        if kind == "eagain":
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+        if kind == "short":  # a part of the first buffer only
+            first = buffers[0]
+            return os.preadv(fd, [first[: max(1, len(first) // 3)]], offset)
+        return os.preadv(fd, buffers, offset)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+
+def test_transient_errors_and_short_reads_are_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({f"layers.{i}.w": random_tensor(torch.float32, (33, 17 + i), seed=i) for i in range(20)}, path)
+    flaky = FlakyOs()
+    monkeypatch.setattr(streamload.read.posix, "os", flaky)
+    got = streamload.load(path, device="cpu", reader="posix", ring_bytes=16384, slots=2, chunk_bytes=4096)
+    assert all(same_bits(got[n], t) for n, t in load_file(path).items())
+    assert min(flaky.seen.values()) >= 10  # every kind happened, many times
+
+
+def test_a_read_failing_transiently_forever_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(100)}, path)
+    monkeypatch.setattr(streamload.read.posix, "os", FlakyOs(always=BlockingIOError))
+    monkeypatch.setattr(streamload.read.posix, "_BACKOFF", 0.0)
+    with pytest.raises(streamload.ReadError, match=r"m\.safetensors: reading at offset \d+ failed: .*\(100 times in"):
+        streamload.load(path, device="cpu", reader="posix")

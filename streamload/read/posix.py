@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import torch
 
 from ..plan import Batch
 from .base import Job, OpenFiles, Span, eof_error, read_error, span_groups, writable_bytes
+
+_RETRIES = 100  # EINTR/EAGAIN in a row before a read is given up
+_BACKOFF = 0.001  # seconds, times the retries so far (up to 10)
 
 
 class PosixReader:
@@ -35,11 +39,19 @@ def _read_spans(fd: int, group: list[Span], slot: memoryview) -> int:
 def _read_span(fd: int, span: Span, slot: memoryview) -> int:
     buffers = [slot[at : at + n] for at, n in span.parts]
     offset, done, total = span.file_offset, 0, span.length
+    retries = 0
     while done < total:
         try:
             n = os.preadv(fd, buffers, offset)
+        except (InterruptedError, BlockingIOError) as exc:  # EINTR, EAGAIN: transient, but not forever
+            retries += 1
+            if retries > _RETRIES:
+                raise read_error(span.path, offset, f"{exc.strerror or exc} ({_RETRIES} times in a row)") from exc
+            time.sleep(_BACKOFF * min(retries, 10))
+            continue
         except OSError as exc:
             raise read_error(span.path, offset, exc.strerror or str(exc)) from exc
+        retries = 0
         if n == 0:
             raise eof_error(span.path, offset)
         done += n
