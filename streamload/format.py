@@ -19,6 +19,7 @@ from .dtypes import DTYPES, DType
 from .errors import HeaderError, MissingFileError, ReadError, SourceError
 
 HEADER_LIMIT = 100_000_000  # the reference implementation's cap on N
+TENSOR_LIMIT = 1_000_000  # per file; the largest public checkpoints hold under 100,000 in all their files
 _FIRST_READ = 1 << 18  # one pread usually covers the length word and the whole header
 
 
@@ -149,6 +150,8 @@ def parse_header(path: Path, file_size: int, raw: bytes) -> FileHeader:
 
     data_start = 8 + len(raw)
     metadata = _metadata(path, obj.pop("__metadata__", None))
+    if len(obj) > TENSOR_LIMIT:
+        raise HeaderError(f"{path}: header lists {len(obj)} tensors, more than the limit of {TENSOR_LIMIT}")
     tensors = [_tensor(path, name, entry, data_start) for name, entry in obj.items()]
     by_offset = sorted(tensors, key=lambda t: (t.begin, t.end))
     cursor = data_start
