@@ -9,7 +9,7 @@ import weakref
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import torch
@@ -26,6 +26,9 @@ from .read import MmapReader, PosixReader, Reader
 from .shard import ShardSpec
 from .source import Checkpoint, Source, open_checkpoint
 from .stats import Stats
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 try:  # the sync face's event loop: import its backend now rather than inside the first load's clock
     import anyio._backends._asyncio
@@ -233,7 +236,7 @@ def iter(
     threads: int = Tuning.threads,
     chunk_bytes: int = Tuning.chunk_bytes,
     shard: ShardSpec | None = None,
-    cooperative: bool | Any = False,
+    cooperative: bool | ProcessGroup = False,
 ) -> TensorStream:
     """Stream the tensors of a safetensors checkpoint, each as soon as its bytes are in.
 
@@ -305,7 +308,7 @@ def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _exchange(cooperative: bool | Any, dev: torch.device) -> Exchange | None:
+def _exchange(cooperative: bool | ProcessGroup, dev: torch.device) -> Exchange | None:
     if cooperative is False or cooperative is None:
         return None
     exchange = Exchange(None if cooperative is True else cooperative, dev)

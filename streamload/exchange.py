@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,11 +25,14 @@ from .errors import StreamloadError, UnsupportedError
 from .plan import Batch, Item
 from .source import Checkpoint
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 
 class Exchange:
     """The ranks of `group` (None: the default group) loading the same checkpoint together."""
 
-    def __init__(self, group: Any, device: torch.device) -> None:
+    def __init__(self, group: ProcessGroup | None, device: torch.device) -> None:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
