@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU proof, in two steps that each fit a few minutes on one GPU machine:
+#
+#   bench/gpu.sh tests RESULTS_DIR              # the whole test suite, GPU tests included
+#   bench/gpu.sh bench RESULTS_DIR [CKPT_DIR]   # an ~8 GB checkpoint in 8 shards, then the CUDA
+#                                               # benchmark, cold and warm, with the ceilings
+#
+# Everything lands in RESULTS_DIR: device.txt, tests.log, bench.log, bench-gpu.{json,png,md}.
+# DEVICE (default cuda), LAYERS (default 76: 8.1 GB) and RUNS (default 3) override the defaults.
+set -uo pipefail
+step=${1:?tests or bench}
+out=${2:?a results directory}
+ckpt=${3:-/tmp/streamload-gpu}
+device=${DEVICE:-cuda}
+mkdir -p "$out"
+{
+    date -u +%FT%TZ
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+    python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
+    python -c 'import kvikio, kvikio.defaults as d; print("kvikio", kvikio.__version__, "compat", d.is_compat_mode_preferred())' 2>&1 | tail -1
+} >"$out/device.txt"
+
+case $step in
+tests)
+    PYTHONUNBUFFERED=1 python -m pytest -q -rs tests 2>&1 | tee "$out/tests.log"
+    ;;
+bench)
+    if [ ! -f "$ckpt/model.safetensors.index.json" ]; then
+        python bench/make_checkpoint.py "$ckpt" --layers "${LAYERS:-76}" --shards 8 || exit
+    fi
+    du -sh "$ckpt" >>"$out/device.txt"
+    PYTHONUNBUFFERED=1 streamload bench "$ckpt" --device "$device" --cold --warm --runs "${RUNS:-3}" \
+        --json "$out/bench-gpu.json" --plot "$out/bench-gpu.png" --markdown "$out/bench-gpu.md" 2>&1 | tee "$out/bench.log"
+    ;;
+*)
+    echo "usage: bench/gpu.sh tests|bench RESULTS_DIR [CKPT_DIR]" >&2
+    exit 2
+    ;;
+esac
