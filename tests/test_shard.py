@@ -126,20 +126,22 @@ def _rank_main(rank: int, world: int, model: str, out: str, options: dict[str, A
     fail_after = options.pop("fail_after", {}).get(str(rank))  # this rank stops after so many tensors
     options |= options.pop("differ", {}).get(str(rank), {})  # options only this rank uses
     backend = options.pop("backend", "gloo")
+    split = options.pop("split", True)  # False: every rank loads the whole checkpoint (replicas)
     dist.init_process_group(backend, init_method=f"file://{out}/pg", rank=rank, world_size=world,
                             timeout=timedelta(seconds=3))  # fmt: skip
     result: dict[str, Any] = {}
     started = time.monotonic()
     try:
         got: dict[str, torch.Tensor] = {}
-        with streamload.iter(model, shard=ShardSpec(RULES), **options) as stream:
+        with streamload.iter(model, shard=ShardSpec(RULES) if split else None, **options) as stream:
             for name, t in stream:  # rank and world from torch.distributed
                 got[name] = t.cpu()
                 if fail_after is not None and len(got) >= fail_after:
                     break
         full = load_file(os.path.join(model, "model.safetensors"))
         kept = streamload.plan.select(full, options.get("include"), options.get("exclude"))
-        want = {n: t for n, t in expected(full, rank, world).items() if n in kept and (n in got or fail_after is None)}
+        parts = expected(full, rank, world) if split else full
+        want = {n: t for n, t in parts.items() if n in kept and (n in got or fail_after is None)}
         result = {"ok": all(n in got and same_bits(got[n], t) for n, t in want.items()),
                   "bytes_read": stream.stats.bytes_read}  # fmt: skip
         if fail_after is not None:
@@ -175,6 +177,15 @@ def test_cooperative_reads_each_byte_once(model: Path, tmp_path: Path, world: in
     total = sum(t.nbytes for t in streamload.inspect(model).tensors.values())
     assert sum(r["bytes_read"] for r in results) == total
     assert max(r["bytes_read"] for r in results) < total / world * 1.6
+
+
+def test_cooperative_replicas_each_read_a_share(model: Path, tmp_path: Path) -> None:
+    # Data-parallel replicas on shared storage: every rank gets everything, each reads a third.
+    results = run_ranks(model, tmp_path, 3, cooperative=True, split=False, ring_bytes=16384, slots=2)
+    assert all(r.get("ok") for r in results), results
+    total = sum(t.nbytes for t in streamload.inspect(model).tensors.values())
+    assert sum(r["bytes_read"] for r in results) == total
+    assert all(abs(r["bytes_read"] - total / 3) < total * 0.1 for r in results)
 
 
 def test_cooperative_ranks_may_select_differently(model: Path, tmp_path: Path) -> None:
