@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 import streamload
 from streamload import ShardSpec
 from streamload.bench import _touch, evict
+from streamload.exchange import all_gather
 
 RULES = {
     "*.q_proj.weight": 0, "*.k_proj.weight": 0, "*.v_proj.weight": 0,
@@ -61,11 +62,10 @@ def exchange_main(rank: int, world: int, out: str, slot_bytes: int) -> None:
     try:
         part = -(-slot_bytes // world)
         buf = torch.zeros(part * world, dtype=torch.uint8)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(buf, buf[rank * part : (rank + 1) * part])
+        all_gather(buf, buf[rank * part : (rank + 1) * part])
         start, n = time.perf_counter(), 8
         for _ in range(n):
-            gather(buf, buf[rank * part : (rank + 1) * part])
+            all_gather(buf, buf[rank * part : (rank + 1) * part])
         if rank == 0:
             Path(out, "gbps").write_text(str(n * slot_bytes / (time.perf_counter() - start) / 1e9))
     finally:

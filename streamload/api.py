@@ -19,7 +19,7 @@ from .device import Delivered, Device, MappedCPU, StagedCPU
 from .device.cuda import CudaDevice
 from .errors import StreamloadError, UnsupportedError
 from .exchange import Exchange
-from .limits import usage
+from .limits import check_fits
 from .pipeline import Receiver, Tuning, next_tensor, open_pipeline, ready_tensor
 from .plan import DTypeOption, Order, Patterns, Plan, make_plan
 from .read import MmapReader, PosixReader, Reader
@@ -257,12 +257,7 @@ def iter(
     """
     tuning = Tuning(ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes)
     tuning.check()
-    if tuning.slot_bytes > usage().staging_cap:
-        raise ValueError(
-            f"a ring slot of {tuning.slot_bytes} bytes is larger than the process-wide staging cap of "
-            f"{usage().staging_cap}: use a smaller ring_bytes or more slots, "
-            "or streamload.set_limits(staging_bytes=...)"
-        )
+    check_fits(tuning.slot_bytes, "a ring slot")
     dev = torch.device(device) if device is not None else _default_device()
     checkpoint = open_checkpoint(source)
     first = checkpoint.files[0].path if checkpoint.files else None

@@ -29,6 +29,15 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 
+def all_gather(output: torch.Tensor, part: torch.Tensor, group: ProcessGroup | None = None) -> None:
+    """Every rank's equal-sized `part`, concatenated into `output` (in place when `part` is its own
+    slice of `output`). `all_gather_single` where torch has it, its older name elsewhere."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, part, group=group)
+
+
 class Exchange:
     """The ranks of `group` (None: the default group) loading the same checkpoint together."""
 
@@ -37,7 +46,6 @@ class Exchange:
 
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("cooperative loading needs an initialised torch.distributed process group")
-        self._dist = dist
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -83,7 +91,7 @@ class Exchange:
                 target = self._buffer
                 target[lo : lo + size].copy_(slot[lo : lo + size], non_blocking=True)
             try:
-                self._all_gather(target[: size * self.world], target[lo : lo + size])
+                all_gather(target[: size * self.world], target[lo : lo + size], self.group)
                 if self._stream is not None:
                     self._stream.synchronize()
             except Exception as exc:
@@ -101,8 +109,8 @@ class Exchange:
         mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
         try:
             digests = self._gather_small(mine)
-            if not all(torch.equal(d, digests[0]) for d in digests):
-                differ = [r for r, d in enumerate(digests) if not torch.equal(d, digests[0])]
+            differ = [r for r, d in enumerate(digests) if not torch.equal(d, digests[0])]
+            if differ:
                 raise StreamloadError(
                     f"cooperative loading: ranks {differ} load a different checkpoint (or ring layout: "
                     f"slot size, order) than rank 0; every rank of the group must call iter() alike"
@@ -124,12 +132,8 @@ class Exchange:
         where = self.device if self.on_device else torch.device("cpu")
         t = t.to(where)
         out = torch.empty((self.world, t.numel()), dtype=t.dtype, device=where)
-        self._all_gather(out.view(-1), t)
+        all_gather(out.view(-1), t, self.group)
         return out.cpu()
-
-    def _all_gather(self, output: torch.Tensor, part: torch.Tensor) -> None:
-        gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
-        gather(output, part, group=self.group)
 
     def _failed(self, batch: Batch, exc: Exception) -> StreamloadError:
         names = sorted({p.item.name for p in batch.pieces})

@@ -107,6 +107,16 @@ def usage(reset_peak: bool = False) -> Usage:
     return _limits.usage(reset_peak)
 
 
+def check_fits(nbytes: int, what: str) -> None:
+    """Raise if `nbytes` of staging could never be had, however many streams end."""
+    if nbytes > _limits.staging_cap:
+        raise ValueError(
+            f"{what} needs {nbytes} bytes of staging, larger than the process-wide staging cap of "
+            f"{_limits.staging_cap}: use a smaller ring_bytes or more slots, "
+            "or streamload.set_limits(staging_bytes=...)"
+        )
+
+
 def shared_limits() -> _Limits:
     return _limits
 
@@ -119,12 +129,7 @@ class Staging:
 
     async def take_first(self, nbytes: int) -> None:
         """Wait until `nbytes` fit the budget (other streams ending free it), then hold them."""
-        if nbytes > _limits.staging_cap:
-            raise ValueError(
-                f"one ring slot with its buffers needs {nbytes} bytes of staging, more than the process-wide "
-                f"cap of {_limits.staging_cap}: use a smaller ring_bytes or more slots, or raise the cap "
-                f"with streamload.set_limits(staging_bytes=...)"
-            )
+        check_fits(nbytes, "one ring slot with its buffers")
         while not _limits.try_take(nbytes):
             await anyio.sleep(_POLL)  # a poll, not a wait on a lock: streams run on different event loops
         self.held += nbytes

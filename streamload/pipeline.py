@@ -168,13 +168,6 @@ class _Stages:
     async def run(self, send: MemoryObjectSendStream[Delivered | _Failure]) -> None:
         plan, device, pool = self.plan, self.device, self.pool
         nslots = min(self.tuning.slots, max(1, len(plan.batches)))
-        if not device.staged:
-            # Slots hold no memory here, only read-ahead: batches beyond what the reader threads can
-            # work on at once just compete with the first ones for the disk (measured: the first
-            # tensor arrives ~2x later with 4 than with 2 in flight, for the same total time).
-            t = self.tuning
-            nslots = min(nslots, 1 + -(-t.threads * t.chunk_bytes // t.slot_bytes))
-        free_send, free_receive = create_memory_object_stream[torch.Tensor | None](nslots)
         slot_bytes = self.tuning.slot_bytes + (self.exchange.padding if self.exchange is not None else 0)
         if device.staged:
             # Slots come from the process-wide staging budget: wait for the first (with the buffers
@@ -182,6 +175,13 @@ class _Stages:
             buffers = device.buffers + (self.exchange.buffers if self.exchange is not None else 0)
             await self.staging.take_first(slot_bytes * (1 + buffers))
             nslots = 1 + sum(self.staging.try_take(slot_bytes) for _ in range(nslots - 1))
+        else:
+            # Slots hold no memory here, only read-ahead: batches beyond what the reader threads can
+            # work on at once just compete with the first ones for the disk (measured: the first
+            # tensor arrives ~2x later with 4 than with 2 in flight, for the same total time).
+            t = self.tuning
+            nslots = min(nslots, 1 + -(-t.threads * t.chunk_bytes // t.slot_bytes))
+        free_send, free_receive = create_memory_object_stream[torch.Tensor | None](nslots)
         for _ in range(nslots):
             free_send.send_nowait(device.new_slot(slot_bytes))
         filled_send, filled_receive = create_memory_object_stream[_Filling](nslots)

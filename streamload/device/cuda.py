@@ -65,7 +65,7 @@ class CudaDevice:
         return out
 
     def _to_device(self, batch: Batch, slot: torch.Tensor) -> torch.Tensor:
-        used = max((p.slot_offset + p.length for p in batch.pieces), default=0)
+        used = batch.extent
         if self._scratch is None:
             self._scratch = self._device_buffer(slot.numel())
         with torch.cuda.stream(self._stream):
