@@ -4,7 +4,7 @@
 >>> state = streamload.load("model.safetensors", device="cpu")  # doctest: +SKIP
 """
 
-from .api import TensorStream, inspect, iter, load
+from .api import inspect, iter, load
 from .errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError, UnsupportedError
 from .format import FileHeader, TensorInfo
 from .grouped import LayerStream, layers
@@ -14,6 +14,7 @@ from .module import LoadResult, aload_into, load_into
 from .shard import ShardSpec
 from .source import Checkpoint
 from .stats import Stats
+from .stream import TensorStream
 
 __version__ = "0.1.0"
 __all__ = [

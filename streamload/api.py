@@ -1,225 +1,32 @@
-"""The public face: `iter`, `load`, `inspect`. One async core; the sync face drives it from a thread."""
+"""The public face: `iter`, `load`, `inspect`. The stream's two faces are in stream.py."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import warnings
-import weakref
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-import anyio
 import torch
-from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from .device import Delivered, Device, MappedCPU, StagedCPU
-from .device.cuda import CudaDevice
-from .errors import StreamloadError, UnsupportedError
-from .exchange import Exchange
+from .device import Device, MappedCPU, StagedCPU
+from .errors import UnsupportedError
 from .limits import check_fits
-from .pipeline import Receiver, Tuning, next_tensor, open_pipeline, ready_tensor
-from .plan import DTypeOption, Order, Patterns, Plan, make_plan
+from .pipeline import Pipeline, Tuning
+from .plan import DTypeOption, Order, Patterns, make_plan
 from .read import MmapReader, PosixReader, Reader
-from .shard import ShardSpec
 from .source import Checkpoint, Source, open_checkpoint
 from .stats import Stats
+from .stream import TensorStream
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-try:  # the sync face's event loop: import its backend now rather than inside the first load's clock
-    import anyio._backends._asyncio
-except ImportError:  # pragma: no cover - a future anyio may move it; then it loads on first use
-    pass
+    from .exchange import Exchange
+    from .shard import ShardSpec
 
 ReaderName = Literal["auto", "mmap", "posix", "kvikio"]
 log = logging.getLogger("streamload")
-_TAKE = 256  # tensors the sync face fetches per hop to the pipeline's thread
-
-
-class TensorStream:
-    """`(name, tensor)` pairs of a checkpoint, each as soon as its bytes have arrived.
-
-    Use it with `async for` or plain `for`, ideally inside `async with` / `with`, which stops the
-    pipeline, joins its threads and closes its files deterministically on leaving the block. A bare
-    loop cleans up when it ends, fails, or when the stream object is dropped after a `break`.
-    Every tensor handed out is owned by the caller: the loader never writes to it again.
-    """
-
-    def __init__(
-        self,
-        checkpoint: Checkpoint,
-        plan: Plan,
-        reader: Reader,
-        device: Device,
-        tuning: Tuning,
-        exchange: Exchange | None = None,
-    ) -> None:
-        self.checkpoint = checkpoint
-        self.stats = Stats(
-            bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=reader.name, device=device.name
-        )
-        self.plan = plan
-        self._reader, self._device, self._tuning, self._exchange = reader, device, tuning, exchange
-        self._mode: Literal["async", "sync", "done"] | None = None
-        self._receive: Receiver | None = None
-        self._core: AbstractAsyncContextManager[Receiver] | None = None
-        self._portal_cm: AbstractContextManager[BlockingPortal] | None = None
-        self._portal: BlockingPortal | None = None
-        self._sync_core: AbstractContextManager[Receiver] | None = None
-        self._ready: list[Delivered] = []
-        self._error: BaseException | None = None
-
-    @property
-    def metadata(self) -> dict[str, str]:
-        """The checkpoint's `__metadata__` (all files merged)."""
-        return self.checkpoint.metadata
-
-    def _pipeline(self) -> AbstractAsyncContextManager[Receiver]:
-        return open_pipeline(self.plan, self._reader, self._device, self._tuning, self.stats, self._exchange)
-
-    def _claim(self, mode: Literal["async", "sync"]) -> None:
-        self._check_not_done()
-        if self._mode is not None:
-            raise StreamloadError("this TensorStream is already running")
-        self._mode = mode
-
-    def _check_not_done(self) -> None:
-        if self._mode == "done":
-            raise StreamloadError("a TensorStream runs once; call streamload.iter() again for another pass")
-
-    # -- async face: the pipeline runs in the caller's event loop, inside `async with` -----------------
-    async def __aenter__(self) -> TensorStream:
-        self._claim("async")
-        self._core = self._pipeline()
-        self._receive = await self._core.__aenter__()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:
-        core, self._core, self._mode = self._core, None, "done"
-        return await core.__aexit__(et, e, tb) if core is not None else None
-
-    def __aiter__(self) -> TensorStream:
-        self._check_not_done()
-        return self
-
-    async def __anext__(self) -> Delivered:
-        if self._core is not None:
-            assert self._receive is not None
-            item = await next_tensor(self._receive, self.stats)
-        else:  # a bare `async for`: no block to scope a task group, so the sync face runs it on a thread
-            # (through a weak reference: an idle worker thread must not keep a dropped stream alive)
-            item = await anyio.to_thread.run_sync(_next_of, weakref.ref(self))
-        if item is None:
-            raise StopAsyncIteration
-        return _handoff(item)
-
-    async def aclose(self) -> None:
-        if self._core is not None:
-            await self.__aexit__(None, None, None)
-        else:
-            await anyio.to_thread.run_sync(self.close)
-
-    # -- sync face: the same async core on a portal thread ---------------------------------------------
-    def __enter__(self) -> TensorStream:
-        self._claim("sync")
-        self._portal_cm = start_blocking_portal()
-        self._portal = self._portal_cm.__enter__()
-        try:
-            self._sync_core = self._portal.wrap_async_context_manager(self._pipeline())
-            self._receive = self._sync_core.__enter__()
-        except BaseException:
-            self._portal_cm.__exit__(None, None, None)
-            self._portal_cm = self._portal = None
-            raise
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        core, portal_cm = self._sync_core, self._portal_cm
-        self._sync_core = self._portal_cm = self._portal = None
-        self._mode = "done"
-        try:
-            if core is not None:
-                core.__exit__(et, e, tb)
-        finally:
-            if portal_cm is not None:
-                portal_cm.__exit__(None, None, None)
-
-    def close(self) -> None:
-        """Stop the pipeline and release everything (idempotent)."""
-        self.__exit__(None, None, None)
-
-    def __iter__(self) -> TensorStream:
-        self._check_not_done()
-        return self
-
-    def __next__(self) -> Delivered:
-        item = self._next_or_none()
-        if item is None:
-            raise StopIteration
-        return _handoff(item)
-
-    def _next_or_none(self) -> Delivered | None:
-        if self._mode is None:
-            self.__enter__()
-        if not self._ready:
-            if self._error is None and self._portal is not None:
-                try:
-                    self._ready = self._portal.call(self._take)
-                except BaseException as exc:
-                    self._error = exc
-            if not self._ready:
-                error, self._error = self._error, None
-                self.close()
-                if error is not None:
-                    raise error
-                return None
-        return self._ready.pop()
-
-    async def _take(self) -> list[Delivered]:
-        assert self._receive is not None
-        first = await next_tensor(self._receive, self.stats)
-        if first is None:
-            return []
-        taken = [first]
-        try:
-            while len(taken) < _TAKE and (item := ready_tensor(self._receive, self.stats)) is not None:
-                taken.append(item)
-        except BaseException as exc:  # hand out what arrived first, then the error
-            self._error = exc
-        taken.reverse()  # popped from the end
-        return taken
-
-    def __del__(self) -> None:
-        if self._portal_cm is not None:
-            warnings.warn(
-                "a streamload stream was left open and is closed by garbage collection; "
-                "use `with streamload.iter(...)` or call close()",
-                ResourceWarning,
-                stacklevel=2,
-            )
-            try:
-                self.close()
-            except Exception:
-                pass
-
-
-def _next_of(ref: weakref.ref[TensorStream]) -> Delivered | None:
-    stream = ref()
-    return None if stream is None else stream._next_or_none()
-
-
-def _handoff(item: Delivered) -> Delivered:
-    """Tie a device tensor to the receiving thread's current stream (see device/cuda.py)."""
-    t = item[1]
-    if t.is_cuda:
-        t.record_stream(torch.cuda.current_stream(t.device))
-    return item
 
 
 def iter(
@@ -278,7 +85,8 @@ def iter(
         shard=shard,
         share=share,
     )
-    return TensorStream(checkpoint, plan, read, make, tuning, exchange)
+    stats = Stats(bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=read.name, device=make.name)
+    return TensorStream(checkpoint, plan, Pipeline(plan, read, make, tuning, stats, exchange))
 
 
 def load(source: Source, **options: Any) -> dict[str, torch.Tensor]:
@@ -306,6 +114,8 @@ def _default_device() -> torch.device:
 def _exchange(cooperative: bool | ProcessGroup, dev: torch.device) -> Exchange | None:
     if cooperative is False or cooperative is None:
         return None
+    from .exchange import Exchange
+
     exchange = Exchange(None if cooperative is True else cooperative, dev)
     return exchange if exchange.world > 1 else None  # alone, there is nothing to divide
 
@@ -338,6 +148,7 @@ def _route(
         raise UnsupportedError("the mmap reader is for device='cpu'; use 'posix' or 'kvikio' with CUDA")
     if reader in ("auto", "kvikio"):
         try:
+            from .device.cuda import CudaDevice
             from .read.kvikio import KvikioReader
 
             kv = KvikioReader(tuning.threads, tuning.chunk_bytes)
@@ -352,6 +163,8 @@ def _route(
             if reader == "kvikio":
                 raise
             log.warning("streamload: kvikio is unavailable (%s); reading with preadv into pinned memory", exc)
+    from .device.cuda import CudaDevice
+
     return PosixReader(tuning.chunk_bytes), CudaDevice(dev, host_slots=True)
 
 

@@ -1,10 +1,12 @@
 """`streamload bench`: every loader on one checkpoint, each run in a fresh process, side by side.
 
 Runs alternate between loaders (so drift on a noisy machine hits all of them alike) and the median
-of N is reported. Every loader's tensors are made resident on the target device before its clock
-stops: on the CPU one byte of every 4 KiB page is read, so a lazily mapped tensor counts as loaded
-only once its pages are in. Cold runs evict the files from the page cache first. The ceilings are
-measured in the same run: parallel reads of the same files, and pinned host-to-device copies.
+of N is reported. The clock starts before the loader's own import (torch, and CUDA, are initialised
+before it, as in a user's program) and stops once every tensor is resident on the target device: on
+the CPU one byte of every 4 KiB page is read, so a lazily mapped tensor counts as loaded only once
+its pages are in. Cold runs evict the files from the page cache first. The ceilings are measured in
+the same run, timing the transfer alone (their buffers are allocated before the clock starts):
+parallel reads of the same files, and pinned host-to-device copies.
 
     streamload bench path/to/model --device cpu --cold --runs 5 --json out.json --plot out.png
 """
@@ -16,6 +18,7 @@ import importlib.util
 import json
 import mmap
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -36,18 +39,19 @@ class Loader:
     name: str
     needs: str | None  # module that must be importable, else the loader is skipped with a note
     devices: tuple[str, ...]  # device types it runs on
+    install: str = "pip install 'streamload[bench]'"  # what brings `needs`
 
 
 LOADERS = [
     Loader("streamload-mmap", None, ("cpu",)),
     Loader("streamload-posix", None, ("cpu", "cuda")),
-    Loader("streamload-kvikio", "kvikio", ("cuda",)),
+    Loader("streamload-kvikio", "kvikio", ("cuda",), "pip install 'streamload[cu12]' or 'streamload[cu13]'"),
     Loader("safetensors-load_file", "safetensors", ("cpu", "cuda")),
     Loader("safetensors-safe_open", "safetensors", ("cpu", "cuda")),
     Loader("fastsafetensors", "fastsafetensors", ("cpu", "cuda")),
     Loader("fastsafetensors-gds", "fastsafetensors", ("cuda",)),
     Loader("runai", "runai_model_streamer", ("cpu", "cuda")),
-    Loader("instanttensor", "instanttensor", ("cuda",)),
+    Loader("instanttensor", "instanttensor", ("cuda",), "pip install instanttensor"),
     Loader("ceiling-read", None, ("cpu", "cuda")),
     Loader("ceiling-odirect", None, ("cpu", "cuda")),
     Loader("ceiling-h2d", None, ("cuda",)),
@@ -71,6 +75,7 @@ class Summary:
     loader: str
     mode: str
     runs: list[Run] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # one line per failed run
 
     def median(self, key: Callable[[Run], float | None]) -> float | None:
         values = [v for r in self.runs if (v := key(r)) is not None]
@@ -140,51 +145,70 @@ def _tensors(loader: str, files: list[str], device: str) -> Iterator[tuple[str, 
         raise SystemExit(f"unknown loader {loader}")
 
 
-def _ceiling(loader: str, files: list[str], device: str) -> None:
+def _ceiling(loader: str, files: list[str], device: str) -> Callable[[], None]:
+    """The ceiling's transfer, ready to run: buffers (pinned ones cost ~0.6 s per GiB) are made here."""
     if loader == "ceiling-h2d":
-        _h2d(sum(os.path.getsize(f) for f in files), device)
+        return _h2d(sum(os.path.getsize(f) for f in files), device)
+    return parallel_read(files, direct=loader == "ceiling-odirect", pinned=device.startswith("cuda"))
+
+
+def parallel_read(files: list[str], direct: bool, pinned: bool) -> Callable[[], None]:
+    """A function that reads the files with READ_THREADS threads of READ_CHUNK-byte preadv into
+    per-thread buffers (allocated now, not when it runs)."""
+    if pinned:
+        import torch
+
+        from .read.base import writable_bytes
+
+        tensors = [torch.empty(READ_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(READ_THREADS)]
+        buffers = [writable_bytes(t) for t in tensors]
     else:
-        parallel_read(files, direct=loader == "ceiling-odirect", pinned=device.startswith("cuda"))
+        buffers = [memoryview(mmap.mmap(-1, READ_CHUNK)) for _ in range(READ_THREADS)]  # page-aligned for O_DIRECT
+    for b in buffers:
+        b[:: mmap.PAGESIZE] = bytes(len(b[:: mmap.PAGESIZE]))  # fault the pages in before the clock
+    free = list(buffers)
+    lock = threading.Lock()
+
+    def one(fd: int, offset: int) -> None:
+        with lock:
+            buf = free.pop()
+        try:
+            os.preadv(fd, [buf], offset)
+        finally:
+            with lock:
+                free.append(buf)
+
+    def run() -> None:
+        fds = [os.open(f, os.O_RDONLY | (os.O_DIRECT if direct else 0)) for f in files]
+        try:
+            with ThreadPoolExecutor(READ_THREADS) as pool:
+                sizes = [os.path.getsize(f) for f in files]
+                jobs = [(fd, off) for fd, size in zip(fds, sizes, strict=True) for off in range(0, size, READ_CHUNK)]
+                list(pool.map(lambda job: one(*job), jobs))
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    return run
 
 
-def parallel_read(files: list[str], direct: bool, pinned: bool) -> None:
-    """Read the files with READ_THREADS threads of READ_CHUNK-byte preadv into per-thread buffers."""
-    local = threading.local()
-    fds = [os.open(f, os.O_RDONLY | (os.O_DIRECT if direct else 0)) for f in files]
-    jobs = [(fd, off) for fd, f in zip(fds, files, strict=True) for off in range(0, os.path.getsize(f), READ_CHUNK)]
-
-    def buffer() -> memoryview:
-        if not hasattr(local, "buf"):
-            if pinned:
-                import torch
-
-                from .read.base import writable_bytes
-
-                local.tensor = torch.empty(READ_CHUNK, dtype=torch.uint8, pin_memory=True)
-                local.buf = writable_bytes(local.tensor)
-            else:
-                local.buf = memoryview(mmap.mmap(-1, READ_CHUNK))  # page-aligned, as O_DIRECT needs
-        return local.buf
-
-    try:
-        with ThreadPoolExecutor(READ_THREADS) as pool:
-            list(pool.map(lambda job: os.preadv(job[0], [buffer()], job[1]), jobs))
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def _h2d(nbytes: int, device: str) -> None:
-    """Copy `nbytes` from pinned host memory to the device, 256 MiB at a time."""
+def _h2d(nbytes: int, device: str) -> Callable[[], None]:
+    """A function that copies `nbytes` from pinned host memory to the device, 256 MiB at a time."""
     import torch
 
     chunk = 256 << 20
-    host = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+    host = torch.ones(chunk, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(chunk, dtype=torch.uint8, device=device)
-    for off in range(0, nbytes, chunk):
-        n = min(chunk, nbytes - off)
-        dev[:n].copy_(host[:n], non_blocking=True)
+    dev.copy_(host[: 1 << 20])  # the first copy sets up the CUDA context's copy engine
     torch.cuda.synchronize(device)
+
+    def run() -> None:
+        for off in range(0, nbytes, chunk):
+            n = min(chunk, nbytes - off)
+            dev[:n].copy_(host[:n], non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    return run
 
 
 _MODULES = {
@@ -199,21 +223,23 @@ _MODULES = {
 def child(loader: str, files: list[str], device: str) -> Run:
     import torch
 
-    module = _MODULES.get(loader.split("-")[0])
-    if module is not None:
-        importlib.import_module(module)  # imports are not part of the load
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.init()
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     layer0 = _layer0_names(files)
-    start = time.perf_counter()
     if loader.startswith("ceiling"):
-        _ceiling(loader, files, device)
+        transfer = _ceiling(loader, files, device)
+        start = time.perf_counter()
+        transfer()
         seconds = time.perf_counter() - start
         total = sum(os.path.getsize(f) for f in files)
         return Run(seconds, [(seconds, total)], seconds, None, _peak_rss())
+    start = time.perf_counter()
+    module = _MODULES.get(loader.split("-")[0])
+    if module is not None:
+        importlib.import_module(module)  # a user's program pays for the loader's import too
     kept, arrivals, done, first_layer = [], [], 0, None
     pending = set(layer0)
     for name, t in _tensors(loader, files, device):
@@ -236,11 +262,16 @@ def child(loader: str, files: list[str], device: str) -> Run:
 
 
 def _layer0_names(files: list[str]) -> set[str]:
-    from .layers import layer_of
-    from .source import open_checkpoint
+    """Layer 0's tensor names, read from the headers without importing streamload (which is measured)."""
+    import json
+    import re
 
-    names = open_checkpoint(files).tensors
-    return {n for n in names if (layer := layer_of(n)) is not None and layer.index == 0}
+    names: set[str] = set()
+    for f in files:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            names |= set(json.loads(fh.read(n))) - {"__metadata__"}
+    return {n for n in names if re.match(r"^(?:.*?\.)?(?:layers|layer|h|blocks|block)\.0(?:\.|$)", n)}  # layers.py
 
 
 def _peak_rss() -> int:
@@ -275,7 +306,7 @@ def available(loaders: Iterable[str], device: str) -> tuple[list[str], list[str]
         if kind not in ld.devices:
             notes.append(f"{name}: skipped, does not run on {kind}")
         elif ld.needs and importlib.util.find_spec(ld.needs) is None:
-            notes.append(f"{name}: skipped, {ld.needs} is not installed (pip install 'streamload[bench]')")
+            notes.append(f"{name}: skipped, {ld.needs} is not installed ({ld.install})")
         else:
             ok.append(name)
     return ok, notes
@@ -285,9 +316,18 @@ def run_child(loader: str, files: list[str], device: str) -> Run:
     cmd = [sys.executable, "-m", "streamload.bench", "--child", loader, device, *files]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
-        tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"{loader} failed: {tail}")
+        raise RuntimeError(f"{loader} failed: {failure_line(out.stderr)}")
     return Run(**json.loads(out.stdout))
+
+
+def failure_line(stderr: str, most: int = 200) -> str:
+    """One readable line from a failed child's stderr: the exception line, not a dump."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    # The traceback's last "Name: message" line; a loader may print more after it, or no traceback.
+    found = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b", line)]
+    line = (found or lines or ["(no output)"])[-1]
+    line = " ".join(line.split())
+    return line if len(line) <= most else line[: most - 3] + "..."
 
 
 def bench(
@@ -306,6 +346,8 @@ def bench(
     from .source import open_checkpoint
 
     files = [str(f.path) for f in open_checkpoint(path).files]
+    if device == "cuda":
+        device = "cuda:0"  # the peers need an indexed device; this is the one "cuda" means
     names, notes = available(loaders or [ld.name for ld in LOADERS], device)
     for note in notes:
         log(note)
@@ -316,20 +358,22 @@ def bench(
                 if mode == "cold":
                     evict(files)
                 else:  # (re)fill the page cache: a loader may have evicted what it read
-                    parallel_read(files, direct=False, pinned=False)
+                    parallel_read(files, direct=False, pinned=False)()
                 try:
                     run = run_child(name, files, device)
                 except RuntimeError as exc:
                     log(f"{mode} run {r + 1}/{runs} {exc}")
+                    results[(mode, name)].failures.append(str(exc))
                     continue
                 results[(mode, name)].runs.append(run)
                 log(f"{mode} run {r + 1}/{runs} {name}: {run.seconds:.3f} s")
-    return [s for s in results.values() if s.runs]
+    return list(results.values())
 
 
 def report(summaries: list[Summary], total: int) -> list[dict[str, Any]]:
     """One row per loader and mode, with the ceiling fractions and ratios to load_file."""
     rows = []
+    summaries = [s for s in summaries if s.runs]
     for mode in sorted({s.mode for s in summaries}):
         group = [s for s in summaries if s.mode == mode]
         secs = {s.loader: s.median(lambda r: r.seconds) or 0.0 for s in group}
@@ -390,6 +434,7 @@ def plot(summaries: list[Summary], rows: list[dict[str, Any]], total: int, path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    summaries = [s for s in summaries if s.runs]
     modes = sorted({s.mode for s in summaries})
     fig, axes = plt.subplots(len(modes), 2, figsize=(13, 4.2 * len(modes)), squeeze=False)
     for row_axes, mode in zip(axes, modes, strict=True):

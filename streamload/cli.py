@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "load":
             _load(args.path, args.device, args.dtype, args.reader)
         elif args.command == "bench":
-            _bench(args)
+            return _bench(args)
     except (StreamloadError, ValueError) as exc:
         print(f"streamload: error: {exc}", file=sys.stderr)
         return 1
@@ -152,7 +152,7 @@ def _load(path: str, device: str | None, dtype: str | None, reader: str) -> None
           f"({s.gbps:.2f} GB/s), first tensor after {1e3 * (s.time_to_first_tensor or 0):.1f} ms")  # fmt: skip
 
 
-def _bench(args: argparse.Namespace) -> None:
+def _bench(args: argparse.Namespace) -> int:
     from . import bench
     from .source import open_checkpoint
 
@@ -166,10 +166,19 @@ def _bench(args: argparse.Namespace) -> None:
     if args.markdown:
         args.markdown.write_text(text)
     if args.json:
-        raw = [{"loader": s.loader, "mode": s.mode, "runs": [vars(r) for r in s.runs]} for s in summaries]
+        raw = [{"loader": s.loader, "mode": s.mode, "runs": [vars(r) for r in s.runs], "failures": s.failures}
+               for s in summaries]  # fmt: skip
         args.json.write_text(json.dumps({"bytes": total, "device": args.device, "rows": rows, "raw": raw}, indent=1))
-    if args.plot:
+    if args.plot and rows:
         bench.plot(summaries, rows, total, args.plot)
+    failed = sorted({s.loader for s in summaries if s.failures and not s.runs})
+    if not any(s.runs for s in summaries):
+        print("streamload: error: no loader ran", file=sys.stderr)
+        return 1
+    if failed:
+        print(f"streamload: error: failed in every run: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

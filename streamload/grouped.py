@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from .api import TensorStream
 from .api import iter as stream_tensors
 from .layers import group_of
 from .source import Source
 from .stats import Stats
+from .stream import TensorStream
 
 Group = tuple[str, dict[str, torch.Tensor]]
 
@@ -61,7 +61,12 @@ class LayerStream:
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.stream.__exit__(et, e, tb)
+        self.close()
+
+    def close(self) -> None:
+        """Close the tensor stream and drop the tensors of groups not yet complete."""
+        self._partial.clear()
+        self.stream.close()
 
     async def __aenter__(self) -> LayerStream:
         await self.stream.__aenter__()
@@ -69,8 +74,9 @@ class LayerStream:
 
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:
-        return await self.stream.__aexit__(et, e, tb)
+    ) -> None:
+        self._partial.clear()
+        await self.stream.aclose()
 
 
 def layers(source: Source, *, key: Callable[[str], str] | None = None, **options: Any) -> LayerStream:

@@ -18,10 +18,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import anyio
-
 GiB = 1 << 30
-_POLL = 0.005  # seconds between looks at the budget while a stream waits for its first slot
 
 
 @dataclass(frozen=True)
@@ -40,6 +37,7 @@ class _Limits:
         self.reader_threads = reader_threads
         self.staging_cap = staging_bytes
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  # staging was given back
         self._held = 0
         self._peak = 0
         self._executor: ThreadPoolExecutor | None = None
@@ -71,9 +69,25 @@ class _Limits:
             self._peak = max(self._peak, self._held)
             return True
 
+    def take(self, nbytes: int, stop: threading.Event) -> bool:
+        """Wait until `nbytes` fit the budget, then hold them; False if `stop` was set first."""
+        with self._lock:
+            while self._held + nbytes > self.staging_cap:
+                if stop.is_set():
+                    return False
+                self._freed.wait(0.05)  # a timeout only to see `stop`: `wake` notifies at once
+            self._held += nbytes
+            self._peak = max(self._peak, self._held)
+            return True
+
+    def wake(self) -> None:
+        with self._lock:
+            self._freed.notify_all()
+
     def give_back(self, nbytes: int) -> None:
         with self._lock:
             self._held -= nbytes
+            self._freed.notify_all()
 
     def usage(self, reset_peak: bool) -> Usage:
         with self._lock:
@@ -127,12 +141,14 @@ class Staging:
     def __init__(self) -> None:
         self.held = 0
 
-    async def take_first(self, nbytes: int) -> None:
-        """Wait until `nbytes` fit the budget (other streams ending free it), then hold them."""
+    def take_first(self, nbytes: int, stop: threading.Event) -> bool:
+        """Wait until `nbytes` fit the budget (other streams ending free it), then hold them;
+        False if `stop` was set while waiting."""
         check_fits(nbytes, "one ring slot with its buffers")
-        while not _limits.try_take(nbytes):
-            await anyio.sleep(_POLL)  # a poll, not a wait on a lock: streams run on different event loops
+        if not _limits.take(nbytes, stop):
+            return False
         self.held += nbytes
+        return True
 
     def try_take(self, nbytes: int) -> bool:
         if _limits.try_take(nbytes):

@@ -104,3 +104,41 @@ def test_bench_runs_loaders_and_writes_json_and_plot(small_model: Path, tmp_path
     arrivals = raw["runs"][0]["arrivals"]
     assert arrivals[-1][1] == doc["bytes"] and all(a[0] <= b[0] for a, b in itertools.pairwise(arrivals))
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_failures_are_one_line_and_fail_the_command(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamload import bench
+
+    dump = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: Expected a torch.device " \
+           "with a specified index or an integer, but got:cuda\n" + "arg = 0x7f" * 500  # fmt: skip
+    assert bench.failure_line(dump) == "ValueError: Expected a torch.device with a specified index or an integer, " \
+                                       "but got:cuda"  # fmt: skip
+    assert len(bench.failure_line("x" * 5000)) == 200 and "\n" not in bench.failure_line("a\nb" * 3000)
+
+    real = bench.run_child
+
+    def flaky(loader: str, files: list[str], device: str) -> bench.Run:
+        if loader == "safetensors-load_file":
+            raise RuntimeError(f"{loader} failed: {bench.failure_line(dump)}")
+        return real(loader, files, device)
+
+    monkeypatch.setattr(bench, "run_child", flaky)
+    argv = ["bench", str(small_model), "--runs", "2", "--loaders", "streamload-mmap", "safetensors-load_file"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "failed in every run: safetensors-load_file" in err
+    assert all(len(line) < 300 for line in err.splitlines())
+    # A loader that cannot run here at all: nothing ran, which is a failure too, with the extra to install.
+    assert main(["bench", str(small_model), "--runs", "1", "--loaders", "streamload-kvikio"]) == 1
+    err = capsys.readouterr().err
+    assert "no loader ran" in err and "does not run on cpu" in err
+
+
+def test_bench_skip_hint_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamload import bench
+
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)  # as where kvikio is missing
+    _, notes = bench.available(["streamload-kvikio"], "cuda:0")
+    assert len(notes) == 1 and "'streamload[cu12]' or 'streamload[cu13]'" in notes[0]

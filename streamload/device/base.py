@@ -17,8 +17,9 @@ Delivered = tuple[str, torch.Tensor]
 class Device(Protocol):
     """Where staging lives, how a slot becomes tensors, and when a slot may be reused.
 
-    The pipeline calls `new_slot` once per ring slot, then for each filled batch `instantiate` on a
-    worker thread; when `instantiate` returns, the slot may be refilled.
+    The pipeline calls `new_slot` once per ring slot, then `instantiate` for each filled batch, in
+    plan order, on the consumer's thread (or the async face's worker thread); when `instantiate`
+    returns, the slot may be refilled.
     """
 
     name: str
@@ -26,10 +27,6 @@ class Device(Protocol):
     buffers: int  # slot-sized buffers kept besides the ring (counted against the staging budget)
 
     def new_slot(self, nbytes: int) -> torch.Tensor | None: ...
-
-    def cheap(self, batch: Batch) -> bool:
-        """Whether `instantiate` is cheap enough to run on the event loop rather than a worker thread."""
-        ...
 
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]: ...
 

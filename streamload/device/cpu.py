@@ -25,9 +25,6 @@ class StagedCPU:
     def new_slot(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def cheap(self, batch: Batch) -> bool:
-        return False  # copies every byte
-
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]:
         assert slot is not None
         out = []
@@ -53,9 +50,6 @@ class MappedCPU:
 
     def new_slot(self, nbytes: int) -> None:
         return None
-
-    def cheap(self, batch: Batch) -> bool:
-        return all(p.item.out == p.item.stored for p in batch.pieces)  # views only, no conversion
 
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]:
         return [(p.item.name, convert(_view(p.item, files), p.item)) for p in batch.pieces if p.last]

@@ -47,9 +47,6 @@ class CudaDevice:
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def cheap(self, batch: Batch) -> bool:
-        return False  # waits for the device
-
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]:
         assert slot is not None
         with torch.cuda.device(self.device):

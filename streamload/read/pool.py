@@ -1,84 +1,114 @@
 """A stream's use of the process-wide reader threads (see limits.py).
 
-A batch's jobs are handed over together, so waiting for a batch costs the event loop one thread hop
-however many requests it takes, and jobs run in the order batches were planned. A stream has at most
-`threads` requests with the shared pool at once, so one large load cannot queue so far ahead that
-the others wait behind all of it.
+`submit` never blocks: a batch's jobs queue here, in plan order, and go to the shared thread pool as
+this stream's turns free up, so a stream has at most `threads` requests with the pool at once and one
+large load cannot queue so far ahead that the others wait behind all of it. Jobs with nothing left to
+read (`Done`) are counted at once, without a thread.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, wait
-
-from anyio import to_thread
 
 from ..limits import shared_limits
 from .base import Done, Job
+
+
+class Reads:
+    """The jobs of one batch: `wait` returns once every one has finished, or raises the first error
+    (only once none of them can still write into the slot)."""
+
+    def __init__(self, count: int) -> None:
+        self._left = count
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        if count == 0:
+            self._done.set()
+
+    def _finished(self, error: BaseException | None) -> None:  # under the pool's lock
+        if error is not None and self._error is None:
+            self._error = error
+        self._left -= 1
+        if self._left == 0:
+            self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
 
 
 class ReaderPool:
     def __init__(self, threads: int, on_bytes: Callable[[int], None]) -> None:
         self._limits = shared_limits()
         self._executor = self._limits.join()
-        self._turns = threading.Semaphore(threads)  # this stream's requests queued or running
-        self._stop = threading.Event()
+        self._turns = threads  # requests this stream may still hand to the shared pool
+        self._queue: deque[tuple[Job, Reads]] = deque()
+        self._running = 0
+        self._stop = False
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._on_bytes = on_bytes
-        self._pending: set[Future[None]] = set()
         self._closed = False
 
-    def run(self, jobs: Sequence[Job]) -> None:
-        """Run `jobs` in parallel and return when every one has finished (blocking).
+    def submit(self, jobs: Sequence[Job]) -> Reads:
+        """Queue a batch's jobs; they run in the order submitted."""
+        reads = Reads(len(jobs))
+        with self._lock:
+            for job in jobs:
+                if isinstance(job, Done):  # arrived already: count it, no thread
+                    self._on_bytes(job())
+                    reads._finished(None)
+                else:
+                    self._queue.append((job, reads))
+            self._pump()
+        return reads
 
-        Raises the first job's error, but only once none of them can still write into the slot.
-        """
-        futures = []
-        for job in jobs:
-            self._turns.acquire()
-            future = self._executor.submit(self._one, job)
-            with self._lock:
-                self._pending.add(future)
-            future.add_done_callback(self._finished)
-            futures.append(future)
-        wait(futures)
-        for f in futures:
-            f.result()
+    def _pump(self) -> None:  # under the lock
+        while self._queue and self._turns > 0:
+            job, reads = self._queue.popleft()
+            if self._stop:
+                reads._finished(None)  # the stream is ending: requests not yet begun are skipped
+                continue
+            self._turns -= 1
+            self._running += 1
+            self._executor.submit(self._one, job, reads)
 
-    async def run_async(self, jobs: Sequence[Job]) -> None:
-        """`run` from async code: jobs that have nothing left to read finish inline, without a thread."""
-        if all(isinstance(j, Done) for j in jobs):
-            for j in jobs:
-                self._on_bytes(j())
-        else:
-            await to_thread.run_sync(self.run, jobs)
-
-    def _one(self, job: Job) -> None:
-        if self._stop.is_set():  # the stream is ending: requests not yet begun are skipped
-            return
+    def _one(self, job: Job, reads: Reads) -> None:
+        error: BaseException | None = None
+        n = 0
         try:
             n = job()
-        except BaseException:
-            self._stop.set()
-            raise
+        except BaseException as exc:
+            error = exc
         with self._lock:
-            self._on_bytes(n)
-
-    def _finished(self, future: Future[None]) -> None:
-        with self._lock:
-            self._pending.discard(future)
-        self._turns.release()
+            if error is not None:
+                self._stop = True  # the stream fails: later requests need not run
+            else:
+                self._on_bytes(n)
+            reads._finished(error)
+            self._turns += 1
+            self._running -= 1
+            self._pump()
+            if self._running == 0:
+                self._idle.notify_all()
 
     def stop(self) -> None:
-        self._stop.set()
+        """Skip every request not yet begun (their batches finish at once, unread)."""
+        with self._lock:
+            self._stop = True
+            self._pump()
 
     def close(self) -> None:
         """Skip what has not begun, wait for what has (it may write into a slot), leave the pool."""
-        self._stop.set()
         with self._lock:
-            pending = list(self._pending)
-        wait(pending)
-        if not self._closed:
+            self._stop = True
+            self._pump()
+            while self._running:
+                self._idle.wait()
+            if self._closed:
+                return
             self._closed = True
-            self._limits.leave()
+        self._limits.leave()
