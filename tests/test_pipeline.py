@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import weakref
 from pathlib import Path
 
 import anyio
@@ -278,3 +279,50 @@ def test_a_read_failing_transiently_forever_is_an_error(tmp_path: Path, monkeypa
     monkeypatch.setattr(streamload.read.posix, "_BACKOFF", 0.0)
     with pytest.raises(streamload.ReadError, match=r"m\.safetensors: reading at offset \d+ failed: .*\(100 times in"):
         streamload.load(path, device="cpu", reader="posix")
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+def test_closing_releases_every_tensor_and_buffer(model: Path, reader: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A closed stream that the caller keeps (for its stats, say) holds no tensor, slot or mapping."""
+    from streamload.device import MappedCPU
+
+    made: list[weakref.ref[torch.Tensor]] = []
+    device = StagedCPU if reader == "posix" else MappedCPU
+    real_slot, real_made = device.new_slot, device.instantiate
+
+    def new_slot(self, nbytes):  # type: ignore[no-untyped-def]
+        slot = real_slot(self, nbytes)
+        if slot is not None:
+            made.append(weakref.ref(slot))
+        return slot
+
+    def instantiate(self, batch, slot, files):  # type: ignore[no-untyped-def]
+        out = real_made(self, batch, slot, files)
+        made.extend(weakref.ref(t) for _, t in out)
+        return out
+
+    monkeypatch.setattr(device, "new_slot", new_slot)
+    monkeypatch.setattr(device, "instantiate", instantiate)
+    stream = streamload.iter(model, device="cpu", reader=reader, ring_bytes=1 << 20, slots=2, chunk_bytes=1 << 16)
+    with stream:
+        _, kept = next(stream)
+    assert len(made) > 2  # slots and a batch of several tensors were made; one was handed out
+    gc.collect()
+    alive = [t for r in made if (t := r()) is not None]
+    assert len(alive) == 1 and alive[0] is kept
+    assert stream.stats.tensors_done == 1
+    del kept, alive
+    gc.collect()
+    assert all(r() is None for r in made)  # and the one handed out was the caller's alone
+
+
+def test_closing_a_layer_stream_drops_incomplete_groups(model: Path) -> None:
+    groups = streamload.layers(model, device="cpu", reader="posix", key=lambda n: n if n.endswith(".1.w") else "all")
+    seen: list[weakref.ref[torch.Tensor]] = []
+    with groups:
+        for _key, _tensors in groups:
+            break
+        seen = [weakref.ref(t) for t in groups._partial.get("all", {}).values()]
+    assert seen  # "all" was incomplete when the loop stopped
+    gc.collect()
+    assert all(r() is None for r in seen)
