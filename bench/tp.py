@@ -106,7 +106,7 @@ def main() -> None:
                 per_rank[cooperative].append(statistics.mean(r["bytes_read"] for r in results))
         alone = statistics.median(slowest[False])
         if world > 1:
-            slot = streamload.api.Tuning().slot_bytes
+            slot = streamload.defaults.tuning("cpu", 0).slot_bytes
             ceilings.append(f"{world} ranks: {exchange_gbps(world, slot):.2f} GB/s of slot bytes")
         for cooperative in modes:
             s, b = statistics.median(slowest[cooperative]), statistics.median(per_rank[cooperative])

@@ -4,17 +4,36 @@
 >>> state = streamload.load("model.safetensors", device="cpu")  # doctest: +SKIP
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .api import inspect, iter, load
 from .errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError, UnsupportedError
 from .format import FileHeader, TensorInfo
-from .grouped import LayerStream, layers
+from .grouped import LayerStream, layers  # after `.layers`' import, so `streamload.layers` is the function
 from .layers import Layer, group_of, layer_of
 from .limits import Usage, set_limits, usage
-from .module import LoadResult, aload_into, load_into
-from .shard import ShardSpec
 from .source import Checkpoint
 from .stats import Stats
 from .stream import TensorStream
+
+if TYPE_CHECKING:
+    from .module import LoadResult, aload_into, load_into
+    from .shard import ShardSpec
+
+# Imported on first use: a plain load needs none of them (`import streamload` is on a load's clock).
+_LAZY = {"LoadResult": "module", "aload_into": "module", "load_into": "module", "ShardSpec": "shard"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'streamload' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 __all__ = [

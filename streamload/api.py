@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from . import defaults
 from .device import Device, MappedCPU, StagedCPU
 from .errors import UnsupportedError
 from .limits import check_fits
@@ -38,10 +39,10 @@ def iter(
     exclude: Patterns = None,
     order: Order = "layer",
     reader: ReaderName = "auto",
-    ring_bytes: int = Tuning.ring_bytes,
-    slots: int = Tuning.slots,
-    threads: int = Tuning.threads,
-    chunk_bytes: int = Tuning.chunk_bytes,
+    ring_bytes: int | None = None,
+    slots: int | None = None,
+    threads: int | None = None,
+    chunk_bytes: int | None = None,
     shard: ShardSpec | None = None,
     cooperative: bool | ProcessGroup = False,
 ) -> TensorStream:
@@ -62,11 +63,13 @@ def iter(
     >>> for name, t in streamload.iter("model.safetensors", device="cpu"):  # doctest: +SKIP
     ...     print(name, t.shape)
     """
-    tuning = Tuning(ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes)
-    tuning.check()
-    check_fits(tuning.slot_bytes, "a ring slot")
     dev = torch.device(device) if device is not None else _default_device()
     checkpoint = open_checkpoint(source)
+    tuning = defaults.tuning(
+        dev.type, checkpoint.nbytes, ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes
+    )
+    tuning.check()
+    check_fits(tuning.slot_bytes, "a ring slot")
     first = checkpoint.files[0].path if checkpoint.files else None
     exchange = _exchange(cooperative, dev)
     read, make = _route(dev, reader, tuning, first, exchange)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 
-@dataclass(frozen=True)
-class DType:
+class DType(NamedTuple):
     """One safetensors dtype: its width and, if this torch has one, its torch dtype."""
 
     name: str

@@ -6,14 +6,12 @@ The layout: 8 bytes little-endian N, N bytes of UTF-8 JSON, then the data sectio
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .dtypes import DTYPES, DType
 from .errors import HeaderError, MissingFileError, ReadError, SourceError
@@ -23,8 +21,7 @@ TENSOR_LIMIT = 1_000_000  # per file; the largest public checkpoints hold under 
 _FIRST_READ = 1 << 18  # one pread usually covers the length word and the whole header
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
     """Where one tensor lives: file, dtype, shape and its absolute byte range in the file."""
 
     name: str
@@ -43,8 +40,7 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
-class FileHeader:
+class FileHeader(NamedTuple):
     """A parsed, validated safetensors file header."""
 
     path: Path
@@ -95,7 +91,7 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
             head += _pread_exact(fd, path, 8 + n - len(head), len(head))
     finally:
         os.close(fd)
-    return dataclasses.replace(parse_header(path, size, head[8 : 8 + n]), identity=identity)
+    return parse_header(path, size, head[8 : 8 + n])._replace(identity=identity)
 
 
 def file_identity(st: os.stat_result) -> tuple[int, ...]:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import NamedTuple
+
+from . import defaults
 
 GiB = 1 << 30
 
 
-@dataclass(frozen=True)
-class Usage:
+class Usage(NamedTuple):
     """A snapshot of the process-wide limits and what the streams use of them."""
 
     reader_threads: int  # the pool's size
@@ -97,11 +98,12 @@ class _Limits:
             return snapshot
 
 
-_limits = _Limits(reader_threads=16, staging_bytes=2 * GiB)
+_limits = _Limits(reader_threads=defaults.reader_threads(), staging_bytes=2 * GiB)
 
 
 def set_limits(*, reader_threads: int | None = None, staging_bytes: int | None = None) -> None:
-    """Set the process-wide reader thread pool size and staging memory cap (defaults: 16, 2 GiB).
+    """Set the process-wide reader thread pool size and staging memory cap (defaults: 2 threads per CPU,
+    at least 8 and at most 32; 2 GiB).
 
     A new pool size applies from the next time no stream is running; a new cap at once (streams
     already holding more keep it until they end).

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from .defaults import Tuning
 from .device import Delivered, Device
 from .errors import StreamloadError
 from .limits import Staging, shared_limits
@@ -30,36 +30,8 @@ from .stats import Stats
 if TYPE_CHECKING:
     from .exchange import Exchange
 
-MiB = 1 << 20
 
-
-@dataclass(frozen=True)
-class Tuning:
-    """How much memory and how many threads a stream uses (see `defaults.py` for the defaults)."""
-
-    ring_bytes: int = 256 * MiB  # all staging slots together
-    slots: int = 4  # ring slots: reads of up to `slots` batches are in flight
-    threads: int = 8  # reader threads
-    chunk_bytes: int = 8 * MiB  # the most one read request asks for
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.ring_bytes // self.slots // 64 * 64
-
-    def check(self) -> None:
-        if self.slots < 1 or self.threads < 1:
-            raise ValueError("slots and threads must be >= 1")
-        if self.slot_bytes < 4096:
-            raise ValueError(
-                f"ring of {self.ring_bytes} bytes in {self.slots} slots gives slots under 4 KiB; "
-                "make the ring larger or the slots fewer"
-            )
-        if self.chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes must be at least 4096, not {self.chunk_bytes}")
-
-
-@dataclass
-class _Filling:
+class _Filling(NamedTuple):
     batch: Batch
     slot: torch.Tensor | None
     reads: Reads

@@ -5,10 +5,8 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
@@ -16,8 +14,10 @@ from .dtypes import torch_shape
 from .errors import UnsupportedError
 from .format import FileHeader, TensorInfo
 from .layers import layer_rank
-from .shard import SKIP, ShardSpec, Slice, byte_ranges
 from .source import Checkpoint
+
+if TYPE_CHECKING:
+    from .shard import ShardSpec, Slice
 
 Patterns = str | Sequence[str] | Callable[[str], bool] | None
 DTypeOption = torch.dtype | Mapping[str, torch.dtype | None] | None
@@ -27,8 +27,7 @@ MIN_STRIDED_READ = 1 << 20  # strided slices with smaller blocks are read as who
 SLOT_ALIGN = 64  # each piece starts 64-byte aligned in its slot, so any dtype view of it is legal
 
 
-@dataclass(frozen=True)
-class Item:
+class Item(NamedTuple):
     """A tensor as it will be delivered: where its bytes are and what torch tensor they become."""
 
     info: TensorInfo
@@ -36,6 +35,7 @@ class Item:
     stored: torch.dtype  # dtype of the bytes
     out: torch.dtype  # dtype handed to the caller
     ranges: tuple[tuple[int, int], ...]  # (file offset, length) read; concatenated, the delivered bytes
+    nbytes: int  # of the ranges together (asked for by every piece: a slice can have thousands of ranges)
     part: Slice | None = None  # this rank's slice of the full tensor, if sharded
     read_whole: bool = False  # the ranges are the whole tensor: take `part` of it after reading
 
@@ -43,13 +43,8 @@ class Item:
     def name(self) -> str:
         return self.info.name
 
-    @cached_property  # asked for by every piece: a rank's slice can have thousands of ranges
-    def nbytes(self) -> int:
-        return sum(n for _, n in self.ranges)
 
-
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """`length` bytes of `item`, from `file_offset`, that are bytes `offset...` of the delivered
     tensor, placed at `slot_offset` of a slot."""
 
@@ -64,8 +59,7 @@ class Piece:
         return self.offset + self.length == self.item.nbytes
 
 
-@dataclass(frozen=True)
-class Batch:
+class Batch(NamedTuple):
     """The pieces read into one slot together. A shared batch holds bytes every rank of a cooperative
     load needs: each rank reads a part of it and the ranks exchange the rest (see exchange.py)."""
 
@@ -93,8 +87,7 @@ class Batch:
         return Batch(self.index, tuple(pieces), self.shared)
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     items: tuple[Item, ...]
     batches: tuple[Batch, ...]
     files: dict[Path, FileHeader]  # the files the selected tensors come from
@@ -161,7 +154,7 @@ def make_plan(
         infos.sort(key=lambda t: (layer_rank(t.name), by_file(t)))
     else:
         infos.sort(key=by_file)
-    spec = shard.resolved() if shard is not None else None
+    spec = shard.resolved() if shard is not None else None  # (shard.py is imported only by those who shard)
     items = tuple(item for t in infos if (item := _item(t, dtype, spec)) is not None)
     used = {t.path for t in infos}
     files = {f.path: f for f in checkpoint.files if f.path in used}
@@ -185,11 +178,16 @@ def _item(info: TensorInfo, dtype: DTypeOption, shard: ShardSpec | None) -> Item
             f"has no torch representation in torch {torch.__version__}"
         )
     out = out_dtype(info, stored, dtype)
-    part = shard.slice(info.name, shape) if shard is not None else None
+    whole = ((info.begin, info.nbytes),)
+    if shard is None:
+        return Item(info, shape, stored, out, whole, info.nbytes)
+    from .shard import SKIP, Slice, byte_ranges
+
+    part = shard.slice(info.name, shape)
     if part == SKIP:
         return None
     if not isinstance(part, Slice) or part.length == shape[part.dim]:  # whole: a world of one
-        return Item(info, shape, stored, out, ((info.begin, info.nbytes),))
+        return Item(info, shape, stored, out, whole, info.nbytes)
     ranges = byte_ranges(info.begin, shape, stored.itemsize, part)
     sliced = (*shape[: part.dim], part.length, *shape[part.dim + 1 :])
     # Decided on the widest rank's block, so every rank decides alike (cooperative loads rely on it).
@@ -199,8 +197,9 @@ def _item(info: TensorInfo, dtype: DTypeOption, shard: ShardSpec | None) -> Item
     if len(ranges) > 1 and block < MIN_STRIDED_READ:
         # Many small strided pieces: whole rows (the whole tensor) read in one go are cheaper than
         # scattered small reads (measured: ~4x faster cold for a rank's columns of o_proj/down_proj).
-        return Item(info, sliced, stored, out, ((info.begin, info.nbytes),), part, read_whole=True)
-    return Item(info, sliced, stored, out, tuple(r for r in ranges if r[1]), part)
+        return Item(info, sliced, stored, out, whole, info.nbytes, part, read_whole=True)
+    kept = tuple(r for r in ranges if r[1])
+    return Item(info, sliced, stored, out, kept, sum(n for _, n in kept), part)
 
 
 def _pack(items: Sequence[Item], slot_bytes: int, shared: bool = False) -> list[Batch]:

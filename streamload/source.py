@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import MissingFileError, SourceError
 from .format import FileHeader, TensorInfo, read_header
@@ -16,13 +16,15 @@ Source = PathLike | Sequence[PathLike]
 INDEX_NAME = "model.safetensors.index.json"
 
 
-@dataclass(frozen=True)
-class Checkpoint:
+class Checkpoint(NamedTuple):
     """The files of a checkpoint with their validated headers, and every tensor by name."""
 
     files: tuple[FileHeader, ...]
-    tensors: dict[str, TensorInfo] = field(repr=False)
+    tensors: dict[str, TensorInfo]
     index_metadata: dict[str, object] | None = None
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({len(self.files)} files, {len(self.tensors)} tensors, {self.nbytes} bytes)"
 
     @property
     def nbytes(self) -> int:

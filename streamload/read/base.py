@@ -6,9 +6,8 @@ import ctypes
 import os
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -19,8 +18,7 @@ from ..plan import Batch
 Job = Callable[[], int]  # blocking; runs on a reader thread; returns the bytes it brought in
 
 
-@dataclass(frozen=True)
-class Done:
+class Done(NamedTuple):
     """A job for bytes that have arrived already (in the page cache): it only counts them."""
 
     nbytes: int
@@ -88,8 +86,7 @@ class OpenFiles:
             os.close(fd)
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """Bytes contiguous in one file, scattered to `parts` = [(slot_offset, length)] in order."""
 
     path: Path
