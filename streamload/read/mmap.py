@@ -1,9 +1,11 @@
 """The mapping reader: makes a batch's bytes resident in a private read-only file mapping.
 
-Bytes already in the page cache (one `cachestat` call tells) have arrived: they are left for the
-caller's first access to map (as `safetensors.torch.load_file` does), which costs no copy at all.
-Ranges not yet cached get readahead for the whole range at once, then several threads fault them in
-with MADV_POPULATE_READ, which reports an I/O error or a truncated file as an error code, not SIGBUS.
+Reader threads map every range into the page tables with MADV_POPULATE_READ (no copy: the pages are
+the page cache's), which reports an I/O error or a truncated file as an error code, not SIGBUS. Done
+on several threads while the caller works on earlier tensors, this is cheaper than the caller's own
+page faults on first access, which is all `safetensors.torch.load_file` leaves it (measured: 255 ms
+against 259 ms for leaving cached ranges to the caller, 2 GB warm, median of 8, fresh processes).
+Ranges not in the page cache (`cachestat` tells) first get readahead for the whole range at once.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import torch
 
 from ..plan import Batch
-from .base import Done, Job, OpenFiles, Span, read_error, span_groups
+from .base import Job, OpenFiles, Span, read_error, span_groups
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: fault pages in without touching them from user space
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -54,11 +56,8 @@ class MmapReader:
         for group in span_groups(batch, self.chunk_bytes):
             fd = files.fd(group[0].path)
             start, end = group[0].file_offset, group[-1].end
-            cached = _cached(fd, start, end - start)
-            if cached and os.environ.get("SL_POP") != "1":  # arrived already: nothing to do, no thread hop
-                jobs.append(Done(sum(s.length for s in group)))
-            else:
-                jobs.append(functools.partial(_populate_all, fd, files.mapping(group[0].path), group, not cached))
+            readahead = not _cached(fd, start, end - start)
+            jobs.append(functools.partial(_populate_all, fd, files.mapping(group[0].path), group, readahead))
         return jobs
 
 
