@@ -97,12 +97,13 @@ def _touch(t: Any) -> None:
     raw[::PAGE].sum()
 
 
-def _tensors(loader: str, files: list[str], device: str) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) pairs as each loader gives them, on `device`."""
+def _tensors(loader: str, files: list[str], device: str, options: dict[str, int]) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) pairs as each loader gives them, on `device` (`options`: streamload's tuning)."""
     if loader.startswith("streamload-"):
         import streamload
 
-        yield from streamload.iter(files, device=device, reader=loader.removeprefix("streamload-"))  # type: ignore[arg-type]
+        reader = loader.removeprefix("streamload-")
+        yield from streamload.iter(files, device=device, reader=reader, **options)  # type: ignore[arg-type]
     elif loader == "safetensors-load_file":
         from safetensors.torch import load_file
 
@@ -220,7 +221,7 @@ _MODULES = {
 }
 
 
-def child(loader: str, files: list[str], device: str) -> Run:
+def child(loader: str, files: list[str], device: str, options: dict[str, int] | None = None) -> Run:
     import torch
 
     cuda = device.startswith("cuda")
@@ -242,7 +243,7 @@ def child(loader: str, files: list[str], device: str) -> Run:
         importlib.import_module(module)  # a user's program pays for the loader's import too
     kept, arrivals, done, first_layer = [], [], 0, None
     pending = set(layer0)
-    for name, t in _tensors(loader, files, device):
+    for name, t in _tensors(loader, files, device, options or {}):
         _touch(t)
         kept.append(t)
         done += t.numel() * t.element_size()
@@ -312,8 +313,8 @@ def available(loaders: Iterable[str], device: str) -> tuple[list[str], list[str]
     return ok, notes
 
 
-def run_child(loader: str, files: list[str], device: str) -> Run:
-    cmd = [sys.executable, "-m", "streamload.bench", "--child", loader, device, *files]
+def run_child(loader: str, files: list[str], device: str, options: dict[str, int] | None = None) -> Run:
+    cmd = [sys.executable, "-m", "streamload.bench", "--child", loader, device, json.dumps(options or {}), *files]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
         raise RuntimeError(f"{loader} failed: {failure_line(out.stderr)}")
@@ -368,6 +369,69 @@ def bench(
                 results[(mode, name)].runs.append(run)
                 log(f"{mode} run {r + 1}/{runs} {name}: {run.seconds:.3f} s")
     return list(results.values())
+
+
+@dataclass
+class Setting:
+    """One point of a sweep: streamload's tuning and its median time."""
+
+    options: dict[str, int]
+    seconds: float
+    default: bool = False
+
+    def describe(self) -> str:
+        o = self.options
+        return (f"threads={o['threads']} chunk={_size(o['chunk_bytes'])} "
+                f"ring={_size(o['ring_bytes'])}/{o['slots']} slots")  # fmt: skip
+
+    def as_flags(self) -> str:
+        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.options.items())
+
+    def as_kwargs(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.options.items())
+
+
+def sweep(
+    path: str | os.PathLike[str],
+    *,
+    device: str = "cpu",
+    cold: bool = False,
+    runs: int = 1,
+    log: Callable[[str], None] = print,
+) -> list[Setting]:
+    """Time streamload (reader "auto") on a grid around its defaults: threads x request size x ring.
+
+    Each setting is a fresh process, median of `runs`; the first setting is the defaults.
+
+    >>> best = min(sweep("model/", device="cuda"), key=lambda s: s.seconds)  # doctest: +SKIP
+    """
+    from . import defaults
+    from .source import open_checkpoint
+
+    files = [str(f.path) for f in open_checkpoint(path).files]
+    if device == "cuda":
+        device = "cuda:0"
+    base = defaults.tuning(device.split(":")[0], sum(os.path.getsize(f) for f in files))
+    threads = sorted({max(1, base.threads // 2), base.threads, base.threads * 2})
+    chunks = sorted({max(1 << 16, base.chunk_bytes // 4), base.chunk_bytes, base.chunk_bytes * 4})
+    rings = [(base.ring_bytes // 4, max(1, base.slots // 2)), (base.ring_bytes, base.slots),
+             (base.ring_bytes * 4, base.slots * 2)]  # fmt: skip
+    grid = [base] + [defaults.Tuning(r, n, t, c) for t in threads for c in chunks for r, n in rings]
+    settings = []
+    for k, t in enumerate(dict.fromkeys(grid)):  # the defaults first, each setting once
+        options = t._asdict()
+        seconds = []
+        for _ in range(runs):
+            evict(files) if cold else parallel_read(files, direct=False, pinned=False)()
+            seconds.append(run_child("streamload-auto", files, device, options).seconds)
+        setting = Setting(options, statistics.median(seconds), default=k == 0)
+        settings.append(setting)
+        log(f"{setting.describe()}{' (defaults)' if setting.default else ''}: {setting.seconds:.3f} s")
+    return settings
+
+
+def _size(n: int) -> str:
+    return f"{n >> 30} GiB" if n % (1 << 30) == 0 else f"{n >> 20} MiB" if n % (1 << 20) == 0 else f"{n >> 10} KiB"
 
 
 def report(summaries: list[Summary], total: int) -> list[dict[str, Any]]:
@@ -465,8 +529,8 @@ def plot(summaries: list[Summary], rows: list[dict[str, Any]], total: int, path:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--child"]:
-        loader, device, *files = args[1:]
-        print(json.dumps(asdict(child(loader, files, device))))
+        loader, device, options, *files = args[1:]
+        print(json.dumps(asdict(child(loader, files, device, json.loads(options)))))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .errors import StreamloadError
 
@@ -35,17 +35,25 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("--device", default=None)
     load.add_argument("--dtype", default=None, help="convert floating-point tensors, e.g. float16, bfloat16")
     load.add_argument("--reader", default="auto", choices=["auto", "mmap", "posix", "kvikio"])
+    for flag, what in (("--threads", "reader threads"), ("--chunk-bytes", "largest read request"),
+                       ("--ring-bytes", "staging ring size"), ("--slots", "ring slots")):  # fmt: skip
+        load.add_argument(flag, type=_positive, default=None, help=f"{what} (default: from the machine)")
 
     bench = sub.add_parser("bench", help="compare every installed loader on a checkpoint, in one run")
     bench.add_argument("path")
     bench.add_argument("--device", default="cpu")
     bench.add_argument("--cold", action="store_true", help="evict the files from the page cache before each run")
     bench.add_argument("--warm", action="store_true", help="also (with --cold) or only measure a warm cache")
-    bench.add_argument("--runs", type=_positive, default=5)
+    bench.add_argument(
+        "--runs", type=_positive, default=None, help="runs per loader (default 5; 1 per --sweep setting)"
+    )
     bench.add_argument("--loaders", nargs="+", default=None, help="names from `streamload.bench.LOADERS`")
     bench.add_argument("--json", type=Path, default=None, help="write rows and raw runs here")
     bench.add_argument("--plot", type=Path, default=None, help="write the arrival-curve PNG here")
     bench.add_argument("--markdown", type=Path, default=None, help="write the tables here")
+    bench.add_argument("--sweep", action="store_true",
+                       help="time streamload alone on a grid of threads x request size x ring around its defaults, "
+                            "and print the best setting as options to pass")  # fmt: skip
     return parser
 
 
@@ -66,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "inspect":
             _inspect(args.path, as_json=args.json)
         elif args.command == "load":
-            _load(args.path, args.device, args.dtype, args.reader)
+            tuning = {k: v for k in ("threads", "chunk_bytes", "ring_bytes", "slots") if (v := getattr(args, k))}
+            _load(args.path, args.device, args.dtype, args.reader, tuning)
         elif args.command == "bench":
             return _bench(args)
     except (StreamloadError, ValueError) as exc:
@@ -121,7 +130,7 @@ def _inspect(path: str, as_json: bool) -> None:
         console.print(f"metadata: {ckpt.metadata}")
 
 
-def _load(path: str, device: str | None, dtype: str | None, reader: str) -> None:
+def _load(path: str, device: str | None, dtype: str | None, reader: str, tuning: dict[str, int]) -> None:
     import torch
 
     from .api import iter as stream_iter
@@ -131,7 +140,7 @@ def _load(path: str, device: str | None, dtype: str | None, reader: str) -> None
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}; use a torch name such as float16 or bfloat16")
-    stream = stream_iter(path, device=device, dtype=torch_dtype, reader=reader)  # type: ignore[arg-type]
+    stream = stream_iter(path, device=device, dtype=torch_dtype, reader=reader, **tuning)  # type: ignore[arg-type]
     s = stream.stats
     if sys.stderr.isatty():
         from .progress import progress_bar
@@ -156,9 +165,11 @@ def _bench(args: argparse.Namespace) -> int:
     from . import bench
     from .source import open_checkpoint
 
+    if args.sweep:
+        return _sweep(args, bench)
     total = open_checkpoint(args.path).nbytes
     modes = tuple(m for m, on in (("cold", args.cold), ("warm", args.warm or not args.cold)) if on)
-    summaries = bench.bench(args.path, device=args.device, modes=modes, runs=args.runs, loaders=args.loaders,
+    summaries = bench.bench(args.path, device=args.device, modes=modes, runs=args.runs or 5, loaders=args.loaders,
                             log=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
     rows = bench.report(summaries, total)
     text = bench.table(rows, total)
@@ -178,6 +189,18 @@ def _bench(args: argparse.Namespace) -> int:
     if failed:
         print(f"streamload: error: failed in every run: {', '.join(failed)}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _sweep(args: argparse.Namespace, bench: Any) -> int:
+    settings = bench.sweep(args.path, device=args.device, cold=args.cold, runs=args.runs or 1,
+                           log=lambda line: print(line, flush=True))  # fmt: skip
+    best = min(settings, key=lambda s: s.seconds)
+    default = settings[0]
+    print(f"\nbest: {best.describe()}: {best.seconds:.3f} s, {default.seconds / best.seconds:.2f}x the defaults "
+          f"({default.seconds:.3f} s)")  # fmt: skip
+    print(f"  streamload load PATH {best.as_flags()}")
+    print(f"  streamload.iter(path, {best.as_kwargs()})")
     return 0
 
 

@@ -142,3 +142,30 @@ def test_bench_skip_hint_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)  # as where kvikio is missing
     _, notes = bench.available(["streamload-kvikio"], "cuda:0")
     assert len(notes) == 1 and "'streamload[cu12]' or 'streamload[cu13]'" in notes[0]
+
+
+def test_bench_sweep_prints_one_line_per_setting_and_the_best_as_options(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamload import bench, defaults
+
+    files = [str(f.path) for f in streamload.inspect(small_model).files]
+    options = {"ring_bytes": 1 << 20, "slots": 2, "threads": 2, "chunk_bytes": 1 << 16}
+    run = bench.run_child("streamload-auto", files, "cpu", options)  # one real child with the options
+    assert run.seconds > 0 and run.arrivals[-1][1] == streamload.inspect(small_model).nbytes
+
+    def fake(loader: str, files: list[str], device: str, options: dict[str, int]) -> bench.Run:
+        # Faster with more threads and larger requests: the best is the largest of both, whatever the ring.
+        seconds = 1.0 / options["threads"] + 1.0 / options["chunk_bytes"] * (1 << 20)
+        return bench.Run(seconds, [(seconds, 1)], seconds, None, 1)
+
+    monkeypatch.setattr(bench, "run_child", fake)
+    assert main(["bench", str(small_model), "--sweep"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    base = defaults.tuning("cpu", streamload.inspect(small_model).nbytes)
+    assert out[0].endswith(f": {1.0 / base.threads + (1 << 20) / base.chunk_bytes:.3f} s") and "(defaults)" in out[0]
+    assert sum(": " in line and line.endswith(" s") for line in out) == 27  # 3 x 3 x 3, the defaults among them
+    best = next(line for line in out if line.startswith("best:"))
+    assert f"threads={base.threads * 2} chunk=" in best and "x the defaults" in best
+    assert f"--threads {base.threads * 2} --chunk-bytes {base.chunk_bytes * 4}" in out[-2]
+    assert out[-1].strip().startswith("streamload.iter(path, ring_bytes=")
