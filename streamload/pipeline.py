@@ -169,11 +169,11 @@ class Pipeline:
             self.reader.close()
             if self._files is not None:
                 self._files.close()
-            self.device.close()
             if self.exchange is not None:
                 self.exchange.close()
             self.stats.staging_bytes = max(self.stats.staging_bytes, self._staging.held)
             self._staging.give_back()
+            self.device.close()  # after the budget is given back: slots kept for later streams fit in it
             self._files = self._pool = None
 
 

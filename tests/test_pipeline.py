@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import streamload
 from streamload.device import StagedCPU
+from streamload.limits import shared_limits
 
 from .conftest import open_fds, own_threads, random_tensor, same_bits
 
@@ -308,10 +309,12 @@ def test_closing_releases_every_tensor_and_buffer(model: Path, reader: str, monk
         _, kept = next(stream)
     assert len(made) > 2  # slots and a batch of several tensors were made; one was handed out
     gc.collect()
-    alive = [t for r in made if (t := r()) is not None]
+    kept_slots = {id(t) for slots in shared_limits().host._free.values() for t in slots}  # for later streams
+    alive = [t for r in made if (t := r()) is not None and id(t) not in kept_slots]
     assert len(alive) == 1 and alive[0] is kept
     assert stream.stats.tensors_done == 1
     del kept, alive
+    shared_limits().host.trim(0)
     gc.collect()
     assert all(r() is None for r in made)  # and the one handed out was the caller's alone
 
@@ -326,3 +329,48 @@ def test_closing_a_layer_stream_drops_incomplete_groups(model: Path) -> None:
     assert seen  # "all" was incomplete when the loop stopped
     gc.collect()
     assert all(r() is None for r in seen)
+
+
+def test_host_slots_are_kept_for_the_next_stream_within_the_cap(model: Path) -> None:
+    """A closed stream's staging slots (their pages in, and on a GPU pinned) serve the next stream."""
+    host = shared_limits().host
+    host.trim(0)
+    ring = {"ring_bytes": 1 << 20, "slots": 2, "chunk_bytes": 1 << 16}
+    seen: list[set[int]] = []
+    for _ in range(2):
+        with streamload.iter(model, device="cpu", reader="posix", **ring) as stream:
+            next(stream)
+            seen.append({s.data_ptr() for s in stream._pipeline.device._ring.slots})  # type: ignore[attr-defined]
+            list(stream)
+        assert streamload.usage().staging_kept == 1 << 20 and streamload.usage().staging_bytes == 0
+    assert len(seen[0]) == 2 and seen[1] == seen[0]  # the same memory, not new allocations
+    before = streamload.usage().staging_cap
+    try:
+        streamload.set_limits(staging_bytes=1 << 19)  # a smaller cap drops what it cannot keep
+        assert streamload.usage().staging_kept <= 1 << 19
+        streamload.set_limits(staging_bytes=1 << 20)
+        with streamload.iter(model, device="cpu", reader="posix", **ring) as stream:
+            next(stream)  # holds the whole cap: nothing may stay kept beside it
+            assert streamload.usage().staging_bytes + streamload.usage().staging_kept <= 1 << 20
+    finally:
+        streamload.set_limits(staging_bytes=before)
+        host.trim(0)
+
+
+def test_host_slots_are_pinned_once_and_unpinned_when_dropped() -> None:
+    from streamload.limits import HostSlots
+
+    host, registered, undone = HostSlots(), [], []
+
+    def register(slot: torch.Tensor):  # type: ignore[no-untyped-def]
+        registered.append(slot.data_ptr())
+        return lambda: undone.append(slot.data_ptr())
+
+    slot = host.take(1 << 16)
+    assert slot.data_ptr() % 4096 == 0  # page-aligned (O_DIRECT and registration want it)
+    assert host.pin(slot, register) and host.pin(slot, register) and registered == [slot.data_ptr()]
+    host.give([slot], keep=1 << 16)
+    assert host.take(1 << 16).data_ptr() == slot.data_ptr() and host.kept == 0
+    host.give([slot], keep=0)  # nothing may be kept: dropped, and unpinned first
+    assert undone == [slot.data_ptr()] and host.kept == 0
+    assert not host.pin(host.take(4096), lambda s: None)  # a refused registration is reported, not raised

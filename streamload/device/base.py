@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from ..dtypes import torch_shape
+from ..limits import shared_limits
 from ..plan import Batch, Item, Piece
 from ..read import OpenFiles
 
@@ -31,6 +32,23 @@ class Device(Protocol):
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]: ...
 
     def close(self) -> None: ...
+
+
+class HostRing:
+    """The host slots one stream's device took from the process (see limits.HostSlots); `close`
+    gives them back for later streams."""
+
+    def __init__(self) -> None:
+        self.slots: list[torch.Tensor] = []
+
+    def new_slot(self, nbytes: int) -> torch.Tensor:
+        slot = shared_limits().host.take(nbytes)
+        self.slots.append(slot)
+        return slot
+
+    def close(self) -> None:
+        slots, self.slots = self.slots, []
+        shared_limits().keep(slots)
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:

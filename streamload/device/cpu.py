@@ -9,7 +9,7 @@ from ..dtypes import torch_shape
 from ..format import TensorInfo
 from ..plan import Batch, Item
 from ..read import OpenFiles
-from .base import Assembler, Delivered, convert
+from .base import Assembler, Delivered, HostRing, convert
 
 
 class StagedCPU:
@@ -21,9 +21,10 @@ class StagedCPU:
 
     def __init__(self) -> None:
         self._assembler = Assembler(torch.device("cpu"))
+        self._ring = HostRing()
 
     def new_slot(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return self._ring.new_slot(nbytes)
 
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]:
         assert slot is not None
@@ -36,6 +37,7 @@ class StagedCPU:
 
     def close(self) -> None:
         self._assembler.clear()
+        self._ring.close()
 
 
 class MappedCPU:

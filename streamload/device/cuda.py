@@ -1,12 +1,16 @@
 """The CUDA device: staged slots -> owned device tensors, on a stream of its own.
 
-Slots live in device memory when a reader writes there (kvikio), or in pinned host memory (the posix
-reader), in which case each filled slot goes to one device scratch buffer with a single asynchronous
-host-to-device copy. Every tensor is its own allocation, written by one `copy_` from a view of the
+Slots live in device memory when a reader writes there (kvikio), or in host memory (the posix reader),
+in which case each filled slot goes to one device scratch buffer with a single asynchronous
+host-to-device copy. Host slots are the process's kept ones (limits.HostSlots): plain memory that the
+reader threads fault in while reading, registered with CUDA (`cudaHostRegister`) before its first
+copy, so no `cudaHostAlloc` of the whole ring sits between the call and the first tensor.
+
+Every tensor is its own allocation, written by one `copy_` from a view of the
 slot's bytes reinterpreted as the stored dtype, so a dtype conversion costs nothing extra.
 
-The contract: `instantiate` runs on a worker thread and returns once its stream's work is complete
-(the event is waited on there, never in the event loop or the consumer), so a tensor handed out is
+The contract: `instantiate` runs in the consumer's thread (the async face's: a worker thread, never
+the event loop) and returns once its stream's work is complete, so a tensor handed out is
 ready on any stream with no synchronize by the caller, and its slot may be refilled. Tensors are
 allocated on the loader's stream; when one is handed out, it is marked with `record_stream` for the
 caller's current stream, so the caching allocator never reuses its memory while the caller's
@@ -15,11 +19,17 @@ queued work may still read it.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 
+from ..limits import shared_limits
 from ..plan import Batch
 from ..read import OpenFiles
-from .base import Assembler, Delivered
+from .base import Assembler, Delivered, HostRing
+
+log = logging.getLogger("streamload")
 
 
 class CudaDevice:
@@ -35,10 +45,11 @@ class CudaDevice:
         self._stream = torch.cuda.Stream(device)
         self._assembler = Assembler(device, stream=self._stream)
         self._scratch: torch.Tensor | None = None
+        self._ring = HostRing()
 
     def new_slot(self, nbytes: int) -> torch.Tensor:
         if self.host_slots:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return self._ring.new_slot(nbytes)
         return self._device_buffer(nbytes)
 
     def _device_buffer(self, nbytes: int) -> torch.Tensor:
@@ -63,6 +74,7 @@ class CudaDevice:
 
     def _to_device(self, batch: Batch, slot: torch.Tensor) -> torch.Tensor:
         used = batch.extent
+        shared_limits().host.pin(slot, _register)  # once per slot and process; unpinned copies still work
         if self._scratch is None:
             self._scratch = self._device_buffer(slot.numel())
         with torch.cuda.stream(self._stream):
@@ -72,3 +84,21 @@ class CudaDevice:
     def close(self) -> None:
         self._assembler.clear()
         self._scratch = None
+        self._ring.close()
+
+
+_warned = False
+
+
+def _register(slot: torch.Tensor) -> Callable[[], None] | None:
+    """Page-lock a host slot for fast asynchronous copies; how to undo it, or None if CUDA refused."""
+    global _warned
+    cudart = torch.cuda.cudart()
+    ptr = slot.data_ptr()
+    err = int(cudart.cudaHostRegister(ptr, slot.numel(), 0))
+    if err != 0:
+        if not _warned:
+            _warned = True
+            log.warning("streamload: cudaHostRegister failed (error %d); copying from pageable memory", err)
+        return None
+    return lambda: cudart.cudaHostUnregister(ptr)
