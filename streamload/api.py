@@ -15,7 +15,7 @@ from .errors import UnsupportedError
 from .limits import check_fits
 from .pipeline import Pipeline, Tuning
 from .plan import DTypeOption, Order, Patterns, make_plan
-from .read import MmapReader, PosixReader, Reader
+from .read import DirectReader, MmapReader, PosixReader, Reader
 from .source import Checkpoint, Source, open_checkpoint
 from .stats import Stats
 from .stream import TensorStream
@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from .exchange import Exchange
     from .shard import ShardSpec
 
-ReaderName = Literal["auto", "mmap", "posix", "kvikio"]
+ReaderName = Literal["auto", "mmap", "posix", "direct", "kvikio"]
+_HOST_READERS: dict[str, type[PosixReader]] = {"posix": PosixReader, "direct": DirectReader}  # into host slots
 log = logging.getLogger("streamload")
 
 
@@ -72,7 +73,7 @@ def iter(
     check_fits(tuning.slot_bytes, "a ring slot")
     first = checkpoint.files[0].path if checkpoint.files else None
     exchange = _exchange(cooperative, dev)
-    read, make = _route(dev, reader, tuning, first, exchange)
+    read, make = _route(dev, reader, tuning, first, exchange, checkpoint.nbytes)
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
     share = None
     if exchange is not None:
@@ -123,25 +124,40 @@ def _exchange(cooperative: bool | ProcessGroup, dev: torch.device) -> Exchange |
     return exchange if exchange.world > 1 else None  # alone, there is nothing to divide
 
 
+def _host_reader(reader: str, tuning: Tuning, total_bytes: int) -> PosixReader:
+    """`posix`, `direct`, or for `auto` the one that suits the load: O_DIRECT only for a checkpoint
+    larger than the memory available, whose pages the page cache could not keep anyway (where it
+    can, buffered reads measured faster: docs/benchmarks.md)."""
+    if reader == "auto":
+        memory = defaults.available_memory()
+        reader = "direct" if memory is not None and total_bytes > memory else "posix"
+    return _HOST_READERS[reader](tuning.chunk_bytes)
+
+
 def _route(
-    dev: torch.device, reader: str, tuning: Tuning, first_file: Path | None, exchange: Exchange | None = None
+    dev: torch.device,
+    reader: str,
+    tuning: Tuning,
+    first_file: Path | None,
+    exchange: Exchange | None = None,
+    total_bytes: int = 0,
 ) -> tuple[Reader, Device]:
-    if reader not in ("auto", "mmap", "posix", "kvikio"):
-        raise ValueError(f"reader must be 'auto', 'mmap', 'posix' or 'kvikio', not {reader!r}")
+    if reader not in ("auto", "mmap", "posix", "direct", "kvikio"):
+        raise ValueError(f"reader must be 'auto', 'mmap', 'posix', 'direct' or 'kvikio', not {reader!r}")
     if exchange is not None and not exchange.on_device:
         # The exchange moves bytes between staging slots in host memory.
         if reader in ("mmap", "kvikio"):
             raise UnsupportedError(
                 f"cooperative loading over a {'gloo' if dev.type == 'cpu' else 'host-memory'} process group "
-                f"reads into host staging slots: use reader='posix' or 'auto', not {reader!r}"
+                f"reads into host staging slots: use reader='posix', 'direct' or 'auto', not {reader!r}"
             )
-        reader = "posix"
+        reader = "posix" if reader == "auto" else reader
     if dev.type == "cpu":
         if reader == "kvikio":
             raise UnsupportedError("the kvikio reader reads into GPU memory: use it with device='cuda'")
         # Measured (docs/benchmarks.md): mapping beats copying on the CPU, warm and cold.
-        if reader == "posix":
-            return PosixReader(tuning.chunk_bytes), StagedCPU()
+        if reader in _HOST_READERS:
+            return _host_reader(reader, tuning, total_bytes), StagedCPU()
         return MmapReader(tuning.chunk_bytes), MappedCPU()
     if dev.type != "cuda":
         raise UnsupportedError(f"device {dev} is not supported (use 'cpu', 'cuda' or 'cuda:N')")
@@ -168,7 +184,7 @@ def _route(
             log.warning("streamload: kvikio is unavailable (%s); reading with preadv into pinned memory", exc)
     from .device.cuda import CudaDevice
 
-    return PosixReader(tuning.chunk_bytes), CudaDevice(dev, host_slots=True)
+    return _host_reader(reader, tuning, total_bytes), CudaDevice(dev, host_slots=True)
 
 
 __all__ = ["TensorStream", "inspect", "iter", "load"]

@@ -45,6 +45,7 @@ class Loader:
 LOADERS = [
     Loader("streamload-mmap", None, ("cpu",)),
     Loader("streamload-posix", None, ("cpu", "cuda")),
+    Loader("streamload-direct", None, ("cpu", "cuda")),
     Loader("streamload-kvikio", "kvikio", ("cuda",), "pip install 'streamload[cu12]' or 'streamload[cu13]'"),
     Loader("safetensors-load_file", "safetensors", ("cpu", "cuda")),
     Loader("safetensors-safe_open", "safetensors", ("cpu", "cuda")),

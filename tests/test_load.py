@@ -17,7 +17,7 @@ from streamload.source import open_checkpoint
 
 from .conftest import random_tensor, same_bits, write_raw
 
-READERS = ["mmap", "posix"]
+READERS = ["mmap", "posix", "direct"]
 SMALL_RING = {"ring_bytes": 64 * 1024, "slots": 4, "chunk_bytes": 4096}  # many batches, split tensors
 
 DTYPES = [

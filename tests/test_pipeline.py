@@ -32,7 +32,7 @@ def model(tmp_path: Path) -> Path:
     return tmp_path / "m.safetensors"
 
 
-@pytest.mark.parametrize("reader", ["mmap", "posix"])
+@pytest.mark.parametrize("reader", ["mmap", "posix", "direct"])
 async def test_async_with(model: Path, reader: str) -> None:
     ref = load_file(model)
     async with streamload.iter(model, device="cpu", reader=reader, **RING) as stream:
@@ -71,7 +71,7 @@ async def test_tensors_arrive_before_the_last_byte(model: Path) -> None:
     assert first_seen <= 256 * 1024 + 128 * 256 * 4 < stream.stats.bytes_total
 
 
-@pytest.mark.parametrize("reader", ["mmap", "posix"])
+@pytest.mark.parametrize("reader", ["mmap", "posix", "direct"])
 async def test_error_in_read_stage_reaches_consumer(model: Path, reader: str) -> None:
     stream = streamload.iter(model, device="cpu", reader=reader, **RING)
     os.truncate(model, model.stat().st_size // 2)  # after the header was read
@@ -117,7 +117,7 @@ def _leaks_nothing(run) -> None:  # type: ignore[no-untyped-def]
     assert own_threads() <= threads
 
 
-@pytest.mark.parametrize("reader", ["mmap", "posix"])
+@pytest.mark.parametrize("reader", ["mmap", "posix", "direct"])
 def test_break_in_sync_loop_cleans_up(model: Path, reader: str) -> None:
     def run() -> None:
         for _ in streamload.iter(model, device="cpu", reader=reader, **RING):
@@ -182,7 +182,7 @@ def test_load_from_inside_an_event_loop(model: Path) -> None:
     assert anyio.run(main).keys() == load_file(model).keys()
 
 
-@pytest.mark.parametrize("reader", ["mmap", "posix"])
+@pytest.mark.parametrize("reader", ["mmap", "posix", "direct"])
 def test_file_truncated_mid_stream(model: Path, reader: str) -> None:
     got = 0
     with pytest.raises(streamload.ReadError, match=str(model)):
@@ -225,7 +225,7 @@ def test_out_of_memory_allocating_a_tensor(model: Path, monkeypatch: pytest.Monk
     assert open_fds() <= fds and own_threads() <= threads
 
 
-@pytest.mark.parametrize("reader", ["mmap", "posix"])
+@pytest.mark.parametrize("reader", ["mmap", "posix", "direct"])
 def test_file_replaced_after_its_header_was_read(model: Path, tmp_path: Path, reader: str) -> None:
     stream = streamload.iter(model, device="cpu", reader=reader, **RING)
     other = tmp_path / "other.safetensors"
@@ -282,13 +282,13 @@ def test_a_read_failing_transiently_forever_is_an_error(tmp_path: Path, monkeypa
         streamload.load(path, device="cpu", reader="posix")
 
 
-@pytest.mark.parametrize("reader", ["mmap", "posix"])
+@pytest.mark.parametrize("reader", ["mmap", "posix", "direct"])
 def test_closing_releases_every_tensor_and_buffer(model: Path, reader: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A closed stream that the caller keeps (for its stats, say) holds no tensor, slot or mapping."""
     from streamload.device import MappedCPU
 
     made: list[weakref.ref[torch.Tensor]] = []
-    device = StagedCPU if reader == "posix" else MappedCPU
+    device = MappedCPU if reader == "mmap" else StagedCPU
     real_slot, real_made = device.new_slot, device.instantiate
 
     def new_slot(self, nbytes):  # type: ignore[no-untyped-def]

@@ -2,6 +2,6 @@
 
 from .base import Job, OpenFiles, Reader
 from .mmap import MmapReader
-from .posix import PosixReader
+from .posix import DirectReader, PosixReader
 
-__all__ = ["Job", "MmapReader", "OpenFiles", "PosixReader", "Reader"]
+__all__ = ["DirectReader", "Job", "MmapReader", "OpenFiles", "PosixReader", "Reader"]

@@ -49,6 +49,7 @@ class OpenFiles:
         self._headers = headers
         self._fds: dict[Path, int] = {}
         self._maps: dict[Path, torch.UntypedStorage] = {}
+        self._direct: dict[Path, int | None] = {}
         self._lock = threading.Lock()
         try:
             for path, header in headers.items():
@@ -79,11 +80,35 @@ class OpenFiles:
                 self._maps[path] = storage
             return storage
 
+    def direct_fd(self, path: Path) -> int | None:
+        """The same file opened again with O_DIRECT (through our descriptor, so the very file whose
+        header was read), or None where the file system does not allow it."""
+        with self._lock:
+            if path not in self._direct:
+                self._direct[path] = self._open_direct(path)
+            return self._direct[path]
+
+    def _open_direct(self, path: Path) -> int | None:
+        flag = getattr(os, "O_DIRECT", 0)
+        name = f"/proc/self/fd/{self._fds[path]}"
+        if not flag or not os.path.exists(name):
+            return None
+        try:
+            fd = os.open(name, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
+        except OSError:  # EINVAL: tmpfs and others refuse O_DIRECT
+            return None
+        if file_identity(os.fstat(fd)) != file_identity(os.fstat(self._fds[path])):
+            os.close(fd)
+            raise ReadError(f"{path}: file was replaced or modified after its header was read")
+        return fd
+
     def close(self) -> None:
         fds, self._fds = self._fds, {}
+        direct, self._direct = self._direct, {}
         self._maps = {}
-        for fd in fds.values():
-            os.close(fd)
+        for fd in [*fds.values(), *direct.values()]:
+            if fd is not None:
+                os.close(fd)
 
 
 class Span(NamedTuple):

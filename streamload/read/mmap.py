@@ -18,28 +18,16 @@ import torch
 
 from ..plan import Batch
 from .base import Job, OpenFiles, Span, read_error, span_groups
+from .resident import PAGE, cached
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: fault pages in without touching them from user space
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
     _madvise = _libc.madvise
     _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     _madvise.restype = ctypes.c_int
-    _syscall = _libc.syscall
-    _syscall.restype = ctypes.c_long
 except (OSError, AttributeError):  # not Linux/glibc: fall back to touching pages
-    _madvise = _syscall = None
-_SYS_CACHESTAT = 451  # Linux >= 6.5, the same number on every architecture
-_SAMPLE_PAGES = 16  # pages looked at in each of three places of a range
-
-
-class _Range(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _CacheStat(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
+    _madvise = None
 
 
 class MmapReader:
@@ -56,7 +44,7 @@ class MmapReader:
         for group in span_groups(batch, self.chunk_bytes):
             fd = files.fd(group[0].path)
             start, end = group[0].file_offset, group[-1].end
-            readahead = not _cached(fd, start, end - start)
+            readahead = not cached(fd, start, end - start)
             jobs.append(functools.partial(_populate_all, fd, files.mapping(group[0].path), group, readahead))
         return jobs
 
@@ -71,7 +59,7 @@ def _populate(fd: int, mapping: torch.UntypedStorage, span: Span, readahead: boo
         os.posix_fadvise(fd, span.file_offset, span.length, os.POSIX_FADV_WILLNEED)
     start = mapping.data_ptr() + span.file_offset
     end = start + span.length
-    aligned = start - start % _PAGE
+    aligned = start - start % PAGE
     if _madvise is not None and _madvise(aligned, end - aligned, _MADV_POPULATE_READ) == 0:
         return span.length
     err = ctypes.get_errno() if _madvise is not None else 0
@@ -83,26 +71,6 @@ def _populate(fd: int, mapping: torch.UntypedStorage, span: Span, readahead: boo
     return span.length
 
 
-def _cached(fd: int, offset: int, length: int) -> bool:
-    """Whether the range is in the page cache, judged from its start, middle and end (a whole range's
-    cachestat costs ~60 us per 8 MiB, 18 ms for 2 GB; a wrong guess only costs speed, never data)."""
-    if _syscall is None:
-        return False
-    first = offset - offset % _PAGE
-    pages = -(-(offset + length - first) // _PAGE)
-    window = min(pages, _SAMPLE_PAGES)
-    return all(_all_cached(fd, first + at * _PAGE, window) for at in {0, (pages - window) // 2, pages - window})
-
-
-def _all_cached(fd: int, offset: int, pages: int) -> bool:
-    stat = _CacheStat()
-    rng = _Range(offset, pages * _PAGE)
-    args = (ctypes.c_long(_SYS_CACHESTAT), ctypes.c_long(fd), ctypes.byref(rng), ctypes.byref(stat), ctypes.c_long(0))
-    if _syscall(*args) != 0:  # ENOSYS before Linux 6.5: treat as not cached, populate does the rest
-        return False
-    return stat.cache >= pages
-
-
 def _touch(mapping: torch.UntypedStorage, span: Span) -> None:
     raw = torch.empty(0, dtype=torch.uint8).set_(mapping)
-    raw[span.file_offset : span.file_offset + span.length : _PAGE].sum()
+    raw[span.file_offset : span.file_offset + span.length : PAGE].sum()

@@ -1,0 +1,47 @@
+"""What the page cache holds: a range's residency, from `cachestat` (Linux >= 6.5).
+
+Readers ask this to treat bytes that have arrived already (warm) apart from bytes storage must still
+deliver (cold): cold ranges get readahead and larger requests, or O_DIRECT.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_SYS_CACHESTAT = 451  # the same number on every architecture
+_SAMPLE_PAGES = 16  # pages looked at in each of three places of a range
+try:
+    _syscall = ctypes.CDLL(None, use_errno=True).syscall
+    _syscall.restype = ctypes.c_long
+except (OSError, AttributeError):  # not Linux/glibc: everything counts as not cached
+    _syscall = None
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
+
+
+def cached(fd: int, offset: int, length: int) -> bool:
+    """Whether the range is in the page cache, judged from its start, middle and end (a whole range's
+    cachestat costs ~60 us per 8 MiB, 18 ms for 2 GB; a wrong guess only costs speed, never data)."""
+    if _syscall is None:
+        return False
+    first = offset - offset % PAGE
+    pages = -(-(offset + length - first) // PAGE)
+    window = min(pages, _SAMPLE_PAGES)
+    return all(_all_cached(fd, first + at * PAGE, window) for at in {0, (pages - window) // 2, pages - window})
+
+
+def _all_cached(fd: int, offset: int, pages: int) -> bool:
+    stat = _CacheStat()
+    rng = _Range(offset, pages * PAGE)
+    args = (ctypes.c_long(_SYS_CACHESTAT), ctypes.c_long(fd), ctypes.byref(rng), ctypes.byref(stat), ctypes.c_long(0))
+    if _syscall(*args) != 0:  # ENOSYS before Linux 6.5: treat as not cached, populate does the rest
+        return False
+    return stat.cache >= pages

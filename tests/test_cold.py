@@ -1,0 +1,105 @@
+"""Cold reads: what the page cache does not hold is read in large requests, or with O_DIRECT."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import streamload
+from streamload.bench import evict
+from streamload.read import posix
+from streamload.read.resident import cached
+
+from .conftest import random_tensor, same_bits
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    # Odd sizes: tensors start at offsets that are not block-aligned, as O_DIRECT must cope with.
+    tensors = {f"model.layers.{i}.w": random_tensor(torch.bfloat16, (301 + i, 517), seed=i) for i in range(24)}
+    save_file(tensors, tmp_path / "m.safetensors")
+    return tmp_path / "m.safetensors"
+
+
+def test_cachestat_tells_cold_from_warm(model: Path) -> None:
+    fd = os.open(model, os.O_RDONLY)
+    try:
+        evict([str(model)])
+        assert not cached(fd, 0, model.stat().st_size)
+        model.read_bytes()
+        assert cached(fd, 0, model.stat().st_size)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("reader", ["posix", "direct"])
+def test_cold_ranges_take_the_cold_path_and_load_exactly(
+    model: Path, reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[tuple[bool, int]] = []  # (in the page cache, bytes) of each job
+    calls = {"readahead": 0, "direct": 0}
+    real_runs, real_spans, real_direct = posix._by_residency, posix._read_spans, posix._read_direct
+
+    def by_residency(files, groups):  # type: ignore[no-untyped-def]
+        for warm, group in real_runs(files, groups):
+            runs.append((warm, group[-1].end - group[0].file_offset))
+            yield warm, group
+
+    def spans(fd, group, slot, readahead=False):  # type: ignore[no-untyped-def]
+        calls["readahead"] += readahead
+        return real_spans(fd, group, slot, readahead)
+
+    def direct(fd, group, slot):  # type: ignore[no-untyped-def]
+        calls["direct"] += 1
+        assert os.fstat(fd).st_ino == model.stat().st_ino
+        return real_direct(fd, group, slot)
+
+    monkeypatch.setattr(posix, "_by_residency", by_residency)
+    monkeypatch.setattr(posix, "_read_spans", spans)
+    monkeypatch.setattr(posix, "_read_direct", direct)
+    monkeypatch.setattr(posix, "DIRECT_BYTES", 64 * 1024)  # many O_DIRECT requests per run, and partial blocks
+    monkeypatch.setattr(posix, "_bounce", __import__("threading").local())
+    ref = {n: t.clone() for n, t in load_file(model).items()}  # no mapping left to pin the pages in the cache
+    tuning = {"ring_bytes": 1 << 20, "slots": 2, "chunk_bytes": 64 * 1024}
+    evict([str(model)])
+    got = streamload.load(model, device="cpu", reader=reader, **tuning)
+    assert got.keys() == ref.keys() and all(same_bits(got[n], ref[n]) for n in ref)
+    cold = [n for warm, n in runs if not warm]  # (the kernel's own readahead may warm some ranges first)
+    assert cold and calls["direct" if reader == "direct" else "readahead"] == len(cold)
+    assert max(cold) > 64 * 1024  # cold ranges go in requests larger than chunk_bytes
+    model.read_bytes()  # all warm now: chunk_bytes requests, nothing cold
+    runs.clear()
+    calls.update(readahead=0, direct=0)
+    got = streamload.load(model, device="cpu", reader=reader, **tuning)
+    assert all(same_bits(got[n], ref[n]) for n in ref)
+    assert runs and all(warm and n <= 64 * 1024 for warm, n in runs) and calls == {"readahead": 0, "direct": 0}
+
+
+def test_direct_reader_reports_a_truncated_file(model: Path) -> None:
+    stream = streamload.iter(model, device="cpu", reader="direct", ring_bytes=1 << 20, slots=2)
+    os.truncate(model, model.stat().st_size - 5000)
+    evict([str(model)])
+    with pytest.raises(streamload.StreamloadError, match=str(model)):
+        with stream:
+            list(stream)
+
+
+def test_direct_falls_back_where_o_direct_is_refused(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamload.read.base import OpenFiles
+
+    monkeypatch.setattr(OpenFiles, "_open_direct", lambda self, path: None)  # as on tmpfs
+    evict([str(model)])
+    got = streamload.load(model, device="cpu", reader="direct", ring_bytes=1 << 20, slots=2)
+    ref = load_file(model)
+    assert all(same_bits(got[n], ref[n]) for n in ref)
+
+
+def test_scatter_fills_parts_in_order() -> None:
+    slot = memoryview(bytearray(16))
+    rest = posix._scatter(slot, [(0, 3), (8, 5)], memoryview(b"abcdef"))
+    assert bytes(slot[:3]) == b"abc" and bytes(slot[8:11]) == b"def" and rest == [(11, 2)]
+    assert posix._scatter(slot, rest, memoryview(b"gh")) == [] and bytes(slot[8:13]) == b"defgh"
