@@ -4,36 +4,47 @@
 #   bench/gpu.sh tests RESULTS_DIR              # the whole test suite, GPU tests included
 #   bench/gpu.sh bench RESULTS_DIR [CKPT_DIR]   # an ~8 GB checkpoint in 8 shards, then the CUDA
 #                                               # benchmark, cold and warm, with the ceilings
+#   bench/gpu.sh tune RESULTS_DIR [CKPT_DIR]    # start-up costs step by step, and the sweep of
+#                                               # threads x request size x ring against the defaults
 #
-# Everything lands in RESULTS_DIR: device.txt, tests.log, bench.log, bench-gpu.{json,png,md}.
+# Everything lands in RESULTS_DIR: device.txt, tests.log, bench.log, bench-gpu.{json,png,md},
+# startup.log, sweep-warm.log, sweep-cold.log.
 # DEVICE (default cuda), LAYERS (default 76: 8.1 GB) and RUNS (default 3) override the defaults.
 set -uo pipefail
-step=${1:?tests or bench}
+step=${1:?tests, bench or tune}
 out=${2:?a results directory}
 ckpt=${3:-/tmp/streamload-gpu}
 device=${DEVICE:-cuda}
+python=${PYTHON:-python3}
 mkdir -p "$out"
 {
     date -u +%FT%TZ
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-    python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
-    python -c 'import kvikio, kvikio.defaults as d; print("kvikio", kvikio.__version__, "compat", d.is_compat_mode_preferred())' 2>&1 | tail -1
+    $python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
+    $python -c 'import kvikio, kvikio.defaults as d; print("kvikio", kvikio.__version__, "compat", d.is_compat_mode_preferred())' 2>&1 | tail -1
 } >"$out/device.txt"
 
 case $step in
 tests)
-    PYTHONUNBUFFERED=1 python -m pytest -q -rs tests 2>&1 | tee "$out/tests.log"
+    PYTHONUNBUFFERED=1 $python -m pytest -q -rs tests 2>&1 | tee "$out/tests.log"
     ;;
-bench)
+bench | tune)
     if [ ! -f "$ckpt/model.safetensors.index.json" ]; then
-        python bench/make_checkpoint.py "$ckpt" --layers "${LAYERS:-76}" --shards 8 || exit
+        $python bench/make_checkpoint.py "$ckpt" --layers "${LAYERS:-76}" --shards 8 || exit
     fi
     du -sh "$ckpt" >>"$out/device.txt"
+    ;;&
+tune)
+    PYTHONUNBUFFERED=1 $python bench/startup.py "$ckpt" --device "$device" --runs "${RUNS:-3}" 2>&1 | tee "$out/startup.log"
+    PYTHONUNBUFFERED=1 streamload bench "$ckpt" --device "$device" --sweep 2>&1 | tee "$out/sweep-warm.log"
+    PYTHONUNBUFFERED=1 streamload bench "$ckpt" --device "$device" --sweep --cold 2>&1 | tee "$out/sweep-cold.log"
+    ;;
+bench)
     PYTHONUNBUFFERED=1 streamload bench "$ckpt" --device "$device" --cold --warm --runs "${RUNS:-3}" \
         --json "$out/bench-gpu.json" --plot "$out/bench-gpu.png" --markdown "$out/bench-gpu.md" 2>&1 | tee "$out/bench.log"
     ;;
 *)
-    echo "usage: bench/gpu.sh tests|bench RESULTS_DIR [CKPT_DIR]" >&2
+    echo "usage: bench/gpu.sh tests|bench|tune RESULTS_DIR [CKPT_DIR]" >&2
     exit 2
     ;;
 esac
