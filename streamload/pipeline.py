@@ -86,7 +86,7 @@ class Pipeline:
                 raise
             except Exception as exc:
                 self._release()
-                raise _surface(exc) from exc.__cause__ if isinstance(exc, StreamloadError) else exc
+                raise _surface(exc) from (exc.__cause__ if isinstance(exc, StreamloadError) else exc)
             except BaseException:  # KeyboardInterrupt, a cancellation: nothing to wrap
                 self._release()
                 raise

@@ -18,15 +18,6 @@ from ..plan import Batch
 Job = Callable[[], int]  # blocking; runs on a reader thread; returns the bytes it brought in
 
 
-class Done(NamedTuple):
-    """A job for bytes that have arrived already (in the page cache): it only counts them."""
-
-    nbytes: int
-
-    def __call__(self) -> int:
-        return self.nbytes
-
-
 class Reader(Protocol):
     name: str
 

@@ -2,8 +2,7 @@
 
 `submit` never blocks: a batch's jobs queue here, in plan order, and go to the shared thread pool as
 this stream's turns free up, so a stream has at most `threads` requests with the pool at once and one
-large load cannot queue so far ahead that the others wait behind all of it. Jobs with nothing left to
-read (`Done`) are counted at once, without a thread.
+large load cannot queue so far ahead that the others wait behind all of it.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from ..limits import shared_limits
-from .base import Done, Job
+from .base import Job
 
 
 class Reads:
@@ -57,12 +56,7 @@ class ReaderPool:
         """Queue a batch's jobs; they run in the order submitted."""
         reads = Reads(len(jobs))
         with self._lock:
-            for job in jobs:
-                if isinstance(job, Done):  # arrived already: count it, no thread
-                    self._on_bytes(job())
-                    reads._finished(None)
-                else:
-                    self._queue.append((job, reads))
+            self._queue.extend((job, reads) for job in jobs)
             self._pump()
         return reads
 
@@ -70,7 +64,10 @@ class ReaderPool:
         while self._queue and self._turns > 0:
             job, reads = self._queue.popleft()
             if self._stop:
-                reads._finished(None)  # the stream is ending: requests not yet begun are skipped
+                # The stream is ending or a request failed: requests not yet begun are skipped. The queue
+                # is in plan order, so a failure skips only its own batch's later requests and later
+                # batches': the consumer meets the failed batch first and never makes a skipped one.
+                reads._finished(None)
                 continue
             self._turns -= 1
             self._running += 1
