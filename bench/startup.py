@@ -23,6 +23,7 @@ PAGE = 4096
 
 
 def _touch(t: object) -> None:
+    """streamload.bench's page touch, repeated: importing it would import streamload before the clock."""
     import torch
 
     assert isinstance(t, torch.Tensor)

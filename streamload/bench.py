@@ -402,7 +402,8 @@ def sweep(
 ) -> list[Setting]:
     """Time streamload (reader "auto") on a grid around its defaults: threads x request size x ring.
 
-    Each setting is a fresh process, median of `runs`; the first setting is the defaults.
+    Each run is a fresh process; every setting runs once per round, `runs` rounds, and its median is
+    reported. The first setting is the defaults.
 
     >>> best = min(sweep("model/", device="cuda"), key=lambda s: s.seconds)  # doctest: +SKIP
     """
@@ -418,16 +419,16 @@ def sweep(
     rings = [(base.ring_bytes // 4, max(1, base.slots // 2)), (base.ring_bytes, base.slots),
              (base.ring_bytes * 4, base.slots * 2)]  # fmt: skip
     grid = [base] + [defaults.Tuning(r, n, t, c) for t in threads for c in chunks for r, n in rings]
-    settings = []
-    for k, t in enumerate(dict.fromkeys(grid)):  # the defaults first, each setting once
-        options = t._asdict()
-        seconds = []
-        for _ in range(runs):
+    grid = list(dict.fromkeys(grid))  # the defaults first, each setting once
+    seconds: list[list[float]] = [[] for _ in grid]
+    settings: list[Setting] = []
+    for r in range(runs):  # round-robin, as `bench` alternates loaders: drift hits every setting alike
+        for k, t in enumerate(grid):
             evict(files) if cold else parallel_read(files, direct=False, pinned=False)()
-            seconds.append(run_child("streamload-auto", files, device, options).seconds)
-        setting = Setting(options, statistics.median(seconds), default=k == 0)
-        settings.append(setting)
-        log(f"{setting.describe()}{' (defaults)' if setting.default else ''}: {setting.seconds:.3f} s")
+            seconds[k].append(run_child("streamload-auto", files, device, t._asdict()).seconds)
+            if r == runs - 1:
+                settings.append(Setting(t._asdict(), statistics.median(seconds[k]), default=k == 0))
+                log(f"{settings[-1].describe()}{' (defaults)' if k == 0 else ''}: {settings[-1].seconds:.3f} s")
     return settings
 
 
