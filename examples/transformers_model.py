@@ -1,10 +1,11 @@
-"""Load a Hugging Face `transformers` model through `load_into`, into an empty (meta) model.
+"""Load a Hugging Face `transformers` model with `streamload.from_pretrained`: no hand edits.
 
 A small Llama config with random weights is saved with `save_pretrained` as sharded safetensors;
-the same directory is then loaded (a) with `from_pretrained` and (b) by building the model on the
-meta device and streaming the weights into it with `streamload.load_into`. Outputs must be identical.
+the same directory is then loaded (a) with transformers' `from_pretrained` and (b) with
+`streamload.from_pretrained` (the model built with its parameters on the meta device and its buffers
+for real, the weights streamed in layer by layer). Outputs must be identical.
 
-    pip install transformers
+    pip install "streamload[transformers]"
     python examples/transformers_model.py
 """
 
@@ -31,19 +32,14 @@ def main() -> None:
         hf_s = time.perf_counter() - t
 
         t = time.perf_counter()
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        # Non-persistent buffers (the rotary frequencies) are not in any checkpoint: build them for real.
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
         layers_seen: list[str] = []
-        streamload.load_into(model, tmp, device="cpu", on_layer=lambda key, layer: layers_seen.append(key))
-        model.eval()
+        model = streamload.from_pretrained(tmp, device="cpu", on_layer=lambda key, layer: layers_seen.append(key))
         ours_s = time.perf_counter() - t
 
     ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         same = torch.equal(model(ids).logits, reference(ids).logits)
-    print(f"from_pretrained {hf_s * 1e3:.0f} ms, meta model + load_into {ours_s * 1e3:.0f} ms")
+    print(f"transformers from_pretrained {hf_s * 1e3:.0f} ms, streamload.from_pretrained {ours_s * 1e3:.0f} ms")
     print(f"layers handed to on_layer as they completed: {layers_seen}")
     print(f"outputs identical: {same}")
     if not same:

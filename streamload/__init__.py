@@ -17,11 +17,13 @@ from .stats import Stats
 from .stream import TensorStream
 
 if TYPE_CHECKING:
-    from .module import LoadResult, aload_into, load_into
+    from .hf import from_pretrained
+    from .module import LoadResult, aload_into, empty_weights, load_into
     from .shard import ShardSpec
 
 # Imported on first use: a plain load needs none of them (`import streamload` is on a load's clock).
-_LAZY = {"LoadResult": "module", "aload_into": "module", "load_into": "module", "ShardSpec": "shard"}
+_LAZY = {"LoadResult": "module", "aload_into": "module", "empty_weights": "module", "load_into": "module",
+         "ShardSpec": "shard", "from_pretrained": "hf"}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
@@ -54,6 +56,8 @@ __all__ = [
     "UnsupportedError",
     "Usage",
     "aload_into",
+    "empty_weights",
+    "from_pretrained",
     "group_of",
     "inspect",
     "iter",

@@ -64,7 +64,7 @@ def iter(
     >>> for name, t in streamload.iter("model.safetensors", device="cpu"):  # doctest: +SKIP
     ...     print(name, t.shape)
     """
-    dev = torch.device(device) if device is not None else _default_device()
+    dev = _device(device)
     checkpoint = open_checkpoint(source)
     tuning = defaults.tuning(
         dev.type, checkpoint.nbytes, ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes
@@ -111,8 +111,15 @@ def inspect(source: Source) -> Checkpoint:
     return open_checkpoint(source)
 
 
-def _default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):  # torch's own message lists every backend it was built with
+        raise UnsupportedError(
+            f"device {device!r} is not a device torch knows: use 'cpu', 'cuda' or 'cuda:N'"
+        ) from None
 
 
 def _exchange(cooperative: bool | ProcessGroup, dev: torch.device) -> Exchange | None:

@@ -18,39 +18,49 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _Parser(prog="streamload", description="Stream safetensors checkpoints into CPU or GPU memory.")
+    parser.add_argument("--version", action="version", version=f"streamload {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    device = "cpu, cuda or cuda:N (default: cuda when available, else cpu)"
 
     demo = sub.add_parser("demo", help="write a small synthetic checkpoint and stream it, with numbers")
-    demo.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
+    demo.add_argument("--device", default=None, help=device)
     demo.add_argument("--warm", action="store_true", help="leave the files in the page cache (default: cold)")
-    demo.add_argument("--keep", type=Path, default=None, help="write the checkpoint here and keep it")
+    demo.add_argument("--keep", type=Path, default=None, help="write the checkpoint here and keep it "
+                      "(default: a temporary directory, removed at the end)")  # fmt: skip
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint from its headers alone")
     inspect.add_argument("path")
-    inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    inspect.add_argument("--json", action="store_true", help="print JSON, every tensor listed (default: tables)")
 
     load = sub.add_parser("load", help="load a checkpoint and report, with a progress bar")
     load.add_argument("path")
-    load.add_argument("--device", default=None)
-    load.add_argument("--dtype", default=None, help="convert floating-point tensors, e.g. float16, bfloat16")
-    load.add_argument("--reader", default="auto", choices=["auto", "mmap", "posix", "kvikio"])
+    load.add_argument("--device", default=None, help=device)
+    load.add_argument("--dtype", default=None, help="convert floating-point tensors to this floating-point dtype, "
+                      "e.g. float16, bfloat16 (default: keep the stored dtypes)")  # fmt: skip
+    load.add_argument("--reader", default="auto", choices=["auto", "mmap", "posix", "direct", "kvikio"],
+                      help="(default: auto)")  # fmt: skip
     for flag, what in (("--threads", "reader threads"), ("--chunk-bytes", "largest read request"),
                        ("--ring-bytes", "staging ring size"), ("--slots", "ring slots")):  # fmt: skip
         load.add_argument(flag, type=_positive, default=None, help=f"{what} (default: from the machine)")
 
-    bench = sub.add_parser("bench", help="compare every installed loader on a checkpoint, in one run")
+    bench = sub.add_parser("bench", help="compare every installed loader on a checkpoint, in one run",
+                           description="Compare every installed loader on a checkpoint, each run in a fresh "
+                           "process. Defaults: a warm page cache, 5 runs, on the cpu.")  # fmt: skip
     bench.add_argument("path")
-    bench.add_argument("--device", default="cpu")
-    bench.add_argument("--cold", action="store_true", help="evict the files from the page cache before each run")
-    bench.add_argument("--warm", action="store_true", help="also (with --cold) or only measure a warm cache")
-    bench.add_argument(
-        "--runs", type=_positive, default=None, help="runs per loader (default 5; 1 per --sweep setting)"
-    )
-    bench.add_argument("--loaders", nargs="+", default=None, help="names from `streamload.bench.LOADERS`")
-    bench.add_argument("--json", type=Path, default=None, help="write rows and raw runs here")
-    bench.add_argument("--plot", type=Path, default=None, help="write the arrival-curve PNG here")
-    bench.add_argument("--markdown", type=Path, default=None, help="write the tables here")
+    bench.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    bench.add_argument("--cold", action="store_true",
+                       help="evict the files from the page cache before each run (default: warm only)")  # fmt: skip
+    bench.add_argument("--warm", action="store_true", help="with --cold: measure a warm cache too")
+    bench.add_argument("--runs", type=_positive, default=None,
+                       help="runs per loader (default: 5; with --sweep: 1 per setting)")  # fmt: skip
+    bench.add_argument("--loaders", nargs="+", default=None,
+                       help="names from `streamload.bench.LOADERS` (default: every one that runs here)")  # fmt: skip
+    bench.add_argument("--json", type=Path, default=None, help="write rows and raw runs here (default: none)")
+    bench.add_argument("--plot", type=Path, default=None, help="write the arrival-curve PNG here (default: none)")
+    bench.add_argument("--markdown", type=Path, default=None, help="write the tables here (default: none)")
     bench.add_argument("--sweep", action="store_true",
                        help="time streamload alone on a grid of threads x request size x ring around its defaults, "
                             "and print the best setting as options to pass")  # fmt: skip
@@ -81,21 +91,26 @@ def main(argv: list[str] | None = None) -> int:
     except (StreamloadError, ValueError) as exc:
         print(f"streamload: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the stream was closed on the way out: one line, the shell's code for SIGINT
+        print("streamload: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
 def _inspect(path: str, as_json: bool) -> None:
     from .api import inspect
-    from .layers import layer_of
+    from .layers import layer_of, layer_rank
 
     ckpt = inspect(path)
     tensors = list(ckpt.tensors.values())
-    layers = Counter(layer.name for t in tensors if (layer := layer_of(t.name)))
+    in_order = sorted(tensors, key=lambda t: (layer_rank(t.name), t.name))  # layers 0, 1, 2, ..., 10
+    layers = Counter(layer.name for t in in_order if (layer := layer_of(t.name)))
     dtypes = Counter(t.dtype.name for t in tensors)
     largest = max(tensors, key=lambda t: t.nbytes, default=None)
     summary = {
         "files": [{"path": str(f.path), "bytes": f.size, "tensors": len(f.tensors)} for f in ckpt.files],
-        "tensors": len(tensors),
+        "tensor_count": len(tensors),
+        "tensors": [_row(t) for t in in_order],
         "bytes": ckpt.nbytes,
         "layers": len(layers),
         "tensors_per_layer": dict(layers),
@@ -121,13 +136,25 @@ def _inspect(path: str, as_json: bool) -> None:
         kinds.add_row(d, str(v["tensors"]), f"{v['bytes']:,}")
     console.print(kinds)
     per_layer = Counter(layers.values())
-    shape = ", ".join(f"{n} layers x {k} tensors" for k, n in sorted(per_layer.items())) or "no layers"
-    console.print(f"{len(tensors)} tensors, {ckpt.nbytes / 1e9:.3f} GB; {shape}")
+    shape = ", ".join(f"{_count(n, 'layer')} x {_count(k, 'tensor')}" for k, n in sorted(per_layer.items()))
+    console.print(f"{_count(len(tensors), 'tensor')}, {ckpt.nbytes / 1e9:.3f} GB; {shape or 'no layers'}")
     if largest is not None:
         what = f"{largest.nbytes / 1e6:.1f} MB, {largest.dtype.name} {list(largest.shape)}"
         console.print(f"largest: {largest.name} ({what})")
     if ckpt.metadata:
         console.print(f"metadata: {ckpt.metadata}")
+
+
+def _row(t: Any) -> dict[str, Any]:
+    from .layers import layer_of
+
+    layer = layer_of(t.name)
+    return {"name": t.name, "file": str(t.path), "dtype": t.dtype.name, "shape": list(t.shape),
+            "byte_range": [t.begin, t.end], "layer": layer.name if layer else None}  # fmt: skip
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _load(path: str, device: str | None, dtype: str | None, reader: str, tuning: dict[str, int]) -> None:

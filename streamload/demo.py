@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -35,6 +36,12 @@ def llama_tensors(shape: Shape) -> dict[str, tuple[int, ...]]:
     return names
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_checkpoint(directory: Path, shape: Shape = Shape(), shards: int = 2) -> Path:
     """Write random bf16 weights as `shards` files plus a `model.safetensors.index.json`, as HF does."""
     from safetensors.torch import save_file
@@ -47,6 +54,7 @@ def write_checkpoint(directory: Path, shape: Shape = Shape(), shards: int = 2) -
         part = specs[k * per : (k + 1) * per]
         fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
         save_file({n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in part}, directory / fname)
+        os.chmod(directory / fname, 0o666 & ~_umask())  # save_file makes 0600 files; the index gets the umask
         weight_map |= {n: fname for n, _ in part}
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return directory

@@ -83,10 +83,19 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
         if size < 8:
             raise HeaderError(f"{path}: file is {size} bytes, too short for a safetensors header")
         n = int.from_bytes(head[:8], "little")
+        start = head[8:].lstrip(b" \t\r\n")[:1]  # the header may be padded with whitespace
+        if start and start != b"{":
+            raise HeaderError(
+                f"{path}: not a safetensors file: it must start with an 8-byte header length and then a JSON "
+                f"object ('{{'), but it starts {head[:16]!r}"
+            )
         if n > HEADER_LIMIT:
-            raise HeaderError(f"{path}: header length {n} exceeds the limit of {HEADER_LIMIT} bytes")
+            raise HeaderError(
+                f"{path}: not a safetensors file, or a damaged one: its first 8 bytes give a header length of "
+                f"{n} bytes, over the format's limit of {HEADER_LIMIT}"
+            )
         if 8 + n > size:
-            raise HeaderError(f"{path}: header length {n} runs past the end of the file ({size} bytes)")
+            raise HeaderError(f"{path}: header length {n} runs past the end of the file ({size} bytes): truncated?")
         if 8 + n > len(head):
             head += _pread_exact(fd, path, 8 + n - len(head), len(head))
     finally:
@@ -162,8 +171,11 @@ def parse_header(path: Path, file_size: int, raw: bytes) -> FileHeader:
         cursor = t.end
     data_size = file_size - data_start
     if cursor - data_start > data_size:
+        first = next(t for t in by_offset if t.end > file_size)
         raise HeaderError(
-            f"{path}: tensor data runs to byte {cursor - data_start} but the data section holds only {data_size}"
+            f"{path}: file is truncated: tensor {first.name!r} (and every tensor after it) needs bytes up to "
+            f"{first.end - data_start} of the data section, which holds only {data_size} "
+            f"({cursor - data_start - data_size} bytes missing in all)"
         )
     if cursor - data_start < data_size:
         raise HeaderError(f"{path}: {data_size - (cursor - data_start)} bytes are left over after the last tensor")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,17 @@ class _Filler:
         except AttributeError:
             return None
 
+    def check_names(self, names: Collection[str]) -> None:
+        """Before any weight is read: what the module needs and the checkpoint's names cannot give."""
+        present = set(names)
+        missing = sorted(n for n in self.expected if not any(a in present for a in self.group_of.get(n, [n])))
+        if missing:
+            raise StreamloadError(
+                f"loading into {type(self.module).__name__}: the checkpoint has no tensor for {_short(missing)}; "
+                f"nothing was read. Check that the checkpoint is this model's (it holds e.g. "
+                f"{_short(sorted(present)[:3])}), or pass strict=False to load what matches and leave these as they are"
+            )
+
     def finish(self, strict: bool) -> LoadResult:
         r = self.result
         r.missing_keys = sorted(self.expected - self.filled)
@@ -94,6 +106,51 @@ class _Filler:
                 parts.append(f"left on the meta device, not in the checkpoint: {_short(extra)}")
             raise StreamloadError(f"loading into {type(self.module).__name__}: " + "; ".join(parts))
         return r
+
+
+# torch.nn.init's in-place initialisers: with `empty_weights` they have nothing to initialise.
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                 "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                 "sparse_")  # fmt: skip
+
+
+@contextmanager
+def empty_weights() -> Iterator[None]:
+    """Build modules with their parameters on the meta device (no memory, no initialisation) but their
+    buffers for real, so that buffers no checkpoint holds (a rotary embedding's `inv_freq`, position
+    ids) come out of the module's own constructor, exactly; `load_into` then fills the parameters.
+
+    Not thread-safe: it patches `nn.Module.register_parameter` and `torch.nn.init` while it is open.
+
+    >>> with streamload.empty_weights():  # doctest: +SKIP
+    ...     model = AutoModelForCausalLM.from_config(config)
+    >>> streamload.load_into(model, "model/", device="cuda")  # doctest: +SKIP
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(self, name, param)
+        if param is not None and not param.is_meta:
+            try:
+                meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            except TypeError:  # a Parameter subclass that wants more arguments
+                meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            self._parameters[name] = meta
+
+    saved = {name: getattr(torch.nn.init, name) for name in _INITIALISERS if hasattr(torch.nn.init, name)}
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    for name in saved:
+        setattr(torch.nn.init, name, _skip_init)
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def _skip_init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 def _short(names: list[str], most: int = 20) -> str:
@@ -123,6 +180,8 @@ def load_into(
     """
     filler = _Filler(module)
     with layers(source, **options) as groups:
+        if strict:
+            filler.check_names([i.name for i in groups.stream.plan.items])
         for key, tensors in groups:
             for name, t in tensors.items():
                 filler.assign(name, t)
@@ -142,6 +201,8 @@ async def aload_into(
     """`load_into` for async code; `on_layer` may be a coroutine function."""
     filler = _Filler(module)
     async with layers(source, **options) as groups:
+        if strict:
+            filler.check_names([i.name for i in groups.stream.plan.items])
         async for key, tensors in groups:
             for name, t in tensors.items():
                 filler.assign(name, t)

@@ -142,6 +142,7 @@ def make_plan(
     """
     if order not in ("layer", "file"):
         raise ValueError(f"order must be 'layer' or 'file', not {order!r}")
+    _check_dtype_option(dtype)
     if slot_bytes < SLOT_ALIGN or slot_bytes % SLOT_ALIGN:
         raise ValueError(f"slot size must be a positive multiple of {SLOT_ALIGN} bytes, not {slot_bytes}")
     file_rank = {f.path: i for i, f in enumerate(checkpoint.files)}
@@ -167,6 +168,18 @@ def make_plan(
     position = {item.name: k for k, item in enumerate(items)}
     merged = sorted(shared + local, key=lambda b: position[b.pieces[0].item.name])
     return Plan(items, tuple(Batch(k, b.pieces, b.shared) for k, b in enumerate(merged)), files)
+
+
+def _check_dtype_option(dtype: DTypeOption) -> None:
+    """`dtype=` converts floating-point tensors; to an integer or bool dtype that would truncate them."""
+    targets = [dtype] if isinstance(dtype, torch.dtype) else list((dtype or {}).values())
+    for target in targets:
+        if target is not None and not (target.is_floating_point or target.is_complex):
+            raise UnsupportedError(
+                f"dtype={target} would truncate floating-point weights: `dtype=` converts floating-point "
+                "tensors to another floating-point dtype (float16, bfloat16, float32, ...); to get integers, "
+                "convert the loaded tensors yourself"
+            )
 
 
 def _item(info: TensorInfo, dtype: DTypeOption, shard: ShardSpec | None) -> Item | None:

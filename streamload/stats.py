@@ -33,6 +33,14 @@ class Stats:
         """Bytes read per second so far, in GB/s (10^9)."""
         return self.bytes_read / self.elapsed / 1e9 if self.elapsed else 0.0
 
+    def __repr__(self) -> str:
+        ttft = "-" if self.time_to_first_tensor is None else f"{self.time_to_first_tensor:.4f}"
+        return (
+            f"Stats(bytes_read={self.bytes_read}/{self.bytes_total}, tensors_done={self.tensors_done}/"
+            f"{self.tensors_total}, elapsed={self.elapsed:.4f}, gbps={self.gbps:.2f}, time_to_first_tensor={ttft}, "
+            f"reader={self.reader!r}, device={self.device!r}, staging_bytes={self.staging_bytes})"
+        )
+
     def start(self) -> None:
         self.started = time.perf_counter()
 

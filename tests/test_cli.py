@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,19 @@ def test_demo_checkpoint_is_llama_shaped_and_loads(tmp_path: Path) -> None:
     for f in tmp_path.glob("*.safetensors"):
         for name, t in load_file(f).items():
             assert same_bits(state[name], t)
+
+
+def test_demo_files_follow_the_umask(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        write_checkpoint(tmp_path, Shape(vocab=64, hidden=32, intermediate=48, layers=1), shards=2)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert set(modes.values()) == {0o644}, modes
 
 
 def test_demo_command_runs(tmp_path: Path) -> None:
@@ -55,10 +69,75 @@ def test_inspect_json(small_model: Path, capsys: pytest.CaptureFixture[str]) -> 
 
     assert main(["inspect", str(small_model), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert len(doc["files"]) == 2 and doc["layers"] == 4 and doc["tensors"] == 4 * 9 + 3
+    assert len(doc["files"]) == 2 and doc["layers"] == 4 and doc["tensor_count"] == len(doc["tensors"]) == 4 * 9 + 3
     assert set(doc["tensors_per_layer"].values()) == {9}
+    first = doc["tensors"][0]
+    assert first["name"] == "model.embed_tokens.weight" and first["layer"] is None and first["dtype"] == "BF16"
+    assert first["shape"] == [256, 64] and first["byte_range"][1] - first["byte_range"][0] == 256 * 64 * 2
+    assert [t["layer"] for t in doc["tensors"][1:10]] == ["model.layers.0"] * 9
     assert doc["largest"]["name"] in ("model.embed_tokens.weight", "lm_head.weight")
     assert doc["bytes"] == sum(v["bytes"] for v in doc["dtypes"].values())
+
+
+def test_inspect_lists_layers_in_natural_order_and_says_singulars(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({f"model.layers.{i}.w": torch.ones(2) for i in range(12)}, tmp_path / "m.safetensors")
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert list(doc["tensors_per_layer"]) == [f"model.layers.{i}" for i in range(12)]
+    save_file({"model.layers.0.w": torch.ones(2)}, tmp_path / "m.safetensors")
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "1 tensor, 0.000 GB; 1 layer x 1 tensor" in capsys.readouterr().out
+
+
+def test_version_and_help_show_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"streamload {streamload.__version__}"
+    for command in ("demo", "load", "bench", "inspect"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        options = [line for line in text.splitlines() if line.strip().startswith("--") and "--help" not in line]
+        assert options and "default" in " ".join(text.split()), command
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "Defaults: a warm page cache, 5 runs, on the cpu." in " ".join(capsys.readouterr().out.split())
+
+
+def test_unknown_device_and_integer_dtype_are_one_line_errors(
+    small_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["load", str(small_model), "--device", "gpu"]) == 1
+    assert main(["load", str(small_model), "--device", "cpu", "--dtype", "int8"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2
+    assert "device 'gpu' is not a device torch knows" in err[0]
+    assert "dtype=torch.int8 would truncate floating-point weights" in err[1]
+
+
+def test_ctrl_c_during_load_is_one_line_and_exit_130(small_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, streamload.cli as c, streamload.stream as s\n"
+         "real = s.TensorStream.__next__\n"
+         "def slow(self):\n    time.sleep(0.2)\n    return real(self)\n"
+         "s.TensorStream.__next__ = slow\n"
+         f"print('ready', flush=True)\nsys.exit(c.main(['load', {str(small_model)!r}, '--device', 'cpu']))"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and err.strip() == "streamload: interrupted"
 
 
 def test_inspect_table(small_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -99,6 +178,9 @@ def test_bench_runs_loaders_and_writes_json_and_plot(small_model: Path, tmp_path
     for r in rows.values():
         assert r["seconds"] > 0 and r["peak_rss"] > 0
     assert rows[("warm", "safetensors-load_file")]["x_load_file"] == 1.0
+    # Warm on the CPU no ceiling bounds a mapping loader; cold the storage ceiling does.
+    assert rows[("warm", "streamload-mmap")]["of_ceiling"] is None
+    assert rows[("cold", "streamload-mmap")]["of_ceiling"] is not None
     assert rows[("warm", "streamload-mmap")]["first_layer_s"] is not None
     raw = next(x for x in doc["raw"] if x["loader"] == "streamload-mmap")
     arrivals = raw["runs"][0]["arrivals"]

@@ -78,9 +78,11 @@ def test_tensor_named_in_message(tmp_path: Path) -> None:
     [
         (b"", "too short"),
         (b"\x01\x00", "too short"),
-        ((HEADER_LIMIT + 1).to_bytes(8, "little"), "exceeds the limit"),
+        ((HEADER_LIMIT + 1).to_bytes(8, "little"), "over the format's limit"),
         ((50).to_bytes(8, "little") + b"{}", "past the end"),
-        ((2**64 - 1).to_bytes(8, "little"), "exceeds the limit"),
+        ((2**64 - 1).to_bytes(8, "little"), "over the format's limit"),
+        (b"import torch\nprint(torch.__version__)\n", "not a safetensors file: .* starts b'import torch"),
+        ((10).to_bytes(8, "little") + b"[1, 2, 3] ", "not a safetensors file"),
     ],
 )
 def test_bad_length_word(tmp_path: Path, prefix: bytes, needle: str) -> None:
@@ -89,6 +91,13 @@ def test_bad_length_word(tmp_path: Path, prefix: bytes, needle: str) -> None:
     with pytest.raises(streamload.HeaderError, match=needle) as info:
         streamload.inspect(path)
     assert str(path) in str(info.value)
+
+
+def test_truncated_file_names_the_first_tensor_missing_bytes(tmp_path: Path) -> None:
+    raw = header(a=entry(offsets=[0, 8]), b=entry(offsets=[8, 16]), c=entry(offsets=[16, 24]))
+    path = write_header(tmp_path / "cut.safetensors", raw, b"\0" * 12)
+    with pytest.raises(streamload.HeaderError, match=r"truncated: tensor 'b' .* 12 \(12 bytes missing in all\)"):
+        read_header(path)
 
 
 def test_whitespace_padding_is_legal(tmp_path: Path) -> None:

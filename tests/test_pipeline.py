@@ -175,6 +175,13 @@ def test_stats_live_and_final(model: Path) -> None:
     assert stream.stats.tensors_done == 16 and stream.stats.elapsed == elapsed  # frozen once finished
 
 
+def test_stats_print_elapsed(model: Path) -> None:
+    with streamload.iter(model, device="cpu") as stream:
+        list(stream)
+    text = repr(stream.stats)
+    assert f"elapsed={stream.stats.elapsed:.4f}" in text and "tensors_done=16/16" in text and "reader='mmap'" in text
+
+
 def test_load_from_inside_an_event_loop(model: Path) -> None:
     async def main() -> dict[str, torch.Tensor]:
         return streamload.load(model, device="cpu")  # the sync face runs its own loop on a thread

@@ -1,0 +1,120 @@
+"""Real transformers architectures, saved with `save_pretrained`, loaded by `streamload.from_pretrained`:
+outputs identical to `transformers`' own `from_pretrained`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import streamload
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 128}  # fmt: skip
+MODELS = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=False)),
+    "qwen2-tied": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, tie_word_embeddings=True)),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL)),
+    "gpt2-tied": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=128)
+    ),
+    "bert": lambda: transformers.BertModel(
+        transformers.BertConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=96,
+            vocab_size=300,
+            max_position_embeddings=128,
+        )
+    ),
+    "t5-tied": lambda: transformers.T5ForConditionalGeneration(
+        transformers.T5Config(d_model=64, d_ff=96, d_kv=16, num_layers=2, num_heads=4, vocab_size=300)
+    ),
+}
+
+
+def _outputs(model: nn.Module, name: str) -> torch.Tensor:
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        if name.startswith("t5"):
+            return model(input_ids=ids, decoder_input_ids=ids[:, :5]).logits
+        out = model(input_ids=ids)
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_from_pretrained_matches_transformers(tmp_path: Path, name: str) -> None:
+    torch.manual_seed(0)
+    original = MODELS[name]()
+    original.save_pretrained(tmp_path, max_shard_size="100KB")  # several shards and an index
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    reference = type(original).from_pretrained(tmp_path).eval()
+    layers: list[str] = []
+    ours = streamload.from_pretrained(tmp_path, device="cpu", on_layer=lambda key, module: layers.append(key))
+    assert type(ours) is type(original) and not ours.training
+    assert not [n for n, t in [*ours.named_parameters(), *ours.named_buffers()] if t.is_meta]
+    assert torch.equal(_outputs(ours, name), _outputs(reference, name))
+    assert layers  # layers were handed out as they completed
+    if name.endswith("-tied"):
+        emb, head = ours.get_input_embeddings().weight, ours.get_output_embeddings().weight
+        assert emb is head  # still one parameter
+
+
+def test_checkpoints_transformers_converts_on_load_fail_before_reading(tmp_path: Path) -> None:
+    """transformers 5 stores Mixtral's experts one by one and fuses them when it loads; names alone do
+    not map them onto the model, so the load stops before reading anything, and says what to do."""
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)
+    ).save_pretrained(tmp_path)
+    names = streamload.inspect(tmp_path).tensors
+    model_names = transformers.MixtralForCausalLM(transformers.MixtralConfig(**SMALL, num_local_experts=4)).state_dict()
+    if set(model_names) <= set(names):
+        pytest.skip("this transformers stores Mixtral as its modules name it")
+    with pytest.raises(streamload.StreamloadError, match="nothing was read.*strict=False"):
+        streamload.from_pretrained(tmp_path, device="cpu")
+
+
+def test_from_pretrained_converts_dtype(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    MODELS["llama"]().save_pretrained(tmp_path)
+    ours = streamload.from_pretrained(tmp_path, device="cpu", dtype=torch.bfloat16)
+    reference = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    assert torch.equal(_outputs(ours, "llama"), _outputs(reference, "llama"))
+
+
+def test_a_missing_key_is_an_error_before_any_weight_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    MODELS["llama"]().save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    batches = []
+    monkeypatch.setattr(streamload.pipeline.Pipeline, "next_batch", lambda self: batches.append(1))
+    with pytest.raises(
+        streamload.StreamloadError, match=r"no tensor for 'model.layers.1.mlp.up_proj.weight'.*strict=False"
+    ):
+        streamload.from_pretrained(tmp_path, device="cpu")
+    assert batches == []
+
+
+def test_empty_weights_makes_buffers_for_real_and_parameters_on_meta() -> None:
+    before = torch.nn.init.kaiming_uniform_
+    with streamload.empty_weights():
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+        assert torch.nn.init.kaiming_uniform_ is not before
+    assert torch.nn.init.kaiming_uniform_ is before and nn.Module.register_parameter.__name__ == "register_parameter"
+    assert all(p.is_meta for p in model.parameters())
+    inv_freq = model.model.rotary_emb.inv_freq
+    assert not inv_freq.is_meta and torch.equal(
+        inv_freq, transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).model.rotary_emb.inv_freq
+    )
+    assert nn.Linear(3, 4).weight.device.type == "cpu"  # and nothing leaks out of the block
