@@ -86,8 +86,8 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
         start = head[8:].lstrip(b" \t\r\n")[:1]  # the header may be padded with whitespace
         if start and start != b"{":
             raise HeaderError(
-                f"{path}: not a safetensors file: it must start with an 8-byte header length and then a JSON "
-                f"object ('{{'), but it starts {head[:16]!r}"
+                f"{path}: not a safetensors file: after its 8-byte length word the header is not a JSON object "
+                f"('{{...}}'); the file starts {head[:16]!r}"
             )
         if n > HEADER_LIMIT:
             raise HeaderError(
@@ -174,7 +174,7 @@ def parse_header(path: Path, file_size: int, raw: bytes) -> FileHeader:
         first = next(t for t in by_offset if t.end > file_size)
         raise HeaderError(
             f"{path}: file is truncated: tensor {first.name!r} (and every tensor after it) needs bytes up to "
-            f"{first.end - data_start} of the data section, which holds only {data_size} "
+            f"{first.end - data_start}, but the data section holds only {data_size} "
             f"({cursor - data_start - data_size} bytes missing in all)"
         )
     if cursor - data_start < data_size:

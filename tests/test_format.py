@@ -81,7 +81,7 @@ def test_tensor_named_in_message(tmp_path: Path) -> None:
         ((HEADER_LIMIT + 1).to_bytes(8, "little"), "over the format's limit"),
         ((50).to_bytes(8, "little") + b"{}", "past the end"),
         ((2**64 - 1).to_bytes(8, "little"), "over the format's limit"),
-        (b"import torch\nprint(torch.__version__)\n", "not a safetensors file: .* starts b'import torch"),
+        (b"import torch\nprint(torch.__version__)\n", "not a safetensors file: .* the file starts b'import torch"),
         ((10).to_bytes(8, "little") + b"[1, 2, 3] ", "not a safetensors file"),
     ],
 )
