@@ -5,10 +5,11 @@ The rule (measurements behind it in docs/benchmarks.md):
 - reader threads: 2 per CPU the process may run on, at least 8, at most 32. A read waits on storage or
   on page faults far more than it computes, so more threads than cores keep more requests in flight
   (an H100 machine with 16 cores: 8 threads 0.88 s, 16 threads 0.62 s, 32 threads 0.54 s for 8 GB).
-- request size: 32 MiB (there: 8 MiB 0.62 s, 32 MiB 0.43 s warm; 5.0 s against 4.1 s cold; on a
-  2-core VM's CPU, 2.1 GB warm: 0.162 s against 0.176 s, cold a tie); never so large that fewer
-  requests than threads would cover the checkpoint, so a small checkpoint is still read by every
-  thread; never under 1 MiB.
+- request size: 32 MiB into a GPU (there: 8 MiB 0.62 s, 32 MiB 0.43 s warm; 5.0 s against 4.1 s cold);
+  8 MiB on the CPU, where mapping is bound by page faults and a 64 MiB slot in 8 MiB requests keeps 8
+  threads on the first batch, not 2 (a 2-core VM, 2.1 GB cold: first tensor 84 ms against 192-221 ms
+  with 32 MiB); never so large that fewer requests than threads would cover the checkpoint, so a
+  small checkpoint is still read by every thread; never under 1 MiB.
 - ring: into a GPU, 8 slots in up to 1 GiB (there: 256 MiB / 4 slots 0.62 s, 1 GiB / 8 slots 0.39 s),
   at most an eighth of the memory available and no larger than the checkpoint; on the CPU, 4 slots
   of 64 MiB (the posix reader's ring; the mapping reader's slots hold no memory).
@@ -87,7 +88,7 @@ def tuning(
     threads = threads or reader_threads()
     if chunk_bytes is None:
         share = _power_of_two_below(max(MiB, total_bytes // threads))
-        chunk_bytes = min(32 * MiB, share)
+        chunk_bytes = min(32 * MiB if gpu else 8 * MiB, share)
     if slots is None:
         slots = 8 if gpu else 4
     if ring_bytes is None:

@@ -26,7 +26,7 @@ def test_requests_and_ring_by_device_and_size(monkeypatch: pytest.MonkeyPatch) -
     gpu = defaults.tuning("cuda", 8 * GiB)
     assert (gpu.threads, gpu.chunk_bytes, gpu.ring_bytes, gpu.slots) == (32, 32 * MiB, GiB, 8)
     cpu = defaults.tuning("cpu", 8 * GiB)
-    assert (cpu.chunk_bytes, cpu.ring_bytes, cpu.slots) == (32 * MiB, 256 * MiB, 4)
+    assert (cpu.chunk_bytes, cpu.ring_bytes, cpu.slots) == (8 * MiB, 256 * MiB, 4)
     small = defaults.tuning("cuda", 100 * MiB)  # every thread still gets a request; the ring no larger than the load
     assert small.chunk_bytes == 2 * MiB and small.ring_bytes == 100 * MiB
     assert defaults.tuning("cuda", 1000).chunk_bytes == MiB
