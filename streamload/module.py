@@ -82,11 +82,14 @@ class _Filler:
         """Before any weight is read: what the module needs and the checkpoint's names cannot give."""
         present = set(names)
         missing = sorted(n for n in self.expected if not any(a in present for a in self.group_of.get(n, [n])))
-        if missing:
+        unexpected = sorted(n for n in present if n not in self.group_of)
+        if missing or unexpected:
+            parts = [f"missing keys: {_short(missing)}"] if missing else []
+            parts += [f"unexpected keys: {_short(unexpected)}"] if unexpected else []
             raise StreamloadError(
-                f"loading into {type(self.module).__name__}: the checkpoint has no tensor for {_short(missing)}; "
-                f"nothing was read. Check that the checkpoint is this model's (it holds e.g. "
-                f"{_short(sorted(present)[:3])}), or pass strict=False to load what matches and leave these as they are"
+                f"loading into {type(self.module).__name__}: {'; '.join(parts)}; nothing was read. Check that the "
+                f"checkpoint is this model's (it holds e.g. {_short(sorted(present)[:3])}), or pass strict=False "
+                "to load what matches and leave the rest as it is"
             )
 
     def finish(self, strict: bool) -> LoadResult:
