@@ -50,8 +50,7 @@ class TensorStream:
         return self.checkpoint.metadata
 
     def _open(self) -> None:
-        if self._state == "done":
-            raise StreamloadError("a TensorStream runs once; call streamload.iter() again for another pass")
+        self._check_not_done()
         if self._state == "open":
             raise StreamloadError("this TensorStream is already running")
         self._state = "open"
