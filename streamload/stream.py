@@ -7,6 +7,7 @@ worker thread (anyio, so asyncio and trio alike), imported only when async code 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal, TypeVar
@@ -137,7 +138,7 @@ class TensorStream:
         if not self._ready:
             if self._state == "done":
                 raise StopAsyncIteration
-            made = await self._in_thread(self._next_batch)
+            made = await self._in_thread(_next_batch_of, weakref.ref(self))
             if made is None:
                 raise StopAsyncIteration
             self._ready = made
@@ -151,11 +152,11 @@ class TensorStream:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self.close)
 
-    async def _in_thread(self, call: Callable[[], T]) -> T:
+    async def _in_thread(self, call: Callable[[weakref.ref[TensorStream]], T], ref: weakref.ref[TensorStream]) -> T:
         import anyio
 
         try:
-            return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+            return await anyio.to_thread.run_sync(call, ref, abandon_on_cancel=True)
         except anyio.get_cancelled_exc_class():
             self._pipeline.stop()  # the abandoned call returns soon; close() waits for it
             raise
@@ -172,6 +173,13 @@ class TensorStream:
                 self.close()
             except Exception:
                 pass
+
+
+def _next_batch_of(ref: weakref.ref[TensorStream]) -> list[Delivered] | None:
+    """The worker thread's call, through a weak reference, so that nothing a worker thread keeps after
+    the call (its last arguments) can keep a dropped stream, and its files, alive."""
+    stream = ref()
+    return None if stream is None else stream._next_batch()
 
 
 __all__ = ["TensorStream"]

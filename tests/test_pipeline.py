@@ -144,6 +144,17 @@ async def test_break_in_async_loop_cleans_up(model: Path) -> None:
     assert open_fds() <= fds
 
 
+async def test_an_idle_worker_thread_does_not_keep_a_dropped_stream(model: Path) -> None:
+    stream = streamload.iter(model, device="cpu", **RING)
+    async for _ in stream:
+        break  # a bare loop: the stream is closed when it is dropped
+    ref = weakref.ref(stream)
+    with pytest.warns(ResourceWarning, match="left open"):
+        del stream
+        gc.collect()
+    assert ref() is None
+
+
 async def test_cancelling_the_consumer_stops_the_pipeline(model: Path) -> None:
     fds = open_fds()
     got = 0
