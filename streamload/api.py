@@ -66,14 +66,15 @@ def iter(
     """
     dev = _device(device)
     checkpoint = open_checkpoint(source)
+    total = checkpoint.nbytes
     tuning = defaults.tuning(
-        dev.type, checkpoint.nbytes, ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes
+        dev.type, total, ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes
     )
     tuning.check()
     check_fits(tuning.slot_bytes, "a ring slot")
     first = checkpoint.files[0].path if checkpoint.files else None
     exchange = _exchange(cooperative, dev)
-    read, make = _route(dev, reader, tuning, first, exchange, checkpoint.nbytes)
+    read, make = _route(dev, reader, tuning, first, exchange, total)
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
     share = None
     if exchange is not None:
