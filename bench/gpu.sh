@@ -6,12 +6,14 @@
 #                                               # benchmark, cold and warm, with the ceilings
 #   bench/gpu.sh tune RESULTS_DIR [CKPT_DIR]    # start-up costs step by step, and the sweep of
 #                                               # threads x request size x ring against the defaults
+#   bench/gpu.sh first-token RESULTS_DIR        # cold start to first token of a Llama checkpoint:
+#                                               # transformers, streamload, compiled after / during load
 #
 # Everything lands in RESULTS_DIR: device.txt, tests.log, bench.log, bench-gpu.{json,png,md},
-# startup.log, sweep-warm.log, sweep-cold.log.
+# startup.log, sweep-warm.log, sweep-cold.log, first-token.{log,json}.
 # DEVICE (default cuda), LAYERS (default 76: 8.1 GB) and RUNS (default 3) override the defaults.
 set -uo pipefail
-step=${1:?tests, bench or tune}
+step=${1:?tests, bench, tune or first-token}
 out=${2:?a results directory}
 ckpt=${3:-/tmp/streamload-gpu}
 device=${DEVICE:-cuda}
@@ -43,8 +45,14 @@ bench)
     PYTHONUNBUFFERED=1 streamload bench "$ckpt" --device "$device" --cold --warm --runs "${RUNS:-3}" \
         --json "$out/bench-gpu.json" --plot "$out/bench-gpu.png" --markdown "$out/bench-gpu.md" 2>&1 | tee "$out/bench.log"
     ;;
+first-token)
+    llama=/tmp/llama-first-token-gpu
+    [ -f "$llama/config.json" ] || $python bench/first_token.py --make "$llama" --hidden 2048 --ffn 5632 --layers 24 || exit
+    PYTHONUNBUFFERED=1 $python bench/first_token.py "$llama" --device "$device" --runs "${RUNS:-3}" \
+        --json "$out/first-token.json" 2>&1 | tee "$out/first-token.log"
+    ;;
 *)
-    echo "usage: bench/gpu.sh tests|bench|tune RESULTS_DIR [CKPT_DIR]" >&2
+    echo "usage: bench/gpu.sh tests|bench|tune|first-token RESULTS_DIR [CKPT_DIR]" >&2
     exit 2
     ;;
 esac

@@ -117,3 +117,31 @@ def test_empty_weights_makes_buffers_for_real_and_parameters_on_meta() -> None:
         inv_freq, transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).model.rotary_emb.inv_freq
     )
     assert nn.Linear(3, 4).weight.device.type == "cpu"  # and nothing leaks out of the block
+
+
+def _example(name: str) -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
+def test_first_token_example_warms_up_what_generate_runs(tmp_path: Path, mode: str) -> None:
+    """The cold-start example compiles each decoder layer with the inputs of generate's first pass:
+    every layer is compiled during the load (or after it), and generate then compiles nothing more
+    and gives the token that plain transformers gives. (The eager backend: dynamo's tracing and
+    guards are real, inductor's code generation is left out to keep the test fast.)"""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**SMALL, "num_hidden_layers": 3}, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, max_shard_size="100KB")
+    example = _example("first_token")
+    reference = example.run(str(tmp_path), "transformers", torch.device("cpu"))  # type: ignore[attr-defined]
+    ours = example.run(str(tmp_path), mode, torch.device("cpu"), backend="eager")  # type: ignore[attr-defined]
+    assert ours["graphs"] >= 3  # one per decoder layer, all before generate
+    assert ours["compiled_in_generate"] == 0
+    assert ours["token"] == reference["token"]
+    assert ours["imported"] <= ours["weights"] <= ours["compiled"] <= ours["first_token"]
