@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import defaults
-from .device import Device, MappedCPU, StagedCPU
 from .errors import UnsupportedError
 from .limits import check_fits
-from .pipeline import Pipeline, Tuning
+from .pipeline import Pipeline
 from .plan import DTypeOption, Order, Patterns, make_plan
-from .read import DirectReader, MmapReader, PosixReader, Reader
+from .routes import ReaderName, route
 from .source import Checkpoint, Source, open_checkpoint
 from .stats import Stats
 from .stream import TensorStream
@@ -26,8 +24,6 @@ if TYPE_CHECKING:
     from .exchange import Exchange
     from .shard import ShardSpec
 
-ReaderName = Literal["auto", "mmap", "posix", "direct", "kvikio"]
-_HOST_READERS: dict[str, type[PosixReader]] = {"posix": PosixReader, "direct": DirectReader}  # into host slots
 log = logging.getLogger("streamload")
 
 
@@ -74,7 +70,8 @@ def iter(
     check_fits(tuning.slot_bytes, "a ring slot")
     first = checkpoint.files[0].path if checkpoint.files else None
     exchange = _exchange(cooperative, dev)
-    read, make = _route(dev, reader, tuning, first, exchange, total)
+    host_only = exchange is not None and not exchange.on_device
+    read, make = route(dev, reader, checkpoint.storage.kind, tuning, first, total, host_only)
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
     share = None
     if exchange is not None:
@@ -91,7 +88,7 @@ def iter(
         share=share,
     )
     stats = Stats(bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=read.name, device=make.name)
-    return TensorStream(checkpoint, plan, Pipeline(plan, read, make, tuning, stats, exchange))
+    return TensorStream(checkpoint, plan, Pipeline(plan, checkpoint.storage, read, make, tuning, stats, exchange))
 
 
 def load(source: Source, **options: Any) -> dict[str, torch.Tensor]:
@@ -130,69 +127,6 @@ def _exchange(cooperative: bool | ProcessGroup, dev: torch.device) -> Exchange |
 
     exchange = Exchange(None if cooperative is True else cooperative, dev)
     return exchange if exchange.world > 1 else None  # alone, there is nothing to divide
-
-
-def _host_reader(reader: str, tuning: Tuning, total_bytes: int) -> PosixReader:
-    """`posix`, `direct`, or for `auto` the one that suits the load: O_DIRECT only for a checkpoint
-    larger than the memory available, whose pages the page cache could not keep anyway (where it
-    can, buffered reads measured faster: docs/benchmarks.md)."""
-    if reader == "auto":
-        memory = defaults.available_memory()
-        reader = "direct" if memory is not None and total_bytes > memory else "posix"
-    return _HOST_READERS[reader](tuning.chunk_bytes)
-
-
-def _route(
-    dev: torch.device,
-    reader: str,
-    tuning: Tuning,
-    first_file: Path | None,
-    exchange: Exchange | None = None,
-    total_bytes: int = 0,
-) -> tuple[Reader, Device]:
-    if reader not in ("auto", "mmap", "posix", "direct", "kvikio"):
-        raise ValueError(f"reader must be 'auto', 'mmap', 'posix', 'direct' or 'kvikio', not {reader!r}")
-    if exchange is not None and not exchange.on_device:
-        # The exchange moves bytes between staging slots in host memory.
-        if reader in ("mmap", "kvikio"):
-            raise UnsupportedError(
-                f"cooperative loading over a {'gloo' if dev.type == 'cpu' else 'host-memory'} process group "
-                f"reads into host staging slots: use reader='posix', 'direct' or 'auto', not {reader!r}"
-            )
-        reader = "posix" if reader == "auto" else reader
-    if dev.type == "cpu":
-        if reader == "kvikio":
-            raise UnsupportedError("the kvikio reader reads into GPU memory: use it with device='cuda'")
-        # Measured (docs/benchmarks.md): mapping beats copying on the CPU, warm and cold.
-        if reader in _HOST_READERS:
-            return _host_reader(reader, tuning, total_bytes), StagedCPU()
-        return MmapReader(tuning.chunk_bytes), MappedCPU()
-    if dev.type != "cuda":
-        raise UnsupportedError(f"device {dev} is not supported (use 'cpu', 'cuda' or 'cuda:N')")
-    if not torch.cuda.is_available():
-        raise UnsupportedError(f"device {dev}: this torch sees no CUDA device")
-    if reader == "mmap":
-        raise UnsupportedError("the mmap reader is for device='cpu'; use 'posix' or 'kvikio' with CUDA")
-    if reader in ("auto", "kvikio"):
-        try:
-            from .device.cuda import CudaDevice
-            from .read.kvikio import KvikioReader
-
-            kv = KvikioReader(tuning.threads, tuning.chunk_bytes)
-            # auto takes kvikio where it can use GPUDirect Storage; in its POSIX mode it bounces
-            # through host memory just as our own pinned path does.
-            if reader == "kvikio" or kv.gds:
-                if first_file is not None:
-                    kv.probe(first_file, dev)
-                return kv, CudaDevice(dev, host_slots=False)
-            kv.close()
-        except UnsupportedError as exc:
-            if reader == "kvikio":
-                raise
-            log.warning("streamload: kvikio is unavailable (%s); reading with preadv into pinned memory", exc)
-    from .device.cuda import CudaDevice
-
-    return _host_reader(reader, tuning, total_bytes), CudaDevice(dev, host_slots=True)
 
 
 __all__ = ["TensorStream", "inspect", "iter", "load"]

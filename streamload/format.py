@@ -1,4 +1,4 @@
-"""safetensors header parsing with the format's full validation. No torch device code, no I/O policy.
+"""safetensors header parsing with the format's full validation. No I/O: a storage reads the bytes.
 
 The layout: 8 bytes little-endian N, N bytes of UTF-8 JSON, then the data section, which the tensors'
 ``data_offsets`` must cover exactly, in order, without holes or overlaps.
@@ -8,24 +8,23 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import stat
-from pathlib import Path
+from collections.abc import Callable
+from pathlib import PurePath
 from typing import Any, NamedTuple
 
 from .dtypes import DTYPES, DType
-from .errors import HeaderError, MissingFileError, ReadError, SourceError
+from .errors import HeaderError
 
 HEADER_LIMIT = 100_000_000  # the reference implementation's cap on N
 TENSOR_LIMIT = 1_000_000  # per file; the largest public checkpoints hold under 100,000 in all their files
-_FIRST_READ = 1 << 18  # one pread usually covers the length word and the whole header
+FIRST_READ = 1 << 18  # one read usually covers the length word and the whole header
 
 
 class TensorInfo(NamedTuple):
     """Where one tensor lives: file, dtype, shape and its absolute byte range in the file."""
 
     name: str
-    path: Path
+    path: PurePath  # a local Path, or an object's URL (storage.remote.ObjectPath)
     dtype: DType
     shape: tuple[int, ...]
     begin: int
@@ -43,86 +42,47 @@ class TensorInfo(NamedTuple):
 class FileHeader(NamedTuple):
     """A parsed, validated safetensors file header."""
 
-    path: Path
+    path: PurePath
     size: int
     data_start: int
     tensors: tuple[TensorInfo, ...]  # in file order
     metadata: dict[str, str] | None
-    identity: tuple[int, ...] = ()  # (device, inode, size, mtime) when read: reads check it is the same file
+    identity: tuple[object, ...] = ()  # as read (local: device, inode, size, mtime; objects: size, ETag):
+    # the storage checks that the data it reads later comes from the very same file
 
 
-def open_regular(path: Path) -> int:
-    """Open a file for reading; refuse anything but a regular file (a FIFO would hang a read)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise MissingFileError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise SourceError(f"{path}: cannot open: {exc.strerror or exc}") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise SourceError(f"{path}: not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+ReadAt = Callable[[int, int], bytes]  # (offset, count) -> exactly `count` bytes of the file, or an error
 
 
-def read_header(path: str | os.PathLike[str]) -> FileHeader:
-    """Read and validate the header of one safetensors file (usually one fstat and one pread).
+def header_from(path: PurePath, size: int, head: bytes, read_at: ReadAt) -> FileHeader:
+    """Validate the header of a file of `size` bytes whose first bytes are `head` (at least
+    `min(size, FIRST_READ)` of them; `read_at` fetches the rest of a longer header). The storage does
+    the I/O; this only parses bytes.
 
-    >>> h = read_header("model.safetensors")  # doctest: +SKIP
-    >>> [(t.name, t.dtype.name, t.shape) for t in h.tensors]  # doctest: +SKIP
+    >>> header_from(Path("m.safetensors"), len(data), data[:FIRST_READ], read_at)  # doctest: +SKIP
     """
-    path = Path(path)
-    fd = open_regular(path)
-    try:
-        st = os.fstat(fd)
-        size, identity = st.st_size, file_identity(st)
-        head = _pread_exact(fd, path, min(size, _FIRST_READ), 0)
-        if size < 8:
-            raise HeaderError(f"{path}: file is {size} bytes, too short for a safetensors header")
-        n = int.from_bytes(head[:8], "little")
-        start = head[8:].lstrip(b" \t\r\n")[:1]  # the header may be padded with whitespace
-        if start and start != b"{":
-            raise HeaderError(
-                f"{path}: not a safetensors file: after its 8-byte length word the header is not a JSON object "
-                f"('{{...}}'); the file starts {head[:16]!r}"
-            )
-        if n > HEADER_LIMIT:
-            raise HeaderError(
-                f"{path}: not a safetensors file, or a damaged one: its first 8 bytes give a header length of "
-                f"{n} bytes, over the format's limit of {HEADER_LIMIT}"
-            )
-        if 8 + n > size:
-            raise HeaderError(f"{path}: header length {n} runs past the end of the file ({size} bytes): truncated?")
-        if 8 + n > len(head):
-            head += _pread_exact(fd, path, 8 + n - len(head), len(head))
-    finally:
-        os.close(fd)
-    return parse_header(path, size, head[8 : 8 + n])._replace(identity=identity)
+    if size < 8:
+        raise HeaderError(f"{path}: file is {size} bytes, too short for a safetensors header")
+    n = int.from_bytes(head[:8], "little")
+    start = head[8:].lstrip(b" \t\r\n")[:1]  # the header may be padded with whitespace
+    if start and start != b"{":
+        raise HeaderError(
+            f"{path}: not a safetensors file: after its 8-byte length word the header is not a JSON object "
+            f"('{{...}}'); the file starts {head[:16]!r}"
+        )
+    if n > HEADER_LIMIT:
+        raise HeaderError(
+            f"{path}: not a safetensors file, or a damaged one: its first 8 bytes give a header length of "
+            f"{n} bytes, over the format's limit of {HEADER_LIMIT}"
+        )
+    if 8 + n > size:
+        raise HeaderError(f"{path}: header length {n} runs past the end of the file ({size} bytes): truncated?")
+    if 8 + n > len(head):
+        head += read_at(len(head), 8 + n - len(head))
+    return parse_header(path, size, head[8 : 8 + n])
 
 
-def file_identity(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _pread_exact(fd: int, path: Path, count: int, offset: int) -> bytes:
-    parts = []
-    while count > 0:
-        try:
-            chunk = os.pread(fd, count, offset)
-        except OSError as exc:
-            raise ReadError(f"{path}: reading the header failed: {exc.strerror or exc}") from exc
-        if not chunk:
-            raise HeaderError(f"{path}: file ended while reading its header")
-        parts.append(chunk)
-        count -= len(chunk)
-        offset += len(chunk)
-    return b"".join(parts)
-
-
-def _no_duplicates(path: Path):
+def _no_duplicates(path: PurePath):
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in pairs:
@@ -138,7 +98,7 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parse_header(path: Path, file_size: int, raw: bytes) -> FileHeader:
+def parse_header(path: PurePath, file_size: int, raw: bytes) -> FileHeader:
     """Validate header bytes (without the length word) of a file of `file_size` bytes."""
     try:
         text = raw.decode("utf-8")
@@ -182,7 +142,7 @@ def parse_header(path: Path, file_size: int, raw: bytes) -> FileHeader:
     return FileHeader(path, file_size, data_start, tuple(by_offset), metadata)
 
 
-def _metadata(path: Path, meta: object) -> dict[str, str] | None:
+def _metadata(path: PurePath, meta: object) -> dict[str, str] | None:
     if meta is None:
         return None
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
@@ -190,7 +150,7 @@ def _metadata(path: Path, meta: object) -> dict[str, str] | None:
     return dict(meta)
 
 
-def _tensor(path: Path, name: str, entry: object, data_start: int) -> TensorInfo:
+def _tensor(path: PurePath, name: str, entry: object, data_start: int) -> TensorInfo:
     def bad(msg: str) -> HeaderError:
         return HeaderError(f"{path}: tensor {name!r}: {msg}")
 

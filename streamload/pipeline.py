@@ -23,9 +23,10 @@ from .device import Delivered, Device
 from .errors import StreamloadError
 from .limits import Staging, shared_limits
 from .plan import Batch, Plan
-from .read import OpenFiles, Reader
+from .read import Reader
 from .read.pool import ReaderPool, Reads
 from .stats import Stats
+from .storage import Files, Storage
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -45,14 +46,21 @@ class Pipeline:
     """One stream's pipeline. `next_batch` is called by one thread at a time; `stop` from any thread."""
 
     def __init__(
-        self, plan: Plan, reader: Reader, device: Device, tuning: Tuning, stats: Stats, exchange: Exchange | None
+        self,
+        plan: Plan,
+        storage: Storage,
+        reader: Reader,
+        device: Device,
+        tuning: Tuning,
+        stats: Stats,
+        exchange: Exchange | None,
     ) -> None:
-        self.plan, self.reader, self.device, self.tuning = plan, reader, device, tuning
+        self.plan, self.storage, self.reader, self.device, self.tuning = plan, storage, reader, device, tuning
         self.stats, self.exchange = stats, exchange
         self._batches = iter(plan.batches)
         self._filling: deque[_Filling] = deque()
         self._free: list[torch.Tensor | None] = []
-        self._files: OpenFiles | None = None
+        self._files: Files | None = None
         self._pool: ReaderPool | None = None
         self._staging = Staging()
         self._stop = threading.Event()
@@ -96,6 +104,9 @@ class Pipeline:
         self._stop.set()
         if self._pool is not None:
             self._pool.stop()
+        files = self._files
+        if files is not None:
+            files.cancel()  # requests in flight to a remote store are dropped, not waited for
         shared_limits().wake()
 
     def close(self) -> None:
@@ -109,7 +120,7 @@ class Pipeline:
         self._started = True
         plan, device, t = self.plan, self.device, self.tuning
         self.stats.start()
-        self._files = OpenFiles(plan.files)
+        self._files = self.storage.open(plan.files)
         self._pool = ReaderPool(t.threads, self.stats.add_read)
         nslots = min(t.slots, max(1, len(plan.batches)))
         slot_bytes = t.slot_bytes + (self.exchange.padding if self.exchange is not None else 0)

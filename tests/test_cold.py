@@ -93,9 +93,9 @@ def test_direct_reader_reports_a_truncated_file(model: Path) -> None:
 
 
 def test_direct_falls_back_where_o_direct_is_refused(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from streamload.read.base import OpenFiles
+    from streamload.storage.local import LocalFiles
 
-    monkeypatch.setattr(OpenFiles, "_open_direct", lambda self, path: None)  # as on tmpfs
+    monkeypatch.setattr(LocalFiles, "_open_direct", lambda self, path: None)  # as on tmpfs
     evict([str(model)])
     got = streamload.load(model, device="cpu", reader="direct", ring_bytes=1 << 20, slots=2)
     ref = load_file(model)

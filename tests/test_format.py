@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 
 import streamload
-from streamload.format import HEADER_LIMIT, read_header
+from streamload.format import HEADER_LIMIT
+from streamload.storage.local import LocalStorage
 
 from .conftest import write_header, write_raw
+
+read_header = LocalStorage().header
 
 
 def entry(dtype: str = "F32", shape: list[int] | None = None, offsets: list[int] | None = None) -> dict:

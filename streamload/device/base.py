@@ -10,7 +10,7 @@ import torch
 from ..dtypes import torch_shape
 from ..limits import shared_limits
 from ..plan import Batch, Item, Piece
-from ..read import OpenFiles
+from ..storage import Files
 
 Delivered = tuple[str, torch.Tensor]
 
@@ -29,7 +29,7 @@ class Device(Protocol):
 
     def new_slot(self, nbytes: int) -> torch.Tensor | None: ...
 
-    def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]: ...
+    def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: Files) -> list[Delivered]: ...
 
     def close(self) -> None: ...
 

@@ -8,7 +8,7 @@ import torch
 from ..dtypes import torch_shape
 from ..format import TensorInfo
 from ..plan import Batch, Item
-from ..read import OpenFiles
+from ..storage import Files, LocalFiles
 from .base import Assembler, Delivered, HostRing, convert
 
 
@@ -26,7 +26,7 @@ class StagedCPU:
     def new_slot(self, nbytes: int) -> torch.Tensor:
         return self._ring.new_slot(nbytes)
 
-    def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]:
+    def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: Files) -> list[Delivered]:
         assert slot is not None
         out = []
         for piece in batch.pieces:
@@ -53,14 +53,14 @@ class MappedCPU:
     def new_slot(self, nbytes: int) -> None:
         return None
 
-    def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]:
+    def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: LocalFiles) -> list[Delivered]:
         return [(p.item.name, convert(_view(p.item, files), p.item)) for p in batch.pieces if p.last]
 
     def close(self) -> None:
         pass
 
 
-def _view(item: Item, files: OpenFiles) -> torch.Tensor:
+def _view(item: Item, files: LocalFiles) -> torch.Tensor:
     info = item.info
     shape = torch_shape(info.dtype, info.shape)
     assert shape is not None  # the plan only admits tensors torch can hold
@@ -71,7 +71,7 @@ def _view(item: Item, files: OpenFiles) -> torch.Tensor:
     return full.narrow(item.part.dim, item.part.start, item.part.length).clone()
 
 
-def _mapped(info: TensorInfo, dtype: torch.dtype, shape: tuple[int, ...], files: OpenFiles) -> torch.Tensor:
+def _mapped(info: TensorInfo, dtype: torch.dtype, shape: tuple[int, ...], files: LocalFiles) -> torch.Tensor:
     if info.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     storage = files.mapping(info.path)

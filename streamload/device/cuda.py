@@ -26,7 +26,7 @@ import torch
 
 from ..limits import shared_limits
 from ..plan import Batch
-from ..read import OpenFiles
+from ..storage import Files
 from .base import Assembler, Delivered, HostRing
 
 log = logging.getLogger("streamload")
@@ -58,7 +58,7 @@ class CudaDevice:
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Delivered]:
+    def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: Files) -> list[Delivered]:
         assert slot is not None
         with torch.cuda.device(self.device):
             src = slot if slot.is_cuda else self._to_device(batch, slot)

@@ -1,18 +1,15 @@
-"""What every reader shares: open files, contiguous spans of a batch, and the job type."""
+"""What every reader shares: the protocol, contiguous spans of a batch, and the job type."""
 
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import NamedTuple, Protocol
+from pathlib import PurePath
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from ..errors import ReadError
-from ..format import FileHeader, file_identity, open_regular
 from ..plan import Batch
 
 Job = Callable[[], int]  # blocking; runs on a reader thread; returns the bytes it brought in
@@ -21,8 +18,9 @@ Job = Callable[[], int]  # blocking; runs on a reader thread; returns the bytes 
 class Reader(Protocol):
     name: str
 
-    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
-        """Blocking jobs that, once all have run, leave the batch's bytes in `slot` (or resident)."""
+    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> list[Job]:
+        """Blocking jobs that, once all have run, leave the batch's bytes in `slot` (or resident).
+        `files` is what the storage this reader serves opened (storage/: LocalFiles, ObjectFiles)."""
         ...
 
     def close(self) -> None:
@@ -30,82 +28,10 @@ class Reader(Protocol):
         ...
 
 
-class OpenFiles:
-    """File descriptors (and, on demand, private read-only mappings) of the files a plan reads.
-
-    Closing drops the descriptors; a mapping stays alive as long as a tensor viewing it does.
-    """
-
-    def __init__(self, headers: dict[Path, FileHeader]) -> None:
-        self._headers = headers
-        self._fds: dict[Path, int] = {}
-        self._maps: dict[Path, torch.UntypedStorage] = {}
-        self._direct: dict[Path, int | None] = {}
-        self._lock = threading.Lock()
-        try:
-            for path, header in headers.items():
-                self._fds[path] = fd = open_regular(path)
-                st = os.fstat(fd)
-                if st.st_size != header.size:
-                    raise ReadError(f"{path}: file is now {st.st_size} bytes, not the {header.size} its header said")
-                if header.identity and file_identity(st) != header.identity:
-                    raise ReadError(f"{path}: file was replaced or modified after its header was read")
-        except BaseException:
-            self.close()
-            raise
-
-    def fd(self, path: Path) -> int:
-        return self._fds[path]
-
-    def mapping(self, path: Path) -> torch.UntypedStorage:
-        with self._lock:
-            storage = self._maps.get(path)
-            if storage is None:
-                # shared=False: MAP_PRIVATE, so writes to a tensor never reach the file (copy on write).
-                # Mapped through our descriptor, not the name: the very file whose header was read.
-                name = f"/proc/self/fd/{self._fds[path]}"
-                if not os.path.exists(name):  # no /proc: the name it is
-                    name = str(path)
-                size = self._headers[path].size
-                storage = torch.UntypedStorage.from_file(name, shared=False, nbytes=size)
-                self._maps[path] = storage
-            return storage
-
-    def direct_fd(self, path: Path) -> int | None:
-        """The same file opened again with O_DIRECT (through our descriptor, so the very file whose
-        header was read), or None where the file system does not allow it."""
-        with self._lock:
-            if path not in self._direct:
-                self._direct[path] = self._open_direct(path)
-            return self._direct[path]
-
-    def _open_direct(self, path: Path) -> int | None:
-        flag = getattr(os, "O_DIRECT", 0)
-        name = f"/proc/self/fd/{self._fds[path]}"
-        if not flag or not os.path.exists(name):
-            return None
-        try:
-            fd = os.open(name, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
-        except OSError:  # EINVAL: tmpfs and others refuse O_DIRECT
-            return None
-        if file_identity(os.fstat(fd)) != file_identity(os.fstat(self._fds[path])):
-            os.close(fd)
-            raise ReadError(f"{path}: file was replaced or modified after its header was read")
-        return fd
-
-    def close(self) -> None:
-        fds, self._fds = self._fds, {}
-        direct, self._direct = self._direct, {}
-        self._maps = {}
-        for fd in [*fds.values(), *direct.values()]:
-            if fd is not None:
-                os.close(fd)
-
-
 class Span(NamedTuple):
     """Bytes contiguous in one file, scattered to `parts` = [(slot_offset, length)] in order."""
 
-    path: Path
+    path: PurePath
     file_offset: int
     parts: tuple[tuple[int, int], ...]
 
@@ -121,7 +47,7 @@ class Span(NamedTuple):
 def spans(batch: Batch, chunk_bytes: int) -> Iterable[Span]:
     """The batch's byte ranges, merged where contiguous in a file and cut to at most `chunk_bytes`,
     so that one large tensor is read by several threads at once."""
-    path: Path | None = None
+    path: PurePath | None = None
     start = end = 0
     parts: list[tuple[int, int]] = []
     for p in batch.pieces:
@@ -165,11 +91,11 @@ def _cut(span: Span, chunk_bytes: int) -> Iterable[Span]:
         file_offset += length
 
 
-def read_error(path: Path, offset: int, why: str) -> ReadError:
+def read_error(path: PurePath, offset: int, why: str) -> ReadError:
     return ReadError(f"{path}: reading at offset {offset} failed: {why}")
 
 
-def eof_error(path: Path, offset: int) -> ReadError:
+def eof_error(path: PurePath, offset: int) -> ReadError:
     return read_error(path, offset, "unexpected end of file (truncated since its header was read?)")
 
 

@@ -16,7 +16,8 @@ import torch
 
 from ..errors import UnsupportedError
 from ..plan import Batch
-from .base import Job, OpenFiles, Span, eof_error, read_error, span_groups
+from ..storage import LocalFiles
+from .base import Job, Span, eof_error, read_error, span_groups
 
 
 class KvikioReader:
@@ -50,7 +51,7 @@ class KvikioReader:
         if n != 8 or bytes(buf.cpu().tolist()) != expected:
             raise UnsupportedError(f"kvikio read wrong bytes from {path}")
 
-    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
+    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: LocalFiles) -> list[Job]:
         assert slot is not None and slot.is_cuda, "the kvikio reader reads into a device slot"
         return [functools.partial(self._read_group, group, slot) for group in span_groups(batch, self.chunk_bytes)]
 

@@ -17,7 +17,8 @@ import os
 import torch
 
 from ..plan import Batch
-from .base import Job, OpenFiles, Span, read_error, span_groups
+from ..storage import LocalFiles
+from .base import Job, Span, read_error, span_groups
 from .resident import PAGE, cached
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: fault pages in without touching them from user space
@@ -39,7 +40,7 @@ class MmapReader:
     def close(self) -> None:
         pass
 
-    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
+    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: LocalFiles) -> list[Job]:
         jobs: list[Job] = []
         for group in span_groups(batch, self.chunk_bytes):
             fd = files.fd(group[0].path)

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 import torch
 
 from ..plan import Batch
-from .base import Job, OpenFiles, Span, eof_error, read_error, span_groups, writable_bytes
+from ..storage import LocalFiles
+from .base import Job, Span, eof_error, read_error, span_groups, writable_bytes
 from .resident import cached
 
 COLD_BYTES = 32 << 20  # the largest request for bytes not in the page cache
@@ -38,7 +39,7 @@ class PosixReader:
     def close(self) -> None:
         pass
 
-    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: OpenFiles) -> list[Job]:
+    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: LocalFiles) -> list[Job]:
         assert slot is not None, "the posix reader reads into a staging slot"
         view = writable_bytes(slot)
         jobs: list[Job] = []
@@ -47,7 +48,7 @@ class PosixReader:
             jobs.append(functools.partial(_read_spans, fd, group, view) if warm else self._cold(files, group, view))
         return jobs
 
-    def _cold(self, files: OpenFiles, group: list[Span], view: memoryview) -> Job:
+    def _cold(self, files: LocalFiles, group: list[Span], view: memoryview) -> Job:
         return functools.partial(_read_spans, files.fd(group[0].path), group, view, True)
 
 
@@ -57,14 +58,14 @@ class DirectReader(PosixReader):
 
     name = "direct"
 
-    def _cold(self, files: OpenFiles, group: list[Span], view: memoryview) -> Job:
+    def _cold(self, files: LocalFiles, group: list[Span], view: memoryview) -> Job:
         fd = files.direct_fd(group[0].path)
         if fd is None:
             return super()._cold(files, group, view)
         return functools.partial(_read_direct, fd, group, view)
 
 
-def _by_residency(files: OpenFiles, groups: list[list[Span]]) -> Iterator[tuple[bool, list[Span]]]:
+def _by_residency(files: LocalFiles, groups: list[list[Span]]) -> Iterator[tuple[bool, list[Span]]]:
     """(in the page cache?, spans) in order: cached groups as they are, the others merged (one file at a
     time) into runs of up to COLD_BYTES."""
     run: list[Span] = []

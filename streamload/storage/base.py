@@ -1,0 +1,77 @@
+"""What a storage is: where a checkpoint's files are, their headers' bytes, and byte ranges of them.
+
+A storage lists a source's files (`locate`), reads each header (`header`), and opens the files of a
+plan for the readers (`open`). The handle `open` returns is the storage's own (descriptors and
+mappings for local files, an HTTP client for objects); readers declare which storage they serve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import PurePath
+from typing import NamedTuple, Protocol
+
+from ..errors import SourceError
+from ..format import FileHeader
+
+PathLike = str | os.PathLike[str]
+Source = PathLike | Sequence[PathLike]
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class Listing(NamedTuple):
+    """A source's files, and its index when it has one."""
+
+    files: list[PurePath]
+    weight_map: dict[str, str] | None = None
+    index: PurePath | None = None
+    index_metadata: dict[str, object] | None = None
+
+
+class Files(Protocol):
+    """The open files of one load (what readers read from)."""
+
+    def cancel(self) -> None:
+        """Make reads in flight give up soon (thread-safe; the load is being stopped)."""
+        ...
+
+    def close(self) -> None:
+        """Release everything (after every read has returned)."""
+        ...
+
+
+class Storage(Protocol):
+    kind: str  # what readers declare they serve: "local" or "object"
+
+    def locate(self, source: Source) -> Listing:
+        """The files of `source`: a file, a directory or prefix (its index when present), a list."""
+        ...
+
+    def header(self, path: PurePath) -> FileHeader:
+        """The validated header of one file, with the identity its later reads are checked against."""
+        ...
+
+    def open(self, headers: dict[PurePath, FileHeader]) -> Files:
+        """Open the files a plan reads, checking each is still the one whose header was read."""
+        ...
+
+
+def parse_index(index: PurePath, text: str) -> Listing:
+    """An index's shards (sorted, plain file names next to the index), weight map and metadata."""
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise SourceError(f"{index}: cannot read the index: {exc}") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise SourceError(f"{index}: 'weight_map' must map tensor names to file names")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if PurePath(shard).name != shard or shard in (".", ".."):
+            raise SourceError(f"{index}: shard {shard!r} is not a plain file name")
+    meta = doc.get("metadata")
+    return Listing([index.parent / s for s in shards], weight_map, index, meta if isinstance(meta, dict) else None)

@@ -1,0 +1,183 @@
+"""Local files: listing, headers by `pread`, and the descriptors and mappings the local readers use."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path, PurePath
+
+import torch
+
+from ..errors import HeaderError, MissingFileError, ReadError, SourceError
+from ..format import FIRST_READ, FileHeader, header_from
+from .base import INDEX_NAME, Listing, Source, parse_index
+
+
+class LocalStorage:
+    """Files on a local (or locally mounted) file system."""
+
+    kind = "local"
+
+    def locate(self, source: Source) -> Listing:
+        if isinstance(source, (str, os.PathLike)):
+            path = Path(source)
+            if path.is_dir():
+                index = path / INDEX_NAME
+                if index.is_file():
+                    return _from_index(index)
+                found = sorted(path.glob("*.safetensors"))
+                if not found:
+                    raise SourceError(f"{path}: directory holds no *.safetensors file")
+                return Listing(list(found))
+            if path.name.endswith(".index.json") and path.is_file():
+                return _from_index(path)
+            if not path.exists():
+                raise MissingFileError(f"{path}: no such file or directory")
+            return Listing([path])
+        paths = [Path(p) for p in source]
+        if not paths:
+            raise SourceError("the list of checkpoint files is empty")
+        if len(set(paths)) != len(paths):
+            raise SourceError("the list of checkpoint files names a file twice")
+        return Listing(list(paths))
+
+    def header(self, path: PurePath) -> FileHeader:
+        """One `fstat` and usually one `pread`."""
+        fd = open_regular(Path(path))
+        try:
+            st = os.fstat(fd)
+            head = _pread_exact(fd, path, min(st.st_size, FIRST_READ), 0)
+            header = header_from(path, st.st_size, head, lambda offset, n: _pread_exact(fd, path, n, offset))
+        finally:
+            os.close(fd)
+        return header._replace(identity=file_identity(st))
+
+    def open(self, headers: dict[PurePath, FileHeader]) -> LocalFiles:
+        return LocalFiles(headers)
+
+
+def _from_index(index: Path) -> Listing:
+    try:
+        text = index.read_text("utf-8")
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"{index}: cannot read the index: {exc}") from None
+    listing = parse_index(index, text)
+    root = index.parent.resolve()
+    for shard in listing.files:
+        if not Path(shard).is_file():
+            raise MissingFileError(f"{index}: shard {shard.name} is missing")
+        if Path(shard).resolve().parent != root:  # a symlink pointing out of the checkpoint
+            raise SourceError(f"{index}: shard {shard.name} links outside the checkpoint's directory")
+    return listing
+
+
+def open_regular(path: Path) -> int:
+    """Open a file for reading; refuse anything but a regular file (a FIFO would hang a read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise MissingFileError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot open: {exc.strerror or exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SourceError(f"{path}: not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def file_identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _pread_exact(fd: int, path: PurePath, count: int, offset: int) -> bytes:
+    parts = []
+    while count > 0:
+        try:
+            chunk = os.pread(fd, count, offset)
+        except OSError as exc:
+            raise ReadError(f"{path}: reading the header failed: {exc.strerror or exc}") from exc
+        if not chunk:
+            raise HeaderError(f"{path}: file ended while reading its header")
+        parts.append(chunk)
+        count -= len(chunk)
+        offset += len(chunk)
+    return b"".join(parts)
+
+
+class LocalFiles:
+    """File descriptors (and, on demand, private read-only mappings) of the files a plan reads.
+
+    Closing drops the descriptors; a mapping stays alive as long as a tensor viewing it does.
+    """
+
+    def __init__(self, headers: dict[PurePath, FileHeader]) -> None:
+        self._headers = headers
+        self._fds: dict[PurePath, int] = {}
+        self._maps: dict[PurePath, torch.UntypedStorage] = {}
+        self._direct: dict[PurePath, int | None] = {}
+        self._lock = threading.Lock()
+        try:
+            for path, header in headers.items():
+                self._fds[path] = fd = open_regular(Path(path))
+                st = os.fstat(fd)
+                if st.st_size != header.size:
+                    raise ReadError(f"{path}: file is now {st.st_size} bytes, not the {header.size} its header said")
+                if header.identity and file_identity(st) != header.identity:
+                    raise ReadError(f"{path}: file was replaced or modified after its header was read")
+        except BaseException:
+            self.close()
+            raise
+
+    def fd(self, path: PurePath) -> int:
+        return self._fds[path]
+
+    def mapping(self, path: PurePath) -> torch.UntypedStorage:
+        with self._lock:
+            storage = self._maps.get(path)
+            if storage is None:
+                # shared=False: MAP_PRIVATE, so writes to a tensor never reach the file (copy on write).
+                # Mapped through our descriptor, not the name: the very file whose header was read.
+                name = f"/proc/self/fd/{self._fds[path]}"
+                if not os.path.exists(name):  # no /proc: the name it is
+                    name = str(path)
+                size = self._headers[path].size
+                storage = torch.UntypedStorage.from_file(name, shared=False, nbytes=size)
+                self._maps[path] = storage
+            return storage
+
+    def direct_fd(self, path: PurePath) -> int | None:
+        """The same file opened again with O_DIRECT (through our descriptor, so the very file whose
+        header was read), or None where the file system does not allow it."""
+        with self._lock:
+            if path not in self._direct:
+                self._direct[path] = self._open_direct(path)
+            return self._direct[path]
+
+    def _open_direct(self, path: PurePath) -> int | None:
+        flag = getattr(os, "O_DIRECT", 0)
+        name = f"/proc/self/fd/{self._fds[path]}"
+        if not flag or not os.path.exists(name):
+            return None
+        try:
+            fd = os.open(name, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
+        except OSError:  # EINVAL: tmpfs and others refuse O_DIRECT
+            return None
+        if file_identity(os.fstat(fd)) != file_identity(os.fstat(self._fds[path])):
+            os.close(fd)
+            raise ReadError(f"{path}: file was replaced or modified after its header was read")
+        return fd
+
+    def cancel(self) -> None:
+        pass  # a local read ends on its own within one chunk
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        direct, self._direct = self._direct, {}
+        self._maps = {}
+        for fd in [*fds.values(), *direct.values()]:
+            if fd is not None:
+                os.close(fd)

@@ -1,0 +1,308 @@
+"""Objects: S3 and S3-compatible stores, and HTTP(S) servers that honour `Range`.
+
+Every read is a ranged GET made by obstore (Rust's `object_store`: one client for S3, GCS, Azure and
+HTTP, async requests that release the GIL and can be dropped mid-flight). Requests run on one
+event loop thread per process; readers block on them from their own threads, so a load's
+concurrency is its reader threads, as for local files. Credentials, region and endpoint come from
+the standard environment (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`, `AWS_REGION`, ...).
+
+Each object's size and ETag (or Last-Modified where a server sends no ETag) are taken with its
+header; every later range must come from the same version (`If-Match`, and the response's own
+metadata), so an object replaced mid-load is an error, never a mix of two versions. Timeouts, resets,
+5xx and throttling are retried with backoff a bounded number of times (`STREAMLOAD_RETRIES`, default
+4; `STREAMLOAD_TIMEOUT`, seconds per request, default 30).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import random
+import threading
+from collections.abc import Callable, Coroutine
+from pathlib import PurePath, PurePosixPath
+from typing import Any, TypeVar
+
+from ..errors import MissingFileError, ReadError, SourceError, UnsupportedError
+from ..format import FIRST_READ, FileHeader, header_from
+from .base import INDEX_NAME, Listing, Source, parse_index
+
+T = TypeVar("T")
+SCHEMES = ("s3", "http", "https")
+
+
+class ObjectPath(PurePosixPath):
+    """An object's URL as a path, so that `.name`, `.parent` and `/` work as for files:
+    `ObjectPath("s3://bucket/models/llama/model.safetensors")`."""
+
+    def __str__(self) -> str:
+        return super().__str__().replace(":/", "://", 1)  # the path form keeps one slash after the scheme
+
+    def __repr__(self) -> str:
+        return f"ObjectPath({str(self)!r})"
+
+    @property
+    def root(self) -> str:
+        """scheme://bucket-or-host"""
+        return f"{self.parts[0]}//{self.parts[1]}"
+
+    @property
+    def key(self) -> str:
+        return "/".join(self.parts[2:])
+
+
+def is_url(source: object) -> bool:
+    return isinstance(source, str) and source.split("://", 1)[0] in SCHEMES and "://" in source
+
+
+class ObjectStorage:
+    """The objects under one `scheme://bucket` (or `scheme://host`)."""
+
+    kind = "object"
+
+    def __init__(self, root: str) -> None:
+        try:
+            import obstore  # noqa: F401
+        except ImportError:
+            raise UnsupportedError(
+                f"{root}: reading from object storage needs obstore: pip install 'streamload[remote]'"
+            ) from None
+        self.root = root
+        self.store = _store(root)
+        self.retries = int(os.environ.get("STREAMLOAD_RETRIES", "4"))
+
+    # -- listing and headers ------------------------------------------------------------------------
+    def locate(self, source: Source) -> Listing:
+        if not isinstance(source, str):
+            paths = [self._path(str(s)) for s in source]
+            if not paths:
+                raise SourceError("the list of checkpoint files is empty")
+            if len(set(paths)) != len(paths):
+                raise SourceError("the list of checkpoint files names a file twice")
+            return Listing(list(paths))
+        path = self._path(source)
+        if path.name.endswith(".safetensors") and not source.endswith("/"):
+            return Listing([path])
+        if path.name.endswith(".index.json") and not source.endswith("/"):
+            return self._index(path)
+        return self._directory(path if len(path.parts) > 2 else ObjectPath(path.root + "/"))
+
+    def _directory(self, prefix: ObjectPath) -> Listing:
+        index = prefix / INDEX_NAME
+        if prefix.parts[0] != "s3:":  # HTTP cannot list: an index, else the usual single-file name
+            try:
+                return self._index(index)
+            except MissingFileError:
+                single = prefix / "model.safetensors"
+                try:
+                    self.call(lambda: _head(self.store, single.key), single)
+                except MissingFileError:
+                    raise SourceError(
+                        f"{prefix}/: neither {INDEX_NAME} nor model.safetensors is there "
+                        "(an HTTP server cannot be listed: name the file)"
+                    ) from None
+                return Listing([single])
+        import obstore
+
+        key = prefix.key.rstrip("/")
+        listed = self.call(
+            lambda: obstore.list_with_delimiter_async(self.store, prefix=key + "/" if key else None), prefix
+        )
+        names = sorted(o["path"].rsplit("/", 1)[-1] for o in listed["objects"])
+        if INDEX_NAME in names:
+            return self._index(index)
+        found = [prefix / n for n in names if n.endswith(".safetensors")]
+        if not found:
+            raise SourceError(f"{prefix}/: holds no *.safetensors object")
+        return Listing(found)
+
+    def _index(self, index: ObjectPath) -> Listing:
+        data, _ = self.call(lambda: _get(self.store, index.key, None, None), index)
+        try:
+            text = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SourceError(f"{index}: cannot read the index: {exc}") from None
+        return parse_index(index, text)
+
+    def header(self, path: PurePath) -> FileHeader:
+        assert isinstance(path, ObjectPath)
+        head, meta = self.call(lambda: _get(self.store, path.key, (0, FIRST_READ), None), path, (0, FIRST_READ))
+        identity = _identity(meta)
+        size = int(meta["size"])
+
+        def read_at(offset: int, n: int) -> bytes:
+            got = self.call(lambda: _get(self.store, path.key, (offset, offset + n), identity), path, (offset, n))
+            return bytes(got[0])
+
+        return header_from(path, size, bytes(head), read_at)._replace(identity=identity)
+
+    def open(self, headers: dict[PurePath, FileHeader]) -> ObjectFiles:
+        return ObjectFiles(self, headers)
+
+    def _path(self, url: str) -> ObjectPath:
+        path = ObjectPath(url)
+        if not is_url(url) or len(path.parts) < 2:
+            raise SourceError(f"{url}: not an object URL (s3://bucket/key, http(s)://host/path)")
+        if path.root != self.root:
+            raise SourceError(f"{url}: every file of a checkpoint must be under {self.root}")
+        return path
+
+    # -- requests -----------------------------------------------------------------------------------
+    def call(
+        self,
+        request: Callable[[], Coroutine[Any, Any, T]],
+        path: PurePath,
+        span: tuple[int, int] | None = None,
+        pending: set[concurrent.futures.Future[Any]] | None = None,
+        stopped: threading.Event | None = None,
+    ) -> T:
+        """Run a request on the loop thread, again after what may pass (timeouts, resets, 5xx, 429)
+        with jittered exponential backoff; an error that will not pass is raised at once, named."""
+        last: BaseException | None = None
+        for attempt in range(self.retries + 1):
+            if stopped is not None and stopped.is_set():
+                raise ReadError(f"{path}: the load was stopped")
+            future = asyncio.run_coroutine_threadsafe(request(), _loop())
+            if pending is not None:
+                pending.add(future)
+                if stopped is not None and stopped.is_set():  # cancel() ran between the check and add
+                    future.cancel()
+            try:
+                return future.result()
+            except concurrent.futures.CancelledError:
+                raise ReadError(f"{path}: the load was stopped") from None
+            except Exception as exc:
+                if not _transient(exc):
+                    raise _named(exc, path, span) from exc
+                last = exc
+            finally:
+                if pending is not None:
+                    pending.discard(future)
+            pause = min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
+            if (stopped or threading.Event()).wait(pause):
+                raise ReadError(f"{path}: the load was stopped")
+        raise ReadError(f"{path}: {_what(span)} failed after {self.retries + 1} attempts: {_short(last)}") from last
+
+
+class ObjectFiles:
+    """The objects one load reads, with the identity each must keep; reads can be cancelled."""
+
+    def __init__(self, storage: ObjectStorage, headers: dict[PurePath, FileHeader]) -> None:
+        self.storage = storage
+        self._identity = {path: h.identity for path, h in headers.items()}
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._stopped = threading.Event()
+
+    def read(self, path: PurePath, offset: int, length: int) -> memoryview:
+        """`length` bytes of the object at `offset`, from the version whose header was read."""
+        assert isinstance(path, ObjectPath)
+        want = self._identity[path]
+        data, meta = self.storage.call(
+            lambda: _get(self.storage.store, path.key, (offset, offset + length), want),
+            path,
+            (offset, length),
+            self._pending,
+            self._stopped,
+        )
+        if want and _identity(meta) != want:
+            raise ReadError(f"{path}: object changed after its header was read (was {want}, now {_identity(meta)})")
+        view = memoryview(data)
+        if len(view) != length:
+            raise ReadError(f"{path}: {_what((offset, length))}: got {len(view)} bytes (truncated since its header?)")
+        return view
+
+    def cancel(self) -> None:
+        self._stopped.set()
+        for future in list(self._pending):
+            future.cancel()  # drops the request: its connection is closed
+
+    def close(self) -> None:
+        self.cancel()
+
+
+# -- the loop thread and the requests -----------------------------------------------------------------
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _loop() -> asyncio.AbstractEventLoop:
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="streamload-objects", daemon=True).start()
+            _LOOP = loop
+        return _LOOP
+
+
+def _store(root: str) -> Any:
+    from obstore.store import HTTPStore, from_url
+
+    timeout = f"{float(os.environ.get('STREAMLOAD_TIMEOUT', '30'))}s"
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    plain = root.startswith("http://") or endpoint.startswith("http://")
+    options = {"timeout": timeout, "connect_timeout": "5s", "allow_http": plain}
+    retry = {"max_retries": 0}  # retried by ObjectStorage.call, which also sees errors in a body
+    if root.startswith("s3://"):
+        return from_url(root, client_options=options, retry_config=retry)  # type: ignore[arg-type]
+    return HTTPStore.from_url(root, client_options=options, retry_config=retry)  # type: ignore[arg-type]
+
+
+async def _get(store: Any, key: str, span: tuple[int, int] | None, identity: tuple[object, ...] | None) -> Any:
+    import obstore
+
+    options: dict[str, Any] = {}
+    if span is not None:
+        options["range"] = span
+    if identity and isinstance(identity[1], str):
+        options["if_match"] = identity[1]
+    result = await obstore.get_async(store, key, options=options)
+    return await result.bytes_async(), result.meta
+
+
+async def _head(store: Any, key: str) -> Any:
+    import obstore
+
+    return await obstore.head_async(store, key)
+
+
+def _identity(meta: Any) -> tuple[object, ...]:
+    tag = meta.get("e_tag")
+    return (int(meta["size"]), tag if tag else str(meta.get("last_modified")))
+
+
+def _transient(exc: BaseException) -> bool:
+    import obstore.exceptions as ox
+
+    if isinstance(exc, (ox.NotFoundError, ox.PreconditionError, ox.NotSupportedError, ox.PermissionDeniedError,
+                        ox.UnauthenticatedError, ox.InvalidPathError, FileNotFoundError)):  # fmt: skip
+        return False
+    text = str(exc)
+    return not any(f"status: {code}" in text or f"HTTP status {code}" in text for code in (400, 401, 403, 404, 412))
+
+
+def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> BaseException:
+    import obstore.exceptions as ox
+
+    if isinstance(exc, (ox.NotFoundError, FileNotFoundError)):
+        return MissingFileError(f"{path}: no such object")
+    if isinstance(exc, ox.PreconditionError):
+        return ReadError(f"{path}: object changed after its header was read (its ETag no longer matches)")
+    if isinstance(exc, ox.NotSupportedError) and "Range" in str(exc):
+        return UnsupportedError(f"{path}: the server does not honour HTTP Range requests, which streaming needs")
+    if isinstance(exc, (ox.PermissionDeniedError, ox.UnauthenticatedError)):
+        return ReadError(f"{path}: access denied: check the credentials ({_short(exc)})")
+    return ReadError(f"{path}: {_what(span)} failed: {_short(exc)}")
+
+
+def _what(span: tuple[int, int] | None) -> str:
+    if span is None:
+        return "the request"
+    offset, n = span
+    return f"reading bytes {offset}-{offset + n - 1}"
+
+
+def _short(exc: BaseException | None) -> str:
+    text = str(exc).split("\n\nDebug source:")[0].strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
