@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -14,12 +14,13 @@ from .limits import check_fits
 from .pipeline import Pipeline
 from .plan import DTypeOption, Order, Patterns, make_plan
 from .routes import ReaderName, route
-from .source import Checkpoint, Source, open_checkpoint
+from .source import Checkpoint, PathLike, Source, open_checkpoint
 from .stats import Stats
 from .stream import TensorStream
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from typing_extensions import Unpack
 
     from .exchange import Exchange
     from .shard import ShardSpec
@@ -42,10 +43,14 @@ def iter(
     chunk_bytes: int | None = None,
     shard: ShardSpec | None = None,
     cooperative: bool | ProcessGroup = False,
+    cache_dir: PathLike | None = None,
 ) -> TensorStream:
     """Stream the tensors of a safetensors checkpoint, each as soon as its bytes are in.
 
-    `source` is a file, a directory (its `model.safetensors.index.json` when present) or a list of files.
+    `source` is a file, a directory (its `model.safetensors.index.json` when present) or a list of files,
+    or the same in object storage: `s3://bucket/prefix/`, `https://host/path/model.safetensors` (or an
+    index.json next to it; `pip install 'streamload[remote]'`). `cache_dir` keeps a local copy of a
+    remote checkpoint as it streams past; a later load whose objects are unchanged reads the copy.
     `dtype` converts floating-point tensors (a dtype, or {fnmatch pattern: dtype}); `include` /
     `exclude` select tensors by pattern or predicate, and unselected bytes are never read. `order`
     is "layer" (layer i before layer i+1 across all files) or "file". `shard` (a `ShardSpec`) keeps
@@ -61,7 +66,7 @@ def iter(
     ...     print(name, t.shape)
     """
     dev = _device(device)
-    checkpoint = open_checkpoint(source)
+    checkpoint = open_checkpoint(source, cache_dir)
     total = checkpoint.nbytes
     tuning = defaults.tuning(
         dev.type, total, ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes
@@ -91,7 +96,25 @@ def iter(
     return TensorStream(checkpoint, plan, Pipeline(plan, checkpoint.storage, read, make, tuning, stats, exchange))
 
 
-def load(source: Source, **options: Any) -> dict[str, torch.Tensor]:
+class Options(TypedDict, total=False):
+    """The keyword options of `iter`, which `load`, `layers`, `load_into` and `from_pretrained` pass on."""
+
+    device: str | torch.device | None
+    dtype: DTypeOption
+    include: Patterns
+    exclude: Patterns
+    order: Order
+    reader: ReaderName
+    ring_bytes: int | None
+    slots: int | None
+    threads: int | None
+    chunk_bytes: int | None
+    shard: ShardSpec | None
+    cooperative: bool | ProcessGroup
+    cache_dir: PathLike | None
+
+
+def load(source: Source, **options: Unpack[Options]) -> dict[str, torch.Tensor]:
     """Load a whole checkpoint into a dict, like `safetensors.torch.load_file` (same options as `iter`).
 
     >>> state = streamload.load("model.safetensors", device="cpu")  # doctest: +SKIP
@@ -129,4 +152,4 @@ def _exchange(cooperative: bool | ProcessGroup, dev: torch.device) -> Exchange |
     return exchange if exchange.world > 1 else None  # alone, there is nothing to divide
 
 
-__all__ = ["TensorStream", "inspect", "iter", "load"]
+__all__ = ["Options", "TensorStream", "inspect", "iter", "load"]

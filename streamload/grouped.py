@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +14,11 @@ from .layers import group_of
 from .source import Source
 from .stats import Stats
 from .stream import TensorStream
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .api import Options
 
 Group = tuple[str, dict[str, torch.Tensor]]
 
@@ -79,7 +84,7 @@ class LayerStream:
         await self.stream.aclose()
 
 
-def layers(source: Source, *, key: Callable[[str], str] | None = None, **options: Any) -> LayerStream:
+def layers(source: Source, *, key: Callable[[str], str] | None = None, **options: Unpack[Options]) -> LayerStream:
     """Stream a checkpoint layer by layer: the tensors before the layers as group `"pre"`, then each
     layer (`"model.layers.0"`, ...), then the rest as `"post"`; groups spanning shard files arrive
     in layer order. `key` maps a tensor name to its group instead. Options are those of `iter`.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +17,11 @@ from torch import nn
 from .api import _device
 from .errors import UnsupportedError
 from .module import OnLayer, empty_weights, load_into
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .api import Options
 
 
 def from_pretrained(
@@ -27,7 +32,7 @@ def from_pretrained(
     model_class: type[nn.Module] | None = None,
     on_layer: OnLayer | None = None,
     strict: bool = True,
-    **options: Any,
+    **options: Unpack[Options],
 ) -> nn.Module:
     """Load a `transformers` model from a local checkpoint directory, its weights streamed in.
 

@@ -6,7 +6,7 @@ import inspect
 from collections.abc import Awaitable, Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,6 +15,11 @@ from .errors import StreamloadError
 from .grouped import layers
 from .layers import layer_of
 from .source import Source
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .api import Options
 
 OnLayer = Callable[[str, "nn.Module | None"], "Awaitable[None] | None"]
 
@@ -167,7 +172,7 @@ def load_into(
     *,
     strict: bool = True,
     on_layer: Callable[[str, nn.Module | None], Any] | None = None,
-    **options: Any,
+    **options: Unpack[Options],
 ) -> LoadResult:
     """Fill `module`'s parameters and buffers from a checkpoint as the tensors arrive.
 
@@ -199,7 +204,7 @@ async def aload_into(
     *,
     strict: bool = True,
     on_layer: OnLayer | None = None,
-    **options: Any,
+    **options: Unpack[Options],
 ) -> LoadResult:
     """`load_into` for async code; `on_layer` may be a coroutine function."""
     filler = _Filler(module)

@@ -37,11 +37,16 @@ class Checkpoint(NamedTuple):
         return merged
 
 
-def open_checkpoint(source: Source) -> Checkpoint:
-    """Find the files of `source` and read every header (no tensor data is read)."""
-    storage = storage_for(source)
+def open_checkpoint(source: Source, cache_dir: PathLike | None = None) -> Checkpoint:
+    """Find the files of `source` and read every header (no tensor data is read). With `cache_dir`,
+    a remote checkpoint whose every file the cache holds at its current version is read from there."""
+    storage = storage_for(source, cache_dir)
     listing = storage.locate(source)
     headers = _headers(storage, listing.files)
+    copies = storage.cached(headers)
+    if copies is not None:
+        storage = LocalStorage()
+        headers = tuple(storage.header(p) for p in copies)
     tensors: dict[str, TensorInfo] = {}
     for h in headers:
         for t in h.tensors:

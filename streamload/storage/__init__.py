@@ -6,22 +6,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from .base import INDEX_NAME, Files, Listing, PathLike, Source, Storage
 from .local import LocalFiles, LocalStorage
 
 
-def _objects(root: str) -> Storage:
+def _objects(root: str, cache_dir: Path | None) -> Storage:
     from .remote import ObjectStorage  # obstore is imported only for URLs
 
-    return ObjectStorage(root)
+    return ObjectStorage(root, cache_dir)
 
 
-STORAGES: dict[str, Callable[[str], Storage]] = {"s3": _objects, "http": _objects, "https": _objects}
+STORAGES: dict[str, Callable[[str, Path | None], Storage]] = {"s3": _objects, "http": _objects, "https": _objects}
 
 
-def storage_for(source: Source) -> Storage:
-    """The storage that holds `source`: by its URL scheme (s3://, http(s)://), else the local one."""
+def storage_for(source: Source, cache_dir: PathLike | None = None) -> Storage:
+    """The storage that holds `source`: by its URL scheme (s3://, http(s)://), else the local one.
+    `cache_dir`: where a remote storage keeps local copies of what it reads (local files need none)."""
     first = source if isinstance(source, (str, os.PathLike)) else next(iter(source), "")
     if isinstance(first, str) and "://" in first:
         scheme = first.split("://", 1)[0]
@@ -30,7 +32,7 @@ def storage_for(source: Source) -> Storage:
             raise ValueError(f"{first}: no storage for {scheme}:// (known: {', '.join(STORAGES)}, or a local path)")
         from .remote import ObjectPath
 
-        return make(ObjectPath(first).root)
+        return make(ObjectPath(first).root, None if cache_dir is None else Path(cache_dir))
     return LocalStorage()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import NamedTuple, Protocol
 
 from ..errors import SourceError
@@ -55,6 +55,10 @@ class Storage(Protocol):
 
     def open(self, headers: dict[PurePath, FileHeader]) -> Files:
         """Open the files a plan reads, checking each is still the one whose header was read."""
+        ...
+
+    def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:
+        """Local copies of all these files at these versions, if a cache holds them; else None."""
         ...
 
 

@@ -56,6 +56,9 @@ class LocalStorage:
     def open(self, headers: dict[PurePath, FileHeader]) -> LocalFiles:
         return LocalFiles(headers)
 
+    def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:
+        return None  # already local
+
 
 def _from_index(index: Path) -> Listing:
     try:

@@ -21,12 +21,15 @@ import os
 import random
 import threading
 from collections.abc import Callable, Coroutine
-from pathlib import PurePath, PurePosixPath
-from typing import Any, TypeVar
+from pathlib import Path, PurePath, PurePosixPath
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import MissingFileError, ReadError, SourceError, UnsupportedError
 from ..format import FIRST_READ, FileHeader, header_from
 from .base import INDEX_NAME, Listing, Source, parse_index
+
+if TYPE_CHECKING:
+    from .cache import CacheWriter
 
 T = TypeVar("T")
 SCHEMES = ("s3", "http", "https")
@@ -61,7 +64,7 @@ class ObjectStorage:
 
     kind = "object"
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, cache_dir: Path | None = None) -> None:
         try:
             import obstore  # noqa: F401
         except ImportError:
@@ -70,6 +73,8 @@ class ObjectStorage:
             ) from None
         self.root = root
         self.store = _store(root)
+        self.cache_dir = cache_dir
+        self._heads: dict[PurePath, bytes] = {}  # header bytes, for the cache's copy
         self.retries = int(os.environ.get("STREAMLOAD_RETRIES", "4"))
 
     # -- listing and headers ------------------------------------------------------------------------
@@ -103,12 +108,8 @@ class ObjectStorage:
                         "(an HTTP server cannot be listed: name the file)"
                     ) from None
                 return Listing([single])
-        import obstore
-
         key = prefix.key.rstrip("/")
-        listed = self.call(
-            lambda: obstore.list_with_delimiter_async(self.store, prefix=key + "/" if key else None), prefix
-        )
+        listed = self.call(lambda: _list(self.store, key + "/" if key else None), prefix)
         names = sorted(o["path"].rsplit("/", 1)[-1] for o in listed["objects"])
         if INDEX_NAME in names:
             return self._index(index)
@@ -131,14 +132,26 @@ class ObjectStorage:
         identity = _identity(meta)
         size = int(meta["size"])
 
-        def read_at(offset: int, n: int) -> bytes:
-            got = self.call(lambda: _get(self.store, path.key, (offset, offset + n), identity), path, (offset, n))
-            return bytes(got[0])
+        more = b""
 
-        return header_from(path, size, bytes(head), read_at)._replace(identity=identity)
+        def read_at(offset: int, n: int) -> bytes:
+            nonlocal more
+            got = self.call(lambda: _get(self.store, path.key, (offset, offset + n), identity), path, (offset, n))
+            more = bytes(got[0])
+            return more
+
+        header = header_from(path, size, bytes(head), read_at)._replace(identity=identity)
+        if self.cache_dir is not None:
+            self._heads[path] = (bytes(head) + more)[: header.data_start]
+        return header
 
     def open(self, headers: dict[PurePath, FileHeader]) -> ObjectFiles:
         return ObjectFiles(self, headers)
+
+    def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:
+        from .cache import lookup
+
+        return None if self.cache_dir is None else lookup(self.cache_dir, headers)
 
     def _path(self, url: str) -> ObjectPath:
         path = ObjectPath(url)
@@ -193,6 +206,12 @@ class ObjectFiles:
         self._identity = {path: h.identity for path, h in headers.items()}
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._stopped = threading.Event()
+        self._copies: dict[PurePath, CacheWriter] = {}
+        if storage.cache_dir is not None:
+            from .cache import CacheWriter
+
+            for path, h in headers.items():
+                self._copies[path] = CacheWriter(storage.cache_dir, h, storage._heads[path])
 
     def read(self, path: PurePath, offset: int, length: int) -> memoryview:
         """`length` bytes of the object at `offset`, from the version whose header was read."""
@@ -210,6 +229,9 @@ class ObjectFiles:
         view = memoryview(data)
         if len(view) != length:
             raise ReadError(f"{path}: {_what((offset, length))}: got {len(view)} bytes (truncated since its header?)")
+        copy = self._copies.get(path)
+        if copy is not None:
+            copy.write(offset, view)
         return view
 
     def cancel(self) -> None:
@@ -219,6 +241,8 @@ class ObjectFiles:
 
     def close(self) -> None:
         self.cancel()
+        for copy in self._copies.values():
+            copy.close()
 
 
 # -- the loop thread and the requests -----------------------------------------------------------------
@@ -259,6 +283,12 @@ async def _get(store: Any, key: str, span: tuple[int, int] | None, identity: tup
         options["if_match"] = identity[1]
     result = await obstore.get_async(store, key, options=options)
     return await result.bytes_async(), result.meta
+
+
+async def _list(store: Any, prefix: str | None) -> Any:
+    import obstore
+
+    return await obstore.list_with_delimiter_async(store, prefix=prefix)
 
 
 async def _head(store: Any, key: str) -> Any:

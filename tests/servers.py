@@ -1,0 +1,143 @@
+"""Real servers for the remote-storage tests: an HTTP server with Range and ETag support and injectable
+faults, and moto's S3 server, both on 127.0.0.1."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+# A fault applies to the next data request (a GET with a Range past the first 256 KiB, i.e. not a
+# header read): "503" answers 503 SlowDown, "reset" sends half the body and drops the connection,
+# "stall:S" waits S seconds before answering.
+Fault = str
+
+
+class RangeServer:
+    """Serves a directory over HTTP with `Range`, `ETag` and `If-Match`, like nginx or a CDN; or
+    without Range support at all (`ranges=False`, like `python -m http.server`)."""
+
+    def __init__(self, root: Path, ranges: bool = True) -> None:
+        self.root, self.ranges = root, ranges
+        self.faults: list[Fault] = []
+        self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self._serve(body=False)
+
+            def do_GET(self) -> None:
+                self._serve(body=True)
+
+            def _serve(self, body: bool) -> None:
+                wanted = self.headers.get("Range")
+                server.requests.append((self.command, self.path, wanted))
+                file = server.root / self.path.lstrip("/").split("?")[0]
+                if not file.is_file():
+                    self._status(404)
+                    return
+                st = file.stat()
+                etag = f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
+                if self.headers.get("If-Match") not in (None, etag, "*"):
+                    self._status(412)
+                    return
+                start, end = 0, st.st_size
+                m = re.fullmatch(r"bytes=(\d+)-(\d*)", wanted or "") if server.ranges else None
+                if m:
+                    start, end = int(m[1]), min(st.st_size, int(m[2]) + 1 if m[2] else st.st_size)
+                fault = server._fault() if body and m and start >= 1 << 18 else None
+                if fault == "503":
+                    self._status(503, b"<Error><Code>SlowDown</Code></Error>")
+                    return
+                if fault and fault.startswith("stall:"):
+                    time.sleep(float(fault.split(":")[1]))
+                self.send_response(206 if m else 200)
+                self.send_header("ETag", etag)
+                self.send_header("Last-Modified", self.date_time_string(int(st.st_mtime)))
+                self.send_header("Accept-Ranges", "bytes" if server.ranges else "none")
+                self.send_header("Content-Length", str(end - start))
+                if m:
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{st.st_size}")
+                self.end_headers()
+                if not body:
+                    return
+                with open(file, "rb") as f:
+                    f.seek(start)
+                    data = f.read(end - start)
+                if fault == "reset":
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                    return
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (a cancelled load)
+                    self.close_connection = True
+
+            def _status(self, code: int, text: bytes = b"") -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def _fault(self) -> Fault | None:
+        with self._lock:
+            return self.faults.pop(0) if self.faults else None
+
+    def data_requests(self) -> int:
+        return sum(1 for method, _, r in self.requests if method == "GET" and r and int(r[6:].split("-")[0]) >= 1 << 18)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@contextmanager
+def s3_server(monkeypatch: Any) -> Iterator[Any]:
+    """moto's S3 server on 127.0.0.1, the standard AWS environment pointed at it; yields a boto3 client."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
+        monkeypatch.setenv(key, value)
+    try:
+        yield boto3.client("s3", endpoint_url=endpoint)
+    finally:
+        server.stop()
+
+
+def upload(client: Any, bucket: str, prefix: str, directory: Path) -> None:
+    client.create_bucket(Bucket=bucket)
+    for f in sorted(directory.iterdir()):
+        client.upload_file(str(f), bucket, f"{prefix}{f.name}")

@@ -1,0 +1,279 @@
+"""Object storage on real servers: moto's S3 server and an HTTP server with Range support, both local;
+faults (503, resets, stalls), objects replaced mid-load, cancellation, bit-exact results."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import streamload
+
+from .conftest import same_bits
+from .servers import RangeServer, s3_server, upload
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real sharded checkpoint: 4 layers of a small llama-shaped model, `save_torch_state_dict`."""
+    from huggingface_hub import save_torch_state_dict
+
+    g = torch.Generator().manual_seed(0)
+    state: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(512, 256, generator=g)}
+    for i in range(4):
+        for name, shape in {"q_proj": (256, 256), "k_proj": (128, 256), "mlp.up_proj": (512, 256)}.items():
+            state[f"model.layers.{i}.{name}.weight"] = torch.randn(shape, generator=g).to(torch.bfloat16)
+        state[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(256)
+    state["lm_head.weight"] = torch.randn(512, 256, generator=g)
+    out = tmp_path_factory.mktemp("remote") / "model"
+    out.mkdir()
+    save_torch_state_dict(state, out, max_shard_size="1MB")
+    assert len(list(out.glob("*.safetensors"))) > 2 and (out / "model.safetensors.index.json").is_file()
+    return out
+
+
+def reference(directory: Path) -> dict[str, torch.Tensor]:
+    ref: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        ref.update(load_file(f))
+    return ref
+
+
+def assert_same(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(ref)
+    for name, t in ref.items():
+        assert same_bits(got[name], t), name
+
+
+@pytest.fixture
+def http(checkpoint: Path):
+    server = RangeServer(checkpoint.parent)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMLOAD_RETRIES", "3")
+    monkeypatch.setenv("STREAMLOAD_TIMEOUT", "1")
+
+
+# -- S3 ---------------------------------------------------------------------------------------------------
+def test_s3_prefix_index_and_single_object(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = reference(checkpoint)
+    with s3_server(monkeypatch) as s3:
+        upload(s3, "models", "llama/", checkpoint)
+        local_order = [n for n, _ in streamload.iter(checkpoint, device="cpu")]
+        with streamload.iter("s3://models/llama/", device="cpu", chunk_bytes=64 << 10) as stream:
+            got = dict(stream)
+            assert stream.stats.reader == "range"
+        assert_same(got, ref)
+        assert [n for n, _ in streamload.iter("s3://models/llama", device="cpu")] == local_order  # layer order kept
+        index = "s3://models/llama/model.safetensors.index.json"
+        assert_same(streamload.load(index, device="cpu"), ref)
+        shard = sorted(checkpoint.glob("*.safetensors"))[0]
+        assert_same(streamload.load(f"s3://models/llama/{shard.name}", device="cpu"), load_file(shard))
+        assert_same(streamload.load([f"s3://models/llama/{f.name}" for f in sorted(checkpoint.glob("*.safetensors"))],
+                                    device="cpu"), ref)  # fmt: skip
+
+
+def test_s3_errors_name_the_object(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with s3_server(monkeypatch) as s3:
+        upload(s3, "models", "llama/", checkpoint)
+        with pytest.raises(streamload.MissingFileError, match=r"s3://models/llama/nope\.safetensors: no such object"):
+            streamload.load("s3://models/llama/nope.safetensors", device="cpu")
+        with pytest.raises(streamload.SourceError, match=r"s3://models/empty/: holds no \*\.safetensors"):
+            streamload.load("s3://models/empty/", device="cpu")
+        with pytest.raises(streamload.UnsupportedError, match="mmap reader reads local storage"):
+            streamload.load("s3://models/llama/", device="cpu", reader="mmap")
+
+
+def test_s3_object_replaced_after_its_header_was_read(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shard = sorted(checkpoint.glob("*.safetensors"))[0]
+    with s3_server(monkeypatch) as s3:
+        upload(s3, "models", "llama/", checkpoint)
+        stream = streamload.iter(f"s3://models/llama/{shard.name}", device="cpu")  # headers are read here
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF  # same size, other bytes: only the ETag tells
+        s3.put_object(Bucket="models", Key=f"llama/{shard.name}", Body=bytes(data))
+        with pytest.raises(streamload.ReadError, match=rf"s3://models/llama/{shard.name}: object changed"):
+            with stream:
+                dict(stream)
+
+
+def test_s3_into_each_staged_device_the_same(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Converting and selecting work on objects as on files, and only selected bytes are fetched."""
+    ref = reference(checkpoint)
+    with s3_server(monkeypatch) as s3:
+        upload(s3, "models", "llama/", checkpoint)
+        got = streamload.load("s3://models/llama/", device="cpu", dtype=torch.float16, include="*.layers.1.*")
+    want = {n: t.to(torch.float16) for n, t in ref.items() if ".layers.1." in n}
+    assert_same(got, want)
+
+
+# -- HTTP -------------------------------------------------------------------------------------------------
+def test_http_file_index_and_directory(checkpoint: Path, http: RangeServer) -> None:
+    ref = reference(checkpoint)
+    assert_same(streamload.load(f"{http.url}/model/", device="cpu"), ref)
+    assert_same(streamload.load(f"{http.url}/model/model.safetensors.index.json", device="cpu"), ref)
+    shard = sorted(checkpoint.glob("*.safetensors"))[1]
+    assert_same(streamload.load(f"{http.url}/model/{shard.name}", device="cpu"), load_file(shard))
+    ranges = [r for method, _, r in http.requests if method == "GET" and r]
+    assert ranges and all(r.startswith("bytes=") for r in ranges)  # ranged GETs, never a whole object
+
+
+def test_http_without_range_support_is_a_clear_error(checkpoint: Path) -> None:
+    server = RangeServer(checkpoint.parent, ranges=False)
+    try:
+        shard = sorted(checkpoint.glob("*.safetensors"))[0]
+        with pytest.raises(streamload.UnsupportedError, match=r"does not honour HTTP Range"):
+            streamload.load(f"{server.url}/model/{shard.name}", device="cpu")
+    finally:
+        server.close()
+
+
+def test_http_directory_without_index_or_model_file(tmp_path: Path) -> None:
+    server = RangeServer(tmp_path)
+    try:
+        with pytest.raises(streamload.SourceError, match="cannot be listed"):
+            streamload.load(f"{server.url}/", device="cpu")
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("fault", ["503", "reset", "stall:3"])
+def test_transient_faults_are_retried(checkpoint: Path, http: RangeServer, fast_retries: None, fault: str) -> None:
+    ref = reference(checkpoint)
+    http.faults = [fault, fault]
+    got = streamload.load(f"{http.url}/model/", device="cpu", chunk_bytes=256 << 10)
+    assert_same(got, ref)
+    assert not http.faults  # both were met, and retried past
+
+
+def test_persistent_failure_names_url_and_range(checkpoint: Path, http: RangeServer, fast_retries: None) -> None:
+    http.faults = ["503"] * 100
+    with pytest.raises(streamload.ReadError, match=r"http://127\.0\.0\.1:\d+/model/.*: reading bytes \d+-\d+ failed "
+                       r"after 4 attempts"):  # fmt: skip
+        streamload.load(f"{http.url}/model/", device="cpu", chunk_bytes=256 << 10)
+
+
+def test_http_object_replaced_mid_load(checkpoint: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(checkpoint, copy)
+    server = RangeServer(tmp_path)
+    try:
+        stream = streamload.iter(f"{server.url}/model/", device="cpu")
+        for f in copy.glob("*.safetensors"):
+            data = bytearray(f.read_bytes())
+            data[-1] ^= 0xFF
+            time.sleep(0.01)  # another mtime: another ETag
+            f.write_bytes(bytes(data))
+        with pytest.raises(streamload.ReadError, match="object changed after its header was read"):
+            with stream:
+                dict(stream)
+    finally:
+        server.close()
+
+
+def test_closing_drops_stalled_requests_within_a_second(checkpoint: Path, http: RangeServer) -> None:
+    http.faults = ["stall:30"] * 64  # every data request hangs
+    stream = streamload.iter(f"{http.url}/model/", device="cpu", chunk_bytes=256 << 10)
+    it = stream.__iter__()
+    import threading
+
+    failed: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            next(it)
+        except BaseException as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    deadline = time.monotonic() + 5
+    while http.data_requests() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert http.data_requests() > 0
+    start = time.perf_counter()
+    stream.close()
+    t.join(5)
+    assert time.perf_counter() - start < 1.0
+    assert not t.is_alive() and failed
+
+
+@pytest.mark.anyio
+async def test_async_cancel_drops_stalled_requests_within_a_second(checkpoint: Path, http: RangeServer) -> None:
+    import anyio
+
+    http.faults = ["stall:30"] * 64
+    start = time.perf_counter()
+    with anyio.move_on_after(0.5) as scope:
+        async with streamload.iter(f"{http.url}/model/", device="cpu", chunk_bytes=256 << 10) as stream:
+            async for _ in stream:
+                pass
+    assert scope.cancelled_caught
+    # the cancel fired at 0.5 s; leaving the block (closing the stream) must not wait for the stalls
+    assert time.perf_counter() - start < 1.5
+
+
+# -- the local cache --------------------------------------------------------------------------------------
+def test_cache_dir_keeps_a_copy_and_the_next_load_reads_it(checkpoint: Path, http: RangeServer, tmp_path: Path) -> None:
+    ref = reference(checkpoint)
+    cache = tmp_path / "cache"
+    assert_same(streamload.load(f"{http.url}/model/", device="cpu", cache_dir=cache), ref)
+    copies = sorted(p for p in cache.rglob("*.safetensors"))
+    assert [p.name for p in copies] == sorted(f.name for f in checkpoint.glob("*.safetensors"))
+    for p in copies:
+        assert p.read_bytes() == (checkpoint / p.name).read_bytes()
+    assert not list(cache.rglob("*.partial"))
+
+    before = http.data_requests()
+    with streamload.iter(f"{http.url}/model/", device="cpu", cache_dir=cache) as stream:
+        got = dict(stream)
+        assert stream.stats.reader == "mmap"  # local now
+    assert_same(got, ref)
+    assert http.data_requests() == before  # only the headers were asked for, to check the versions
+
+
+def test_cache_is_not_used_once_the_object_changed(checkpoint: Path, tmp_path: Path) -> None:
+    import shutil
+
+    served = tmp_path / "www"
+    shutil.copytree(checkpoint, served / "model")
+    server = RangeServer(served)
+    cache = tmp_path / "cache"
+    try:
+        streamload.load(f"{server.url}/model/", device="cpu", cache_dir=cache)
+        shard = sorted((served / "model").glob("*.safetensors"))[0]
+        changed = load_file(shard)
+        changed = {n: t + 1 if t.is_floating_point() else t for n, t in changed.items()}
+        from safetensors.torch import save_file
+
+        save_file(changed, shard, metadata={"format": "pt"})
+        with streamload.iter(f"{server.url}/model/", device="cpu", cache_dir=cache) as stream:
+            got = dict(stream)
+            assert stream.stats.reader == "range"
+        assert_same(got, reference(served / "model"))
+        copy = next(p for p in cache.rglob(shard.name))
+        assert copy.read_bytes() == shard.read_bytes()  # the new version replaced the old copy
+    finally:
+        server.close()
+
+
+def test_partial_load_leaves_no_copy(checkpoint: Path, http: RangeServer, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    streamload.load(f"{http.url}/model/", device="cpu", cache_dir=cache, include="*.layers.0.*")
+    complete = [p for p in cache.rglob("*.safetensors")]
+    for p in complete:  # a file whose every byte was read (all its tensors selected) may be complete
+        assert p.read_bytes() == (checkpoint / p.name).read_bytes()
+    assert not list(cache.rglob("*.partial"))
+    assert len(complete) < len(list(checkpoint.glob("*.safetensors")))
