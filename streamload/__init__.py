@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 from .api import inspect, iter, load
 from .errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError, UnsupportedError
 from .format import FileHeader, TensorInfo
-from .grouped import LayerStream, layers  # after `.layers`' import, so `streamload.layers` is the function
-from .layers import Layer, group_of, layer_of
+from .layer_keys import Layer, group_of, layer_of
+from .layers import LayerStream, layers  # the module `streamload.layers` is shadowed by its function
 from .limits import Usage, set_limits, usage
 from .source import Checkpoint
 from .stats import Stats

@@ -80,8 +80,10 @@ def iter(
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
     share = None
     if exchange is not None:
-        layout = f"{tuning.slot_bytes}/{order}"
-        share = functools.partial(exchange.agree, checkpoint, layout=layout)
+        from .exchange import cooperative
+
+        read, make = cooperative(read, make, exchange)
+        share = functools.partial(exchange.agree, checkpoint, layout=f"{tuning.slot_bytes}/{order}")
     plan = make_plan(
         checkpoint,
         slot_bytes=tuning.slot_bytes,
@@ -93,7 +95,7 @@ def iter(
         share=share,
     )
     stats = Stats(bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=read.name, device=make.name)
-    return TensorStream(checkpoint, plan, Pipeline(plan, checkpoint.storage, read, make, tuning, stats, exchange))
+    return TensorStream(checkpoint, plan, Pipeline(plan, checkpoint.storage, read, make, tuning, stats))
 
 
 class Options(TypedDict, total=False):

@@ -40,6 +40,7 @@ class Loader:
     needs: str | None  # module that must be importable, else the loader is skipped with a note
     devices: tuple[str, ...]  # device types it runs on
     install: str = "pip install 'streamload[bench]'"  # what brings `needs`
+    schemes: tuple[str, ...] = ("file",)  # where the checkpoint may be: local files, or URL schemes
 
 
 LOADERS = [
@@ -53,6 +54,8 @@ LOADERS = [
     Loader("fastsafetensors-gds", "fastsafetensors", ("cuda",)),
     Loader("runai", "runai_model_streamer", ("cpu", "cuda")),
     Loader("instanttensor", "instanttensor", ("cuda",), "pip install instanttensor"),
+    Loader("streamload-range", "obstore", ("cpu", "cuda"), "pip install 'streamload[remote]'", ("s3", "http", "https")),
+    Loader("runai-s3", "runai_model_streamer_s3", ("cpu", "cuda"), "pip install runai-model-streamer-s3", ("s3",)),
     Loader("ceiling-read", None, ("cpu", "cuda")),
     Loader("ceiling-odirect", None, ("cpu", "cuda")),
     Loader("ceiling-h2d", None, ("cuda",)),
@@ -131,7 +134,7 @@ def _tensors(loader: str, files: list[str], device: str, options: dict[str, int]
                 buffer.close()
         finally:
             fl.close()
-    elif loader == "runai":
+    elif loader in ("runai", "runai-s3"):
         from runai_model_streamer import SafetensorsStreamer
 
         with SafetensorsStreamer() as streamer:
@@ -270,6 +273,8 @@ def _layer0_names(files: list[str]) -> set[str]:
 
     names: set[str] = set()
     for f in files:
+        if "://" in f:
+            return set()  # objects: no first-layer time (their headers would cost requests inside the clock)
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             names |= set(json.loads(fh.read(n))) - {"__metadata__"}
@@ -296,8 +301,13 @@ def evict(files: Iterable[str]) -> None:
             os.close(fd)
 
 
-def available(loaders: Iterable[str], device: str) -> tuple[list[str], list[str]]:
-    """The loaders that can run here, and a note for each that cannot."""
+def scheme_of(files: list[str]) -> str:
+    return files[0].split("://", 1)[0] if files and "://" in files[0] else "file"
+
+
+def available(loaders: Iterable[str], device: str, scheme: str = "file") -> tuple[list[str], list[str]]:
+    """The loaders that can run here, and a note for each that cannot (loaders for another storage are
+    left out silently when `loaders` is everything)."""
     by_name = {ld.name: ld for ld in LOADERS}
     kind = device.split(":")[0]
     ok, notes = [], []
@@ -305,7 +315,9 @@ def available(loaders: Iterable[str], device: str) -> tuple[list[str], list[str]
         ld = by_name.get(name)
         if ld is None:
             raise ValueError(f"unknown loader {name!r}; known: {', '.join(by_name)}")
-        if kind not in ld.devices:
+        if scheme not in ld.schemes:
+            notes.append(f"{name}: skipped, does not read {scheme}:// checkpoints")
+        elif kind not in ld.devices:
             notes.append(f"{name}: skipped, does not run on {kind}")
         elif ld.needs and importlib.util.find_spec(ld.needs) is None:
             notes.append(f"{name}: skipped, {ld.needs} is not installed ({ld.install})")
@@ -350,16 +362,20 @@ def bench(
     files = [str(f.path) for f in open_checkpoint(path).files]
     if device == "cuda":
         device = "cuda:0"  # the peers need an indexed device; this is the one "cuda" means
-    names, notes = available(loaders or [ld.name for ld in LOADERS], device)
-    for note in notes:
+    scheme = scheme_of(files)
+    everything = loaders is None
+    names, notes = available(loaders or [ld.name for ld in LOADERS if scheme in ld.schemes], device, scheme)
+    for note in notes if not everything else [n for n in notes if "does not read" not in n]:
         log(note)
+    if scheme != "file":
+        modes = ("remote",)  # no page cache to empty or fill: every run reads from the server
     results = {(mode, name): Summary(name, mode) for mode in modes for name in names}
     for mode in modes:
         for r in range(runs):
             for name in names:
                 if mode == "cold":
                     evict(files)
-                else:  # (re)fill the page cache: a loader may have evicted what it read
+                elif mode == "warm":  # (re)fill the page cache: a loader may have evicted what it read
                     parallel_read(files, direct=False, pinned=False)()
                 try:
                     run = run_child(name, files, device)
@@ -444,7 +460,7 @@ def report(summaries: list[Summary], total: int) -> list[dict[str, Any]]:
         group = [s for s in summaries if s.mode == mode]
         secs = {s.loader: s.median(lambda r: r.seconds) or 0.0 for s in group}
         ceiling = _ceiling_seconds(secs, mode)
-        ref = secs.get("safetensors-load_file")
+        ref = secs.get(REFERENCE.get(mode, "safetensors-load_file"))
         for s in group:
             t = secs[s.loader]
             extra = [r.peak_extra_device for r in s.runs if r.peak_extra_device is not None]
@@ -462,6 +478,9 @@ def report(summaries: list[Summary], total: int) -> list[dict[str, Any]]:
                 "peak_extra_device": max(extra) if extra else None,
             })  # fmt: skip
     return rows
+
+
+REFERENCE = {"remote": "runai-s3"}  # the "x reference" column: load_file for files, runai for S3
 
 
 def _ceiling_seconds(secs: dict[str, float], mode: str) -> float | None:
@@ -483,8 +502,9 @@ def table(rows: list[dict[str, Any]], total: int) -> str:
 
     out = []
     for mode in sorted({r["mode"] for r in rows}):
+        ref = REFERENCE.get(mode, "load_file")
         out += [f"\n**{mode}**, {total / 1e9:.2f} GB, median of {max(r['runs'] for r in rows)} runs\n",
-                "| loader | seconds | GB/s | x load_file | of ceiling | first tensor | first layer | peak RSS "
+                f"| loader | seconds | GB/s | x {ref} | of ceiling | first tensor | first layer | peak RSS "
                 "| peak extra device |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in (r for r in rows if r["mode"] == mode):
             dev = "-" if r["peak_extra_device"] is None else f"{r['peak_extra_device'] / 2**20:.0f} MiB"

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _inspect(path: str, as_json: bool) -> None:
     from .api import inspect
-    from .layers import layer_of, layer_rank
+    from .layer_keys import layer_of, layer_rank
 
     ckpt = inspect(path)
     tensors = list(ckpt.tensors.values())
@@ -146,7 +146,7 @@ def _inspect(path: str, as_json: bool) -> None:
 
 
 def _row(t: Any) -> dict[str, Any]:
-    from .layers import layer_of
+    from .layer_keys import layer_of
 
     layer = layer_of(t.name)
     return {"name": t.name, "file": str(t.path), "dtype": t.dtype.name, "shape": list(t.shape),

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import streamload
-from streamload.layers import layer_of
+from streamload.layer_keys import layer_of
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .device import Delivered, Device
 from .errors import StreamloadError, UnsupportedError
 from .plan import Batch, Item
+from .read import Job, Reader
 from .source import Checkpoint
 
 if TYPE_CHECKING:
@@ -147,3 +149,46 @@ class Exchange:
 
     def close(self) -> None:
         self._buffer = None
+
+
+class CooperativeReader:
+    """A reader that reads only this rank's part of each shared batch (the others read the rest)."""
+
+    def __init__(self, reader: Reader, exchange: Exchange) -> None:
+        self.reader, self.exchange = reader, exchange
+        self.name = reader.name
+
+    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> list[Job]:
+        return self.reader.jobs(self.exchange.own_part(batch) if batch.shared else batch, slot, files)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class CooperativeDevice:
+    """A device whose shared batches are first completed by all-gather from the other ranks' parts."""
+
+    def __init__(self, device: Device, exchange: Exchange) -> None:
+        self.device, self.exchange = device, exchange
+        self.name, self.staged = device.name, device.staged
+        self.buffers = device.buffers + exchange.buffers
+        self.padding = exchange.padding  # the last rank's part is rounded up
+
+    def new_slot(self, nbytes: int) -> torch.Tensor | None:
+        return self.device.new_slot(nbytes)
+
+    def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> list[Delivered]:
+        if batch.shared and slot is not None:
+            slot = self.exchange.gather(batch, slot)  # a collective: in plan order on every rank
+        return self.device.instantiate(batch, slot, files)
+
+    def close(self) -> None:
+        try:
+            self.exchange.close()
+        finally:
+            self.device.close()
+
+
+def cooperative(reader: Reader, device: Device, exchange: Exchange) -> tuple[Reader, Device]:
+    """The reader/device pair of a cooperative load: the pipeline runs it like any other."""
+    return CooperativeReader(reader, exchange), CooperativeDevice(device, exchange)

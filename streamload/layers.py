@@ -1,50 +1,97 @@
-"""Which layer a tensor belongs to, from its name."""
+"""`streamload.layers`: whole layers, each handed out once every one of its tensors has arrived."""
 
 from __future__ import annotations
 
-import re
-from typing import NamedTuple
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING
 
-# `model.layers.3.`, `transformer.h.3.`, `blocks.3.`, `encoder.layer.3.`, `decoder.block.3.` ...
-_LAYER = re.compile(r"^(?P<prefix>(?:.*?\.)?(?:layers|layer|h|blocks|block))\.(?P<index>\d+)(?:\.|$)")
-# Tensors of no layer that belong before the layers; everything else of no layer (final norm, head) goes after.
-_FRONT = re.compile(r"embed|(^|\.)(wte|wpe|shared|cls_token|pos_embed|patch_embed|tok_embeddings)(\.|$)")
+import torch
+
+from .api import iter as stream_tensors
+from .layer_keys import group_of
+from .source import Source
+from .stats import Stats
+from .stream import TensorStream
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .api import Options
+
+Group = tuple[str, dict[str, torch.Tensor]]
 
 
-class Layer(NamedTuple):
-    name: str  # e.g. "model.layers.3"
-    index: int
+class LayerStream:
+    """`(key, {name: tensor})` per group, as each group completes; use like a `TensorStream`
+    (`for`/`async for`, ideally inside `with`/`async with`). `stats` are the tensor stream's."""
+
+    def __init__(self, stream: TensorStream, key: Callable[[str], str]) -> None:
+        self.stream = stream
+        self._key = key
+        self._left = Counter(key(i.name) for i in stream.plan.items)
+        self._partial: dict[str, dict[str, torch.Tensor]] = {}
+
+    @property
+    def stats(self) -> Stats:
+        return self.stream.stats
+
+    @property
+    def group_keys(self) -> list[str]:
+        """Every group key, in the order the plan reads them."""
+        return list(self._left)
+
+    def _add(self, name: str, t: torch.Tensor) -> Group | None:
+        key = self._key(name)
+        group = self._partial.setdefault(key, {})
+        group[name] = t
+        self._left[key] -= 1
+        if self._left[key]:
+            return None
+        return key, self._partial.pop(key)
+
+    def __iter__(self) -> Iterator[Group]:
+        for name, t in self.stream:
+            if (done := self._add(name, t)) is not None:
+                yield done
+
+    async def __aiter__(self) -> AsyncIterator[Group]:
+        async for name, t in self.stream:
+            if (done := self._add(name, t)) is not None:
+                yield done
+
+    def __enter__(self) -> LayerStream:
+        self.stream.__enter__()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the tensor stream and drop the tensors of groups not yet complete."""
+        self._partial.clear()
+        self.stream.close()
+
+    async def __aenter__(self) -> LayerStream:
+        await self.stream.__aenter__()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._partial.clear()
+        await self.stream.aclose()
 
 
-def layer_of(name: str) -> Layer | None:
-    """The layer a tensor name belongs to, or None.
+def layers(source: Source, *, key: Callable[[str], str] | None = None, **options: Unpack[Options]) -> LayerStream:
+    """Stream a checkpoint layer by layer: the tensors before the layers as group `"pre"`, then each
+    layer (`"model.layers.0"`, ...), then the rest as `"post"`; groups spanning shard files arrive
+    in layer order. `key` maps a tensor name to its group instead. Options are those of `iter`.
 
-    >>> layer_of("model.layers.3.mlp.up_proj.weight")
-    Layer(name='model.layers.3', index=3)
-    >>> layer_of("lm_head.weight") is None
-    True
+    >>> for key, tensors in streamload.layers("model/", device="cpu"):  # doctest: +SKIP
+    ...     print(key, len(tensors))
+    pre 1
+    model.layers.0 9
     """
-    m = _LAYER.match(name)
-    if m is None:
-        return None
-    return Layer(f"{m['prefix']}.{m['index']}", int(m["index"]))
-
-
-def layer_rank(name: str) -> tuple[int, int]:
-    """Sort key of layer order: (0, 0) before the layers, (1, i) in layer i, (2, 0) after them."""
-    layer = layer_of(name)
-    if layer is not None:
-        return (1, layer.index)
-    return (0, 0) if _FRONT.search(name) else (2, 0)
-
-
-def group_of(name: str) -> str:
-    """The group `streamload.layers` puts a tensor in: its layer, else "pre" or "post".
-
-    >>> group_of("model.embed_tokens.weight"), group_of("model.layers.2.mlp.experts.7.w1"), group_of("lm_head.weight")
-    ('pre', 'model.layers.2', 'post')
-    """
-    layer = layer_of(name)
-    if layer is not None:
-        return layer.name
-    return "pre" if layer_rank(name)[0] == 0 else "post"
+    return LayerStream(stream_tensors(source, **options), key or group_of)

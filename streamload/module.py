@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from .errors import StreamloadError
-from .grouped import layers
-from .layers import layer_of
+from .layer_keys import layer_of
+from .layers import layers
 from .source import Source
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -27,9 +27,6 @@ from .read import Reader
 from .read.pool import ReaderPool, Reads
 from .stats import Stats
 from .storage import Files, Storage
-
-if TYPE_CHECKING:
-    from .exchange import Exchange
 
 
 class _Filling(NamedTuple):
@@ -53,10 +50,9 @@ class Pipeline:
         device: Device,
         tuning: Tuning,
         stats: Stats,
-        exchange: Exchange | None,
     ) -> None:
         self.plan, self.storage, self.reader, self.device, self.tuning = plan, storage, reader, device, tuning
-        self.stats, self.exchange = stats, exchange
+        self.stats = stats
         self._batches = iter(plan.batches)
         self._filling: deque[_Filling] = deque()
         self._free: list[torch.Tensor | None] = []
@@ -123,12 +119,11 @@ class Pipeline:
         self._files = self.storage.open(plan.files)
         self._pool = ReaderPool(t.threads, self.stats.add_read)
         nslots = min(t.slots, max(1, len(plan.batches)))
-        slot_bytes = t.slot_bytes + (self.exchange.padding if self.exchange is not None else 0)
+        slot_bytes = t.slot_bytes + device.padding
         if device.staged:
             # Slots come from the process-wide staging budget: wait for the first (with the buffers
-            # the device and exchange keep besides the ring), take more only while the budget allows.
-            buffers = device.buffers + (self.exchange.buffers if self.exchange is not None else 0)
-            if not self._staging.take_first(slot_bytes * (1 + buffers), self._stop):
+            # the device keeps besides the ring), take more only while the budget allows.
+            if not self._staging.take_first(slot_bytes * (1 + device.buffers), self._stop):
                 raise Stopped("the stream was closed while it waited for staging memory")
             nslots = 1 + sum(self._staging.try_take(slot_bytes) for _ in range(nslots - 1))
         else:
@@ -147,17 +142,16 @@ class Pipeline:
             if batch is None:
                 return
             slot = self._free.pop()
-            part = self.exchange.own_part(batch) if batch.shared and self.exchange is not None else batch
-            reads = self._pool.submit(self.reader.jobs(part, slot, self._files))
+            reads = self._pool.submit(self.reader.jobs(batch, slot, self._files))
             self._filling.append(_Filling(batch, slot, reads))
 
     def _instantiate(self, filling: _Filling) -> list[Delivered]:
         assert self._files is not None
         slot, batch = filling.slot, filling.batch
-        if batch.shared and self.exchange is not None and slot is not None:
-            slot = self.exchange.gather(batch, slot)  # a collective: in plan order on every rank
         try:
             return self.device.instantiate(batch, slot, self._files)
+        except StreamloadError:
+            raise  # says what failed already (a cooperative exchange)
         except Exception as exc:
             names = ", ".join(repr(p.item.name) for p in batch.pieces[:3])
             paths = sorted({str(p.item.info.path) for p in batch.pieces})
@@ -180,8 +174,6 @@ class Pipeline:
             self.reader.close()
             if self._files is not None:
                 self._files.close()
-            if self.exchange is not None:
-                self.exchange.close()
             self.stats.staging_bytes = max(self.stats.staging_bytes, self._staging.held)
             self._staging.give_back()
             self.device.close()  # after the budget is given back: slots kept for later streams fit in it

@@ -13,7 +13,7 @@ import torch
 from .dtypes import torch_shape
 from .errors import UnsupportedError
 from .format import FileHeader, TensorInfo
-from .layers import layer_rank
+from .layer_keys import layer_rank
 from .source import Checkpoint
 
 if TYPE_CHECKING:

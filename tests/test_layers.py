@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import streamload
-from streamload.layers import group_of
+from streamload.layer_keys import group_of
 
 pytestmark = pytest.mark.anyio
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import streamload
 from streamload import ShardSpec
-from streamload.layers import layer_rank
+from streamload.layer_keys import layer_rank
 from streamload.plan import Plan, make_plan
 
 from .conftest import random_tensor, same_bits

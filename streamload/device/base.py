@@ -26,6 +26,7 @@ class Device(Protocol):
     name: str
     staged: bool  # False: readers make bytes resident in file mappings and slots hold nothing
     buffers: int  # slot-sized buffers kept besides the ring (counted against the staging budget)
+    padding: int  # bytes a slot needs beyond the plan's slot size
 
     def new_slot(self, nbytes: int) -> torch.Tensor | None: ...
 

@@ -18,6 +18,7 @@ class StagedCPU:
     name = "cpu"
     staged = True
     buffers = 0
+    padding = 0
 
     def __init__(self) -> None:
         self._assembler = Assembler(torch.device("cpu"))
@@ -49,6 +50,7 @@ class MappedCPU:
     name = "cpu"
     staged = False
     buffers = 0
+    padding = 0
 
     def new_slot(self, nbytes: int) -> None:
         return None

@@ -34,6 +34,7 @@ log = logging.getLogger("streamload")
 
 class CudaDevice:
     staged = True
+    padding = 0
 
     def __init__(self, device: torch.device, host_slots: bool) -> None:
         if device.index is None:
