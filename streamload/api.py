@@ -47,23 +47,37 @@ def iter(
 ) -> TensorStream:
     """Stream the tensors of a safetensors checkpoint, each as soon as its bytes are in.
 
-    `source` is a file, a directory (its `model.safetensors.index.json` when present) or a list of files,
-    or the same in object storage: `s3://bucket/prefix/`, `https://host/path/model.safetensors` (or an
-    index.json next to it; `pip install 'streamload[remote]'`). `cache_dir` keeps a local copy of a
-    remote checkpoint as it streams past; a later load whose objects are unchanged reads the copy.
-    `dtype` converts floating-point tensors (a dtype, or {fnmatch pattern: dtype}); `include` /
-    `exclude` select tensors by pattern or predicate, and unselected bytes are never read. `order`
-    is "layer" (layer i before layer i+1 across all files) or "file". `shard` (a `ShardSpec`) keeps
-    only this rank's part of each tensor, and reads only the bytes of that part.
+    Args:
+        source: a file, a directory (its `model.safetensors.index.json` when present, else every
+            `*.safetensors`), an index, or a list of files; or the same in object storage:
+            `s3://bucket/prefix/`, `https://host/path/model.safetensors` (`streamload[remote]`).
+        device: "cpu", "cuda" or "cuda:N" (default: cuda when available).
+        dtype: converts floating-point tensors: a dtype, or {fnmatch pattern: dtype}.
+        include, exclude: select tensors by pattern(s) or predicate; unselected bytes are never read.
+        order: "layer" (layer i before layer i+1 across all files) or "file".
+        reader: "auto", or one of `routes.READERS` ("mmap", "posix", "direct", "kvikio", "range").
+        ring_bytes, slots, threads, chunk_bytes: the tuning (default: from the machine, defaults.py).
+        shard: a `ShardSpec`: keep only this rank's part of each tensor, reading only its bytes.
+        cooperative: True (the default group) or a `torch.distributed` process group, for ranks on
+            shared storage: what several ranks read whole, each reads a share of and gets the rest by
+            all-gather, so storage sees each byte once. Every rank must call `iter` alike and consume
+            the stream to its end.
+        cache_dir: keep a local copy of a remote checkpoint as it streams past; a later load whose
+            objects are unchanged (size, ETag) reads the copy.
 
-    `cooperative=True` (or a `torch.distributed` process group; True: the default group) is for ranks
-    on shared storage: what several ranks read whole (replicated tensors, whole-read slices), each
-    reads a share of and gets the rest from the others by all-gather, so storage sees each byte once.
-    Every rank of the group must call `iter` alike and consume the stream to its end.
+    Returns:
+        A `TensorStream` of (name, tensor), for `for` / `async for`, best inside `with` / `async with`.
 
-    >>> import streamload
-    >>> for name, t in streamload.iter("model.safetensors", device="cpu"):  # doctest: +SKIP
-    ...     print(name, t.shape)
+    Raises:
+        SourceError, MissingFileError, HeaderError: the source is not a readable checkpoint (raised
+            here, before any tensor data is read).
+        UnsupportedError: the device, reader or option cannot serve this source here.
+        ReadError, StreamloadError: while iterating, reading or making a tensor failed.
+
+    Example:
+        >>> import streamload
+        >>> for name, t in streamload.iter("model.safetensors", device="cpu"):  # doctest: +SKIP
+        ...     print(name, t.shape)
     """
     dev = _device(device)
     checkpoint = open_checkpoint(source, cache_dir)
@@ -117,9 +131,20 @@ class Options(TypedDict, total=False):
 
 
 def load(source: Source, **options: Unpack[Options]) -> dict[str, torch.Tensor]:
-    """Load a whole checkpoint into a dict, like `safetensors.torch.load_file` (same options as `iter`).
+    """Load a whole checkpoint into a dict, like `safetensors.torch.load_file`.
 
-    >>> state = streamload.load("model.safetensors", device="cpu")  # doctest: +SKIP
+    Args:
+        source: as for `iter`.
+        **options: the options of `iter` (`Options`).
+
+    Returns:
+        {name: tensor}, in the stream's order.
+
+    Raises:
+        As `iter`.
+
+    Example:
+        >>> state = streamload.load("model.safetensors", device="cpu")  # doctest: +SKIP
     """
     with iter(source, **options) as stream:
         return dict(stream)
@@ -128,8 +153,18 @@ def load(source: Source, **options: Unpack[Options]) -> dict[str, torch.Tensor]:
 def inspect(source: Source) -> Checkpoint:
     """Headers only, no tensor data: files, tensors (dtype, shape, byte range) and metadata.
 
-    >>> ckpt = streamload.inspect("model.safetensors")  # doctest: +SKIP
-    >>> {n: t.shape for n, t in ckpt.tensors.items()}  # doctest: +SKIP
+    Args:
+        source: as for `iter` (local or remote).
+
+    Returns:
+        A `Checkpoint`: `files` (validated headers), `tensors` by name, `metadata`, `nbytes`.
+
+    Raises:
+        SourceError, MissingFileError, HeaderError: the source is not a readable checkpoint.
+
+    Example:
+        >>> ckpt = streamload.inspect("model.safetensors")  # doctest: +SKIP
+        >>> {n: t.shape for n, t in ckpt.tensors.items()}  # doctest: +SKIP
     """
     return open_checkpoint(source)
 

@@ -36,12 +36,20 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print JSON, every tensor listed (default: tables)")
 
     load = sub.add_parser("load", help="load a checkpoint and report, with a progress bar")
-    load.add_argument("path")
+    load.add_argument("path", help="a file, directory, index, or an s3:// or http(s):// URL")
     load.add_argument("--device", default=None, help=device)
     load.add_argument("--dtype", default=None, help="convert floating-point tensors to this floating-point dtype, "
                       "e.g. float16, bfloat16 (default: keep the stored dtypes)")  # fmt: skip
-    load.add_argument("--reader", default="auto", choices=["auto", "mmap", "posix", "direct", "kvikio"],
-                      help="(default: auto)")  # fmt: skip
+    load.add_argument(
+        "--reader",
+        default="auto",
+        help="a reader's name from streamload.routes.READERS (default: auto, the first that fits)",
+    )
+    load.add_argument(
+        "--cache-dir",
+        default=None,
+        help="keep a local copy of a remote checkpoint here, and read it next time (default: none)",
+    )
     for flag, what in (("--threads", "reader threads"), ("--chunk-bytes", "largest read request"),
                        ("--ring-bytes", "staging ring size"), ("--slots", "ring slots")):  # fmt: skip
         load.add_argument(flag, type=_positive, default=None, help=f"{what} (default: from the machine)")
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             _inspect(args.path, as_json=args.json)
         elif args.command == "load":
             tuning = {k: v for k in ("threads", "chunk_bytes", "ring_bytes", "slots") if (v := getattr(args, k))}
-            _load(args.path, args.device, args.dtype, args.reader, tuning)
+            _load(args.path, args.device, args.dtype, args.reader, tuning, args.cache_dir)
         elif args.command == "bench":
             return _bench(args)
     except (StreamloadError, ValueError) as exc:
@@ -157,7 +165,9 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def _load(path: str, device: str | None, dtype: str | None, reader: str, tuning: dict[str, int]) -> None:
+def _load(
+    path: str, device: str | None, dtype: str | None, reader: str, tuning: dict[str, int], cache_dir: str | None
+) -> None:
     import torch
 
     from .api import iter as stream_iter
@@ -167,7 +177,7 @@ def _load(path: str, device: str | None, dtype: str | None, reader: str, tuning:
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}; use a torch name such as float16 or bfloat16")
-    stream = stream_iter(path, device=device, dtype=torch_dtype, reader=reader, **tuning)  # type: ignore[arg-type]
+    stream = stream_iter(path, device=device, dtype=torch_dtype, reader=reader, cache_dir=cache_dir, **tuning)  # type: ignore[arg-type]
     s = stream.stats
     if sys.stderr.isatty():
         from .progress import progress_bar

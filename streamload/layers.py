@@ -85,13 +85,24 @@ class LayerStream:
 
 
 def layers(source: Source, *, key: Callable[[str], str] | None = None, **options: Unpack[Options]) -> LayerStream:
-    """Stream a checkpoint layer by layer: the tensors before the layers as group `"pre"`, then each
-    layer (`"model.layers.0"`, ...), then the rest as `"post"`; groups spanning shard files arrive
-    in layer order. `key` maps a tensor name to its group instead. Options are those of `iter`.
+    """Stream a checkpoint layer by layer, each layer handed out once all its tensors are in.
 
-    >>> for key, tensors in streamload.layers("model/", device="cpu"):  # doctest: +SKIP
-    ...     print(key, len(tensors))
-    pre 1
-    model.layers.0 9
+    Args:
+        source: as for `iter`.
+        key: maps a tensor name to its group (default: the tensors before the layers as `"pre"`,
+            each layer `"model.layers.0"`, ..., the rest as `"post"`).
+        **options: the options of `iter` (`Options`).
+
+    Returns:
+        A `LayerStream` of (key, {name: tensor}); groups spanning shard files arrive in layer order.
+
+    Raises:
+        As `iter`.
+
+    Example:
+        >>> for key, tensors in streamload.layers("model/", device="cpu"):  # doctest: +SKIP
+        ...     print(key, len(tensors))
+        pre 1
+        model.layers.0 9
     """
     return LayerStream(stream_tensors(source, **options), key or group_of)

@@ -177,14 +177,27 @@ def load_into(
     """Fill `module`'s parameters and buffers from a checkpoint as the tensors arrive.
 
     Tensors are assigned, not copied (`load_state_dict(assign=True)` semantics), so a module built on
-    the meta device ends up holding the loaded tensors with no second copy; tied weights stay tied.
-    `on_layer(key, submodule)` runs as soon as a layer is complete, while later layers still load.
-    With `strict`, missing and unexpected keys (and buffers left on meta) raise one error at the end.
-    Options are those of `streamload.iter` (device, dtype, include, ...).
+    the meta device (`empty_weights`) ends up holding the loaded tensors with no second copy; tied
+    weights stay tied.
 
-    >>> with torch.device("meta"):  # doctest: +SKIP
-    ...     model = MyModel(config)
-    >>> streamload.load_into(model, "model/", device="cuda", on_layer=lambda k, m: warm_up(m))  # doctest: +SKIP
+    Args:
+        module: the module to fill.
+        source: as for `iter`.
+        strict: missing and unexpected keys are an error, raised before any weight is read when the
+            checkpoint's names show it; buffers left on meta are one at the end.
+        on_layer: called with (key, submodule) as soon as a layer is complete, while later ones load.
+        **options: the options of `iter` (`Options`: device, dtype, include, ...).
+
+    Returns:
+        A `LoadResult`: missing and unexpected keys (empty with `strict`).
+
+    Raises:
+        StreamloadError: the checkpoint does not fit the module (with `strict`), or as `iter`.
+
+    Example:
+        >>> with streamload.empty_weights():  # doctest: +SKIP
+        ...     model = MyModel(config)
+        >>> streamload.load_into(model, "model/", device="cuda", on_layer=lambda k, m: warm_up(m))  # doctest: +SKIP
     """
     filler = _Filler(module)
     with layers(source, **options) as groups:

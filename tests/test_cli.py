@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
+import torch
+from safetensors.torch import load_file, save_file
 
 import streamload
 from streamload.cli import main
@@ -157,11 +158,15 @@ def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["load", str(tmp_path), "--dtype", "float17"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("streamload: error:") for line in err)
-    for argv in (["bench"], ["bench", "x", "--runs", "0"], ["load", "x", "--reader", "fast"]):
+    for argv in (["bench"], ["bench", "x", "--runs", "0"]):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2
     assert all(len(e.strip().splitlines()) == 1 for e in capsys.readouterr().err.split("streamload")[1:])
+    save_file({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    assert main(["load", str(tmp_path / "m.safetensors"), "--reader", "fast"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reader must be 'auto' or one of 'kvikio', 'mmap'" in err[0]
 
 
 def test_bench_runs_loaders_and_writes_json_and_plot(small_model: Path, tmp_path: Path) -> None:

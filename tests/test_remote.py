@@ -277,3 +277,14 @@ def test_partial_load_leaves_no_copy(checkpoint: Path, http: RangeServer, tmp_pa
         assert p.read_bytes() == (checkpoint / p.name).read_bytes()
     assert not list(cache.rglob("*.partial"))
     assert len(complete) < len(list(checkpoint.glob("*.safetensors")))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_s3_into_cuda(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = reference(checkpoint)
+    with s3_server(monkeypatch) as s3:
+        upload(s3, "models", "llama/", checkpoint)
+        with streamload.iter("s3://models/llama/", device="cuda:0") as stream:
+            got = {n: t.cpu() for n, t in stream}
+            assert stream.stats.reader == "range"
+    assert_same(got, ref)
