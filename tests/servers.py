@@ -21,10 +21,11 @@ Fault = str
 
 class RangeServer:
     """Serves a directory over HTTP with `Range`, `ETag` and `If-Match`, like nginx or a CDN; or
-    without Range support at all (`ranges=False`, like `python -m http.server`)."""
+    without Range support at all (`ranges=False`, like `python -m http.server`), or with Last-Modified
+    but no ETag (`etags=False`)."""
 
-    def __init__(self, root: Path, ranges: bool = True) -> None:
-        self.root, self.ranges = root, ranges
+    def __init__(self, root: Path, ranges: bool = True, etags: bool = True) -> None:
+        self.root, self.ranges, self.etags = root, ranges, etags
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         self._lock = threading.Lock()
@@ -51,7 +52,7 @@ class RangeServer:
                     return
                 st = file.stat()
                 etag = f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
-                if self.headers.get("If-Match") not in (None, etag, "*"):
+                if server.etags and self.headers.get("If-Match") not in (None, etag, "*"):
                     self._status(412)
                     return
                 start, end = 0, st.st_size
@@ -65,7 +66,8 @@ class RangeServer:
                 if fault and fault.startswith("stall:"):
                     time.sleep(float(fault.split(":")[1]))
                 self.send_response(206 if m else 200)
-                self.send_header("ETag", etag)
+                if server.etags:
+                    self.send_header("ETag", etag)
                 self.send_header("Last-Modified", self.date_time_string(int(st.st_mtime)))
                 self.send_header("Accept-Ranges", "bytes" if server.ranges else "none")
                 self.send_header("Content-Length", str(end - start))

@@ -183,6 +183,28 @@ def test_http_object_replaced_mid_load(checkpoint: Path, tmp_path: Path) -> None
         server.close()
 
 
+def test_http_without_etags_checks_last_modified(checkpoint: Path, tmp_path: Path) -> None:
+    import os
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(checkpoint, copy)
+    server = RangeServer(tmp_path, etags=False)
+    try:
+        assert_same(streamload.load(f"{server.url}/model/", device="cpu"), reference(checkpoint))
+        stream = streamload.iter(f"{server.url}/model/", device="cpu")
+        for f in copy.glob("*.safetensors"):
+            data = bytearray(f.read_bytes())
+            data[-1] ^= 0xFF
+            f.write_bytes(bytes(data))
+            os.utime(f, (f.stat().st_atime, f.stat().st_mtime + 5))  # Last-Modified has 1 s resolution
+        with pytest.raises(streamload.ReadError, match="object changed after its header was read"):
+            with stream:
+                dict(stream)
+    finally:
+        server.close()
+
+
 def test_closing_drops_stalled_requests_within_a_second(checkpoint: Path, http: RangeServer) -> None:
     http.faults = ["stall:30"] * 64  # every data request hangs
     stream = streamload.iter(f"{http.url}/model/", device="cpu", chunk_bytes=256 << 10)

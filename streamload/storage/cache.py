@@ -33,7 +33,7 @@ def lookup(cache_dir: Path, headers: tuple[FileHeader, ...]) -> list[Path] | Non
         local = cache_path(cache_dir, h.path)
         try:
             record = json.loads(Path(str(local) + RECORD).read_text())
-            ok = record == {"size": h.size, "version": str(h.identity[1])} and local.stat().st_size == h.size
+            ok = record == _record(h) and local.stat().st_size == h.size
         except (OSError, ValueError):
             ok = False
         if not ok:
@@ -76,7 +76,7 @@ class CacheWriter:
         self._fd = None
         record = Path(str(self.final) + RECORD)
         tmp = Path(str(record) + ".partial")
-        tmp.write_text(json.dumps({"size": self.header.size, "version": str(self.header.identity[1])}))
+        tmp.write_text(json.dumps(_record(self.header)))
         os.replace(tmp, record)
         os.replace(self.partial, self.final)  # last: the name appears only for a complete file
 
@@ -87,6 +87,11 @@ class CacheWriter:
                 os.close(self._fd)
                 self._fd = None
                 self.partial.unlink(missing_ok=True)
+
+
+def _record(header: FileHeader) -> dict[str, object]:
+    """What identifies the version of an object that was copied: its size and ETag (or Last-Modified)."""
+    return {"size": header.size, "version": ":".join(str(x) for x in header.identity[1:])}
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

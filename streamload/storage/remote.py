@@ -279,8 +279,8 @@ async def _get(store: Any, key: str, span: tuple[int, int] | None, identity: tup
     options: dict[str, Any] = {}
     if span is not None:
         options["range"] = span
-    if identity and isinstance(identity[1], str):
-        options["if_match"] = identity[1]
+    if identity and identity[1] == "etag":  # Last-Modified is compared on the response instead
+        options["if_match"] = identity[2]
     result = await obstore.get_async(store, key, options=options)
     return await result.bytes_async(), result.meta
 
@@ -298,8 +298,9 @@ async def _head(store: Any, key: str) -> Any:
 
 
 def _identity(meta: Any) -> tuple[object, ...]:
+    """(size, "etag", ETag), or (size, "modified", Last-Modified) from a server that sends no ETag."""
     tag = meta.get("e_tag")
-    return (int(meta["size"]), tag if tag else str(meta.get("last_modified")))
+    return (int(meta["size"]), "etag", tag) if tag else (int(meta["size"]), "modified", str(meta.get("last_modified")))
 
 
 def _transient(exc: BaseException) -> bool:
