@@ -310,3 +310,16 @@ def test_s3_into_cuda(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None
             got = {n: t.cpu() for n, t in stream}
             assert stream.stats.reader == "range"
     assert_same(got, ref)
+
+
+def test_s3_credentials_from_a_named_profile(checkpoint: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    with s3_server(monkeypatch) as s3:
+        upload(s3, "models", "llama/", checkpoint)
+        credentials = tmp_path / "credentials"
+        credentials.write_text("[bench]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+        monkeypatch.setenv("AWS_PROFILE", "bench")
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+        assert_same(streamload.load("s3://models/llama/", device="cpu"), reference(checkpoint))

@@ -269,8 +269,24 @@ def _store(root: str) -> Any:
     options = {"timeout": timeout, "connect_timeout": "5s", "allow_http": plain}
     retry = {"max_retries": 0}  # retried by ObjectStorage.call, which also sees errors in a body
     if root.startswith("s3://"):
-        return from_url(root, client_options=options, retry_config=retry)  # type: ignore[arg-type]
+        return from_url(root, client_options=options, retry_config=retry, **_profile())  # type: ignore[arg-type]
     return HTTPStore.from_url(root, client_options=options, retry_config=retry)  # type: ignore[arg-type]
+
+
+def _profile() -> dict[str, Any]:
+    """A named profile (`AWS_PROFILE`, from ~/.aws/config and credentials) is resolved by boto3 where
+    it is installed; keys in the environment, instance roles and web identity need no profile."""
+    if not os.environ.get("AWS_PROFILE") or os.environ.get("AWS_ACCESS_KEY_ID"):
+        return {}
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        raise UnsupportedError(
+            f"AWS_PROFILE={os.environ['AWS_PROFILE']}: reading a named profile needs boto3 (pip install boto3), "
+            "or export the profile's keys (aws configure export-credentials --format env)"
+        ) from None
+    return {"credential_provider": Boto3CredentialProvider(boto3.Session())}
 
 
 async def _get(store: Any, key: str, span: tuple[int, int] | None, identity: tuple[object, ...] | None) -> Any:
