@@ -13,7 +13,7 @@ from torch import nn
 
 from .errors import StreamloadError
 from .layer_keys import layer_of
-from .layers import layers
+from .layers import LayerStream, layers
 from .source import Source
 
 if TYPE_CHECKING:
@@ -82,6 +82,19 @@ class _Filler:
             return self.module.get_submodule(key)
         except AttributeError:
             return None
+
+    def start(self, groups: LayerStream, strict: bool) -> None:
+        if strict:
+            self.check_names([i.name for i in groups.stream.plan.items])
+
+    def fill(self, key: str, tensors: dict[str, torch.Tensor], on_layer: object) -> tuple[str, nn.Module | None] | None:
+        """Assign a group's tensors; the (key, submodule) for `on_layer` when the group is a layer
+        and there is an `on_layer` (the sync and async faces only differ in how they call it)."""
+        for name, t in tensors.items():
+            self.assign(name, t)
+        if on_layer is not None and layer_of(key + ".") is not None:
+            return key, self.submodule(key)
+        return None
 
     def check_names(self, names: Collection[str]) -> None:
         """Before any weight is read: what the module needs and the checkpoint's names cannot give."""
@@ -201,13 +214,10 @@ def load_into(
     """
     filler = _Filler(module)
     with layers(source, **options) as groups:
-        if strict:
-            filler.check_names([i.name for i in groups.stream.plan.items])
+        filler.start(groups, strict)
         for key, tensors in groups:
-            for name, t in tensors.items():
-                filler.assign(name, t)
-            if on_layer is not None and layer_of(key + ".") is not None:
-                on_layer(key, filler.submodule(key))
+            if (layer := filler.fill(key, tensors, on_layer)) is not None:
+                on_layer(*layer)  # type: ignore[misc]
     return filler.finish(strict)
 
 
@@ -222,13 +232,10 @@ async def aload_into(
     """`load_into` for async code; `on_layer` may be a coroutine function."""
     filler = _Filler(module)
     async with layers(source, **options) as groups:
-        if strict:
-            filler.check_names([i.name for i in groups.stream.plan.items])
+        filler.start(groups, strict)
         async for key, tensors in groups:
-            for name, t in tensors.items():
-                filler.assign(name, t)
-            if on_layer is not None and layer_of(key + ".") is not None:
-                done = on_layer(key, filler.submodule(key))
+            if (layer := filler.fill(key, tensors, on_layer)) is not None:
+                done = on_layer(*layer)  # type: ignore[misc]
                 if inspect.isawaitable(done):
                     await done
     return filler.finish(strict)
