@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 # Imported on first use: a plain load needs none of them (`import streamload` is on a load's clock).
 _LAZY = {"LoadResult": "module", "aload_into": "module", "empty_weights": "module", "load_into": "module",
-         "ShardSpec": "shard", "from_pretrained": "hf"}  # fmt: skip
+         "ShardSpec": "shard", "from_pretrained": "hf", "offload": "offload", "Offloaded": "offload"}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
@@ -46,6 +46,7 @@ __all__ = [
     "LayerStream",
     "LoadResult",
     "MissingFileError",
+    "Offloaded",
     "ReadError",
     "ShardSpec",
     "SourceError",
@@ -65,6 +66,7 @@ __all__ = [
     "layers",
     "load",
     "load_into",
+    "offload",
     "set_limits",
     "usage",
 ]

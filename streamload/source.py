@@ -37,9 +37,12 @@ class Checkpoint(NamedTuple):
         return merged
 
 
-def open_checkpoint(source: Source, cache_dir: PathLike | None = None) -> Checkpoint:
+def open_checkpoint(source: Source | Checkpoint, cache_dir: PathLike | None = None) -> Checkpoint:
     """Find the files of `source` and read every header (no tensor data is read). With `cache_dir`,
-    a remote checkpoint whose every file the cache holds at its current version is read from there."""
+    a remote checkpoint whose every file the cache holds at its current version is read from there.
+    A `Checkpoint` (from `inspect`) is its own answer: loads of parts of it read no header again."""
+    if isinstance(source, Checkpoint):
+        return source
     storage = storage_for(source, cache_dir)
     listing = storage.locate(source)
     headers = _headers(storage, listing.files)

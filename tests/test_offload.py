@@ -1,0 +1,143 @@
+"""`streamload.offload`: a model several times its budget runs with its blocks streamed in: outputs
+identical to the model loaded whole, memory bounded (counted and measured), errors leave nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import streamload
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 8, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": False}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("offload")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(out, max_shard_size="500KB")
+    return out
+
+
+def empty_model() -> torch.nn.Module:
+    with streamload.empty_weights():
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+
+
+IDS = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+MASK = torch.ones_like(IDS)
+
+
+@pytest.mark.parametrize(("ahead", "share"), [(0, 1 / 3), (1, 1 / 3), (3, 0.6)])
+def test_outputs_identical_to_the_whole_model(llama: Path, ahead: int, share: float) -> None:
+    whole = streamload.from_pretrained(llama, device="cpu")
+    with torch.no_grad():
+        want_logits = whole(IDS).logits
+        want_tokens = whole.generate(IDS, attention_mask=MASK, max_new_tokens=4, do_sample=False)
+    total = streamload.inspect(llama).nbytes
+    model = empty_model()
+    budget = int(total * share)
+    with streamload.offload(model, llama, device="cpu", budget_bytes=budget, ahead=ahead, reader="posix") as off:
+        with torch.no_grad():
+            assert torch.equal(model(IDS).logits, want_logits)
+            got = model.generate(IDS, attention_mask=MASK, max_new_tokens=4, do_sample=False)
+            assert torch.equal(got, want_tokens)
+        stats = off.stats
+    assert stats.offloaded_blocks >= 4 and stats.fetches >= 5 * stats.offloaded_blocks  # every pass refetches
+    assert stats.peak_bytes <= stats.budget_bytes
+    assert stats.peak_bytes <= stats.resident_bytes + (ahead + 1) * stats.block_bytes
+    assert all(p.is_meta for layer in model.model.layers[-4:] for p in layer.parameters())  # dropped at close
+
+
+def test_blocks_that_fit_stay_resident(llama: Path) -> None:
+    total = streamload.inspect(llama).nbytes
+    model = empty_model()
+    with streamload.offload(model, llama, device="cpu", budget_bytes=total * 3 // 4) as off:
+        assert 0 < off.stats.resident_blocks < 8 and off.stats.offloaded_blocks == 8 - off.stats.resident_blocks
+        assert not any(p.is_meta for p in model.model.layers[0].parameters())
+        with torch.no_grad():
+            model(IDS)
+
+
+def test_a_budget_too_small_is_refused_before_reading(llama: Path) -> None:
+    model = empty_model()
+    with pytest.raises(streamload.StreamloadError, match=r"a budget of 1000 bytes cannot hold .* needs at least \d+"):
+        streamload.offload(model, llama, device="cpu", budget_bytes=1000)
+    assert all(p.is_meta for p in model.parameters())  # nothing was read
+
+
+def test_an_error_mid_forward_leaves_no_fetch_and_no_block(llama: Path) -> None:
+    total = streamload.inspect(llama).nbytes
+    model = empty_model()
+
+    def fail(module: torch.nn.Module, args: object) -> None:
+        raise RuntimeError("layer 5 fell over")
+
+    hook = model.model.layers[5].register_forward_pre_hook(fail)
+    with streamload.offload(model, llama, device="cpu", budget_bytes=total // 2, ahead=2, reader="posix") as off:
+        with pytest.raises(RuntimeError, match="fell over"), torch.no_grad():
+            model(IDS)
+        assert not off._fetching and not off._streams
+        assert off._held == off.resident_bytes
+        assert all(p.is_meta for b in off.blocks for p in b.module.parameters())
+        hook.remove()
+        whole = streamload.from_pretrained(llama, device="cpu")
+        with torch.no_grad():
+            assert torch.equal(model(IDS).logits, whole(IDS).logits)  # and it runs again
+
+
+def test_offload_refuses_what_it_decides_itself(llama: Path) -> None:
+    with pytest.raises(streamload.UnsupportedError, match="include"):
+        streamload.offload(empty_model(), llama, device="cpu", budget_bytes=1 << 30, include="*")
+    with pytest.raises(streamload.UnsupportedError, match="host_cache"):
+        streamload.offload(empty_model(), llama, device="cpu", budget_bytes=1 << 30, host_cache=True)
+
+
+CHILD = r"""
+import json, sys, torch, transformers, streamload
+def rss():
+    fields = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines())
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
+config = transformers.LlamaConfig(**json.loads(sys.argv[2]))
+with streamload.empty_weights():
+    model = transformers.LlamaForCausalLM(config).eval()
+ids = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+budget = int(sys.argv[3])
+with torch.no_grad():
+    torch.nn.functional.linear(torch.ones(1, 8), torch.ones(8, 8))  # the allocator's first arenas
+before = rss()
+with streamload.offload(model, sys.argv[1], device="cpu", budget_bytes=budget, reader="posix",
+                        ring_bytes=4 << 20, slots=2) as off:
+    with torch.no_grad():
+        for _ in range(2):
+            model(ids)
+    stats = off.stats
+print(json.dumps({"before": before, "after": rss(), "peak_bytes": stats.peak_bytes, "fetches": stats.fetches}))
+"""
+
+
+def test_process_memory_stays_within_budget_and_ring(tmp_path: Path) -> None:
+    """Measured, not counted: a 4x-budget model's forward raises the process's peak RSS by at most the
+    budget, the ring and a margin for activations and the allocator."""
+    config = {**CONFIG, "hidden_size": 512, "intermediate_size": 1376, "num_attention_heads": 8,
+              "num_hidden_layers": 16, "num_key_value_heads": 4, "vocab_size": 1024}  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).save_pretrained(tmp_path, max_shard_size="8MB")
+    total = streamload.inspect(tmp_path).nbytes
+    budget = total // 4
+    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), json.dumps(config), str(budget)],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    grew = got["after"]["VmHWM"] - got["before"]["VmHWM"]
+    assert got["fetches"] >= 2 * 14
+    assert got["peak_bytes"] <= budget
+    assert grew <= budget + (4 << 20) + (24 << 20), (grew, budget, total)
+    assert total > 3 * budget
