@@ -26,13 +26,13 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "first_token.py"
 MODES = ("transformers", "streamload", "sequential", "overlapped")
 
 
-def make(path: Path, hidden: int, ffn: int, layers: int) -> None:
+def make(path: Path, hidden: int, ffn: int, layers: int, vocab: int = 32000) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                          num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
-                         vocab_size=32000, tie_word_embeddings=False)  # fmt: skip
+                         vocab_size=vocab, tie_word_embeddings=False)  # fmt: skip
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path, max_shard_size="300MB")
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -57,13 +57,14 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024, help="with --make (default: %(default)s)")
     ap.add_argument("--ffn", type=int, default=2816, help="with --make (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=16, help="with --make (default: %(default)s)")
+    ap.add_argument("--vocab", type=int, default=32000, help="with --make (default: %(default)s)")
     ap.add_argument("--runs", type=int, default=3, help="runs per mode (default: %(default)s)")
     ap.add_argument("--modes", default=",".join(MODES), help="default: %(default)s")
     ap.add_argument("--device", default="cpu", help="default: %(default)s")
     ap.add_argument("--json", type=Path, help="also write every run here")
     args = ap.parse_args()
     if args.make:
-        make(args.make, args.hidden, args.ffn, args.layers)
+        make(args.make, args.hidden, args.ffn, args.layers, args.vocab)
         return
     modes = args.modes.split(",")
     runs: dict[str, list[dict[str, float | int | str]]] = {m: [] for m in modes}

@@ -24,6 +24,7 @@ from .api import _device
 from .api import iter as stream_tensors
 from .errors import StreamloadError, UnsupportedError
 from .layer_keys import group_of, layer_of
+from .limits import shared_limits
 from .source import Checkpoint, Source, open_checkpoint
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class Offloaded:
         self._host: dict[int, dict[str, torch.Tensor]] = {}
         self._streams: set[Any] = set()  # open TensorStreams of fetches in flight, closed on reset
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="streamload-offload")
+        shared_limits().join()  # the reader threads stay up between the fetches of one block and the next
         # host_cache copies run on a stream of their own, so that they overlap the compute
         self._copies = torch.cuda.Stream(device) if host_cache else None
         self._lock = threading.Lock()
@@ -223,6 +225,7 @@ class Offloaded:
         self._closed = True
         self.reset()
         self._pool.shutdown(wait=True)
+        shared_limits().leave()
         for h in self._hooks:
             h.remove()
         self.model.forward = self._forward  # type: ignore[method-assign]

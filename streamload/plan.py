@@ -103,7 +103,9 @@ def _matcher(patterns: Patterns) -> Callable[[str], bool] | None:
     if callable(patterns):
         return patterns
     pats = [patterns] if isinstance(patterns, str) else list(patterns)
-    return lambda name: any(fnmatch.fnmatchcase(name, p) for p in pats)
+    exact = {p for p in pats if not any(c in p for c in "*?[")}  # plain names: a set lookup, not fnmatch
+    wild = [p for p in pats if p not in exact]
+    return lambda name: name in exact or any(fnmatch.fnmatchcase(name, p) for p in wild)
 
 
 def select(names: Iterable[str], include: Patterns = None, exclude: Patterns = None) -> list[str]:
