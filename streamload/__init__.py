@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 # Imported on first use: a plain load needs none of them (`import streamload` is on a load's clock).
 _LAZY = {"LoadResult": "module", "aload_into": "module", "empty_weights": "module", "load_into": "module",
-         "ShardSpec": "shard", "from_pretrained": "hf", "offload": "offload", "Offloaded": "offload"}  # fmt: skip
+         "ShardSpec": "shard", "from_pretrained": "hf", "offload": "offloaded", "Offloaded": "offloaded"}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,7 @@ import streamload
 
 transformers = pytest.importorskip("transformers")
 
-CONFIG = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 8, "num_attention_heads": 4,
+CONFIG = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 12, "num_attention_heads": 4,
           "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": False}  # fmt: skip
 
 
@@ -23,7 +23,7 @@ CONFIG = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 8, 
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("offload")
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(out, max_shard_size="500KB")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(out, max_shard_size="3MB")
     return out
 
 
@@ -51,7 +51,10 @@ def test_outputs_identical_to_the_whole_model(llama: Path, ahead: int, share: fl
             got = model.generate(IDS, attention_mask=MASK, max_new_tokens=4, do_sample=False)
             assert torch.equal(got, want_tokens)
         stats = off.stats
-    assert stats.offloaded_blocks >= 4 and stats.fetches >= 5 * stats.offloaded_blocks  # every pass refetches
+    assert stats.offloaded_blocks >= 4
+    # 5 passes (a forward, 4 generated tokens), each fetching every streamed block once (layer 10
+    # sorts before layer 2 in the files: fetched in the order the forward runs them, not the files')
+    assert 5 * stats.offloaded_blocks <= stats.fetches <= 5 * stats.offloaded_blocks + ahead
     assert stats.peak_bytes <= stats.budget_bytes
     assert stats.peak_bytes <= stats.resident_bytes + (ahead + 1) * stats.block_bytes
     assert all(p.is_meta for layer in model.model.layers[-4:] for p in layer.parameters())  # dropped at close
@@ -61,7 +64,7 @@ def test_blocks_that_fit_stay_resident(llama: Path) -> None:
     total = streamload.inspect(llama).nbytes
     model = empty_model()
     with streamload.offload(model, llama, device="cpu", budget_bytes=total * 3 // 4) as off:
-        assert 0 < off.stats.resident_blocks < 8 and off.stats.offloaded_blocks == 8 - off.stats.resident_blocks
+        assert 0 < off.stats.resident_blocks < 12 and off.stats.offloaded_blocks == 12 - off.stats.resident_blocks
         assert not any(p.is_meta for p in model.model.layers[0].parameters())
         with torch.no_grad():
             model(IDS)

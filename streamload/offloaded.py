@@ -23,7 +23,7 @@ from torch import nn
 from .api import _device
 from .api import iter as stream_tensors
 from .errors import StreamloadError, UnsupportedError
-from .layer_keys import group_of, layer_of
+from .layer_keys import group_of, layer_of, layer_rank
 from .limits import shared_limits
 from .source import Checkpoint, Source, open_checkpoint
 
@@ -132,9 +132,11 @@ class Offloaded:
         if self._closed:
             raise StreamloadError("the offloaded model was closed")
         i = self._index[id(module)]
+        wanted = [(i + step) % len(self.blocks) for step in range(self.ahead + 1)]  # on into the next pass
+        self._forget(set(wanted))
         future = self._fetch(i)
-        for step in range(1, self.ahead + 1):  # the next blocks, on into the next pass
-            self._fetch((i + step) % len(self.blocks))
+        for j in wanted[1:]:
+            self._fetch(j)
         start = time.perf_counter()
         fetched = future.result()
         self._waited += time.perf_counter() - start
@@ -190,6 +192,14 @@ class Offloaded:
         finally:
             with self._lock:
                 self._streams.discard(stream)
+
+    def _forget(self, wanted: set[int]) -> None:
+        """Drop fetches the forward did not ask for after all (it skipped or reordered blocks)."""
+        with self._lock:
+            unwanted = [(j, f) for j, f in self._fetching.items() if j not in wanted]
+        for j, future in unwanted:
+            if future.cancel() or future.done():
+                self._drop(j)
 
     def _drop(self, i: int) -> None:
         """Put the block's weights back on meta and forget its fetch (its memory goes with it)."""
@@ -289,7 +299,8 @@ def offload(
     by_key: dict[str, list[str]] = {}
     for name in checkpoint.tensors:
         by_key.setdefault(group_of(name), []).append(name)
-    layer_keys = [k for k in by_key if layer_of(k + ".") is not None]
+    # in the order the forward runs them (the files may hold layer 10 before layer 2)
+    layer_keys = sorted((k for k in by_key if layer_of(k + ".") is not None), key=lambda k: layer_rank(k + "."))
     fixed = [n for k, names in by_key.items() if k not in layer_keys for n in names]
     fixed_bytes = sum(sizes[n] for n in fixed)
     block_bytes = {k: sum(sizes[n] for n in by_key[k]) for k in layer_keys}
