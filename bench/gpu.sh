@@ -8,12 +8,14 @@
 #                                               # threads x request size x ring against the defaults
 #   bench/gpu.sh first-token RESULTS_DIR        # cold start to first token of a Llama checkpoint:
 #                                               # transformers, streamload, compiled after / during load
+#   bench/gpu.sh offload RESULTS_DIR            # a Llama 3x its budget: offload vs accelerate's CPU
+#                                               # offload vs the whole model, tokens per second
 #
 # Everything lands in RESULTS_DIR: device.txt, tests.log, bench.log, bench-gpu.{json,png,md},
-# startup.log, sweep-warm.log, sweep-cold.log, first-token.{log,json}.
+# startup.log, sweep-warm.log, sweep-cold.log, first-token.{log,json}, offload.{log,json}.
 # DEVICE (default cuda), LAYERS (default 76: 8.1 GB) and RUNS (default 3) override the defaults.
 set -uo pipefail
-step=${1:?tests, bench, tune or first-token}
+step=${1:?tests, bench, tune, first-token or offload}
 out=${2:?a results directory}
 ckpt=${3:-/tmp/streamload-gpu}
 device=${DEVICE:-cuda}
@@ -51,8 +53,14 @@ first-token)
     PYTHONUNBUFFERED=1 $python bench/first_token.py "$llama" --device "$device" --runs "${RUNS:-3}" \
         --json "$out/first-token.json" 2>&1 | tee "$out/first-token.log"
     ;;
+offload)
+    llama=/tmp/llama-offload-gpu
+    [ -f "$llama/config.json" ] || $python bench/first_token.py --make "$llama" --hidden 2048 --ffn 5632 --layers 32 --vocab 32000 || exit
+    PYTHONUNBUFFERED=1 $python bench/offload.py "$llama" --device "$device" --runs "${RUNS:-3}" \
+        --json "$out/offload.json" 2>&1 | tee "$out/offload.log"
+    ;;
 *)
-    echo "usage: bench/gpu.sh tests|bench|tune|first-token RESULTS_DIR [CKPT_DIR]" >&2
+    echo "usage: bench/gpu.sh tests|bench|tune|first-token|offload RESULTS_DIR [CKPT_DIR]" >&2
     exit 2
     ;;
 esac

@@ -144,3 +144,26 @@ def test_process_memory_stays_within_budget_and_ring(tmp_path: Path) -> None:
     assert got["peak_bytes"] <= budget
     assert grew <= budget + (4 << 20) + (24 << 20), (grew, budget, total)
     assert total > 3 * budget
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("host_cache", [False, True])
+def test_cuda_offload_identical_and_bounded(llama: Path, host_cache: bool) -> None:
+    whole = streamload.from_pretrained(llama, device="cuda:0")
+    ids, mask = IDS.cuda(), MASK.cuda()
+    with torch.no_grad():
+        want = whole.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    del whole
+    total = streamload.inspect(llama).nbytes
+    model = empty_model()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    budget = total // 3
+    with streamload.offload(model, llama, device="cuda:0", budget_bytes=budget, host_cache=host_cache) as off:
+        with torch.no_grad():
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        assert off.stats.peak_bytes <= budget
+    assert torch.equal(got, want)
+    ring = 8 << 20  # the posix/kvikio ring of a small checkpoint is at most its size
+    assert torch.cuda.max_memory_allocated() - base <= budget + max(ring, total) + (64 << 20)
