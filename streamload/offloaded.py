@@ -33,6 +33,56 @@ if TYPE_CHECKING:
     from .api import Options
 
 
+class _KeptOpen:
+    """Local storage whose files stay open (descriptors, and the mappings the mapped reader views)
+    from one fetch to the next, where each layer's load would map its shard anew and unmap it after."""
+
+    kind = "local"
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.storage = checkpoint.storage
+        self._headers = {f.path: f for f in checkpoint.files}
+        self._files: Any = None
+        self._lock = threading.Lock()
+
+    def locate(self, source: Any) -> Any:
+        return self.storage.locate(source)
+
+    def header(self, path: Any) -> Any:
+        return self.storage.header(path)
+
+    def cached(self, headers: Any) -> None:
+        return None
+
+    def open(self, headers: Any) -> Any:
+        with self._lock:
+            if self._files is None:
+                self._files = _Shared(self.storage.open(self._headers))
+            return self._files
+
+    def close(self) -> None:
+        with self._lock:
+            files, self._files = self._files, None
+        if files is not None:
+            files.files.close()
+
+
+class _Shared:
+    """The open files, handed to every fetch; a fetch's close leaves them open (the handle closes them)."""
+
+    def __init__(self, files: Any) -> None:
+        self.files = files
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.files, name)  # fd, mapping, direct_fd
+
+    def cancel(self) -> None:
+        pass  # local reads end within one chunk
+
+    def close(self) -> None:
+        pass
+
+
 class _Slot(NamedTuple):
     """Where one tensor of a block goes: the owning module, the attribute, and its meta stand-in."""
 
@@ -83,6 +133,9 @@ class Offloaded:
         host_cache: bool,
         options: dict[str, Any],
     ) -> None:
+        self._kept = _KeptOpen(checkpoint) if checkpoint.storage.kind == "local" else None
+        if self._kept is not None:
+            checkpoint = checkpoint._replace(storage=self._kept)
         self.model, self.checkpoint, self.blocks, self.device = model, checkpoint, blocks, device
         self.budget_bytes, self.resident_bytes, self.ahead = budget_bytes, resident_bytes, ahead
         self.resident_blocks = resident_blocks
@@ -236,6 +289,8 @@ class Offloaded:
         self.reset()
         self._pool.shutdown(wait=True)
         shared_limits().leave()
+        if self._kept is not None:
+            self._kept.close()
         for h in self._hooks:
             h.remove()
         self.model.forward = self._forward  # type: ignore[method-assign]
