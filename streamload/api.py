@@ -94,9 +94,9 @@ def iter(
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
     share = None
     if exchange is not None:
-        from .exchange import cooperative
+        from .exchange import cooperative as cooperative_pair  # the parameter keeps its name
 
-        read, make = cooperative(read, make, exchange)
+        read, make = cooperative_pair(read, make, exchange)
         share = functools.partial(exchange.agree, checkpoint, layout=f"{tuning.slot_bytes}/{order}")
     plan = make_plan(
         checkpoint,
