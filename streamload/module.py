@@ -96,7 +96,9 @@ class _Filler:
             return key, self.submodule(key)
         return None
 
-    def check_names(self, names: Collection[str]) -> None:
+    def check_names(
+        self, names: Collection[str], fix: str = "pass strict=False to load what matches and leave the rest as it is"
+    ) -> None:
         """Before any weight is read: what the module needs and the checkpoint's names cannot give."""
         present = set(names)
         missing = sorted(n for n in self.expected if not any(a in present for a in self.group_of.get(n, [n])))
@@ -106,8 +108,7 @@ class _Filler:
             parts += [f"unexpected keys: {_short(unexpected)}"] if unexpected else []
             raise StreamloadError(
                 f"loading into {type(self.module).__name__}: {'; '.join(parts)}; nothing was read. Check that the "
-                f"checkpoint is this model's (it holds e.g. {_short(sorted(present)[:3])}), or pass strict=False "
-                "to load what matches and leave the rest as it is"
+                f"checkpoint is this model's (it holds e.g. {_short(sorted(present)[:3])}), or {fix}"
             )
 
     def finish(self, strict: bool) -> LoadResult:

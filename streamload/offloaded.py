@@ -23,8 +23,10 @@ from torch import nn
 from .api import _device
 from .api import iter as stream_tensors
 from .errors import StreamloadError, UnsupportedError
+from .format import TensorInfo
 from .layer_keys import group_of, layer_of, layer_rank
 from .limits import shared_limits
+from .plan import DTypeOption, out_dtype
 from .source import Checkpoint, Source, open_checkpoint
 
 if TYPE_CHECKING:
@@ -350,7 +352,7 @@ def offload(
             raise UnsupportedError(f"offload chooses what to read itself: {banned}= is not an option here")
     checkpoint = open_checkpoint(source, options.get("cache_dir"))  # type: ignore[arg-type]
     target = options.get("dtype")
-    sizes = {n: _out_bytes(t.numel, t.dtype.torch_dtype, target) for n, t in checkpoint.tensors.items()}
+    sizes = {n: _out_bytes(t, target) for n, t in checkpoint.tensors.items()}
     by_key: dict[str, list[str]] = {}
     for name in checkpoint.tensors:
         by_key.setdefault(group_of(name), []).append(name)
@@ -377,31 +379,28 @@ def offload(
             break
     streamed = layer_keys[len(resident) :]
     keep = fixed + [n for k in resident for n in by_key[k]]
-    _check_fits(model, checkpoint)
-    from .module import load_into
+    from .module import _Filler, load_into
+
+    # what the model needs and the checkpoint lacks (tied weights count as present), before any read
+    _Filler(model).check_names(checkpoint.tensors, fix="check that the checkpoint is this model's")
 
     if keep:
         load_into(model, checkpoint, device=dev, include=keep, strict=False, **options)  # type: ignore[misc]
-    _materialise_buffers(model, dev, streamed)
+    _materialise_buffers(model, dev)
     blocks = [_block(model, key, by_key[key], block_bytes[key]) for key in streamed]
     resident_bytes = fixed_bytes + sum(block_bytes[k] for k in resident)
     return Offloaded(model, checkpoint, blocks, dev, budget_bytes, resident_bytes, len(resident), ahead,
                      host_cache, dict(options))  # fmt: skip
 
 
-def _out_bytes(numel: int, stored: torch.dtype, target: object) -> int:
-    dtype = target if isinstance(target, torch.dtype) and stored.is_floating_point else stored
-    return numel * dtype.itemsize if stored.itemsize else numel  # F4 and kin: bytes as stored
+def _out_bytes(info: TensorInfo, dtype: DTypeOption) -> int:
+    """Bytes a tensor takes as handed out: `dtype=` applies as the plan applies it (patterns too)."""
+    stored = info.dtype.torch_dtype
+    out = stored if stored is None else out_dtype(info, stored, dtype)
+    return info.nbytes if out == stored else info.numel * out.itemsize  # type: ignore[union-attr]
 
 
-def _check_fits(model: nn.Module, checkpoint: Checkpoint) -> None:
-    expected = set(model.state_dict(keep_vars=True))
-    missing = sorted(expected - set(checkpoint.tensors))
-    if missing:
-        raise StreamloadError(f"offload: the checkpoint lacks {len(missing)} weights of the model: {missing[:5]}")
-
-
-def _materialise_buffers(model: nn.Module, device: torch.device, streamed: list[str]) -> None:
+def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
     """Buffers the constructor made (not in the checkpoint) go to the device with the model."""
     for name, b in list(model.named_buffers()):
         if not b.is_meta and b.device != device:

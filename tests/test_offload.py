@@ -167,3 +167,22 @@ def test_cuda_offload_identical_and_bounded(llama: Path, host_cache: bool) -> No
     assert torch.equal(got, want)
     ring = 8 << 20  # the posix/kvikio ring of a small checkpoint is at most its size
     assert torch.cuda.max_memory_allocated() - base <= budget + max(ring, total) + (64 << 20)
+
+
+def test_tied_embeddings_and_a_foreign_checkpoint(tmp_path: Path) -> None:
+    """The names are checked as load_into checks them: a tied head needs no tensor of its own, and a
+    checkpoint of another model is refused before anything is read."""
+    config = transformers.LlamaConfig(**{**CONFIG, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tied")
+    whole = streamload.from_pretrained(tmp_path / "tied", device="cpu")
+    with streamload.empty_weights():
+        model = transformers.LlamaForCausalLM(config).eval()
+    budget = streamload.inspect(tmp_path / "tied").nbytes // 2
+    with streamload.offload(model, tmp_path / "tied", device="cpu", budget_bytes=budget), torch.no_grad():
+        assert torch.equal(model(IDS).logits, whole(IDS).logits)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4)).save_pretrained(
+        tmp_path / "gpt2"
+    )
+    with pytest.raises(streamload.StreamloadError, match="missing keys: .*nothing was read"):
+        streamload.offload(empty_model(), tmp_path / "gpt2", device="cpu", budget_bytes=1 << 30)

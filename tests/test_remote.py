@@ -3,6 +3,7 @@ faults (503, resets, stalls), objects replaced mid-load, cancellation, bit-exact
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -49,6 +50,15 @@ def assert_same(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> N
     assert set(got) == set(ref)
     for name, t in ref.items():
         assert same_bits(got[name], t), name
+
+
+def replace_every_shard(directory: Path) -> None:
+    """Same sizes, other bytes, a later mtime: another ETag, and another Last-Modified (1 s resolution)."""
+    for f in directory.glob("*.safetensors"):
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+        os.utime(f, (f.stat().st_atime, f.stat().st_mtime + 5))
 
 
 @pytest.fixture
@@ -171,11 +181,7 @@ def test_http_object_replaced_mid_load(checkpoint: Path, tmp_path: Path) -> None
     server = RangeServer(tmp_path)
     try:
         stream = streamload.iter(f"{server.url}/model/", device="cpu")
-        for f in copy.glob("*.safetensors"):
-            data = bytearray(f.read_bytes())
-            data[-1] ^= 0xFF
-            time.sleep(0.01)  # another mtime: another ETag
-            f.write_bytes(bytes(data))
+        replace_every_shard(copy)
         with pytest.raises(streamload.ReadError, match="object changed after its header was read"):
             with stream:
                 dict(stream)
@@ -184,7 +190,6 @@ def test_http_object_replaced_mid_load(checkpoint: Path, tmp_path: Path) -> None
 
 
 def test_http_without_etags_checks_last_modified(checkpoint: Path, tmp_path: Path) -> None:
-    import os
     import shutil
 
     copy = tmp_path / "model"
@@ -193,11 +198,7 @@ def test_http_without_etags_checks_last_modified(checkpoint: Path, tmp_path: Pat
     try:
         assert_same(streamload.load(f"{server.url}/model/", device="cpu"), reference(checkpoint))
         stream = streamload.iter(f"{server.url}/model/", device="cpu")
-        for f in copy.glob("*.safetensors"):
-            data = bytearray(f.read_bytes())
-            data[-1] ^= 0xFF
-            f.write_bytes(bytes(data))
-            os.utime(f, (f.stat().st_atime, f.stat().st_mtime + 5))  # Last-Modified has 1 s resolution
+        replace_every_shard(copy)
         with pytest.raises(streamload.ReadError, match="object changed after its header was read"):
             with stream:
                 dict(stream)

@@ -62,6 +62,15 @@ class Storage(Protocol):
         ...
 
 
+def file_list(paths: list[PurePath]) -> Listing:
+    """A source given as a list of files: at least one, none twice."""
+    if not paths:
+        raise SourceError("the list of checkpoint files is empty")
+    if len(set(paths)) != len(paths):
+        raise SourceError("the list of checkpoint files names a file twice")
+    return Listing(paths)
+
+
 def parse_index(index: PurePath, text: str) -> Listing:
     """An index's shards (sorted, plain file names next to the index), weight map and metadata."""
     try:

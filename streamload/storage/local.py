@@ -11,7 +11,7 @@ import torch
 
 from ..errors import HeaderError, MissingFileError, ReadError, SourceError
 from ..format import FIRST_READ, FileHeader, header_from
-from .base import INDEX_NAME, Listing, Source, parse_index
+from .base import INDEX_NAME, Listing, Source, file_list, parse_index
 
 
 class LocalStorage:
@@ -35,12 +35,7 @@ class LocalStorage:
             if not path.exists():
                 raise MissingFileError(f"{path}: no such file or directory")
             return Listing([path])
-        paths = [Path(p) for p in source]
-        if not paths:
-            raise SourceError("the list of checkpoint files is empty")
-        if len(set(paths)) != len(paths):
-            raise SourceError("the list of checkpoint files names a file twice")
-        return Listing(list(paths))
+        return file_list([Path(p) for p in source])
 
     def header(self, path: PurePath) -> FileHeader:
         """One `fstat` and usually one `pread`."""

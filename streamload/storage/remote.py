@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import MissingFileError, ReadError, SourceError, UnsupportedError
 from ..format import FIRST_READ, FileHeader, header_from
-from .base import INDEX_NAME, Listing, Source, parse_index
+from .base import INDEX_NAME, Listing, Source, file_list, parse_index
 
 if TYPE_CHECKING:
     from .cache import CacheWriter
@@ -80,12 +80,7 @@ class ObjectStorage:
     # -- listing and headers ------------------------------------------------------------------------
     def locate(self, source: Source) -> Listing:
         if not isinstance(source, str):
-            paths = [self._path(str(s)) for s in source]
-            if not paths:
-                raise SourceError("the list of checkpoint files is empty")
-            if len(set(paths)) != len(paths):
-                raise SourceError("the list of checkpoint files names a file twice")
-            return Listing(list(paths))
+            return file_list([self._path(str(s)) for s in source])
         path = self._path(source)
         if path.name.endswith(".safetensors") and not source.endswith("/"):
             return Listing([path])
