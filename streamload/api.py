@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, TypedDict
 
 import torch
@@ -12,7 +13,7 @@ from . import defaults
 from .errors import UnsupportedError
 from .limits import check_fits
 from .pipeline import Pipeline
-from .plan import DTypeOption, Order, Patterns, make_plan
+from .plan import DTypeOption, Order, Patterns, Plan, make_plan
 from .routes import ReaderName, route
 from .source import Checkpoint, PathLike, Source, open_checkpoint
 from .stats import Stats
@@ -44,6 +45,7 @@ def iter(
     shard: ShardSpec | None = None,
     cooperative: bool | ProcessGroup = False,
     cache_dir: PathLike | None = None,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> TensorStream:
     """Stream the tensors of a safetensors checkpoint, each as soon as its bytes are in.
 
@@ -64,6 +66,9 @@ def iter(
             the stream to its end.
         cache_dir: keep a local copy of a remote checkpoint as it streams past; a later load whose
             objects are unchanged (size, ETag) reads the copy.
+        into: {name: existing tensor} to write in place instead of allocating: same shape (this
+            rank's part with `shard`), on `device`; floating-point tensors are converted to the
+            destination's dtype. The stream hands out those very tensors.
 
     Returns:
         A `TensorStream` of (name, tensor), for `for` / `async for`, best inside `with` / `async with`.
@@ -107,7 +112,9 @@ def iter(
         dtype=dtype,
         shard=shard,
         share=share,
+        into=into,
     )
+    _check_into_device(plan, dev)
     stats = Stats(bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=read.name, device=make.name)
     return TensorStream(checkpoint, plan, Pipeline(plan, checkpoint.storage, read, make, tuning, stats))
 
@@ -128,6 +135,7 @@ class Options(TypedDict, total=False):
     shard: ShardSpec | None
     cooperative: bool | ProcessGroup
     cache_dir: PathLike | None
+    into: Mapping[str, torch.Tensor] | None
 
 
 def load(source: Source, **options: Unpack[Options]) -> dict[str, torch.Tensor]:
@@ -178,6 +186,22 @@ def _device(device: str | torch.device | None) -> torch.device:
         raise UnsupportedError(
             f"device {device!r} is not a device torch knows: use 'cpu', 'cuda' or 'cuda:N'"
         ) from None
+
+
+def _check_into_device(plan: Plan, dev: torch.device) -> None:
+    for item in plan.items:
+        if item.into is not None and not _same_device(item.into.device, dev):
+            raise UnsupportedError(
+                f"{item.info.path}: tensor {item.name!r}: cannot load in place into a tensor on "
+                f"{item.into.device} from a stream into {dev}: pass device={str(item.into.device)!r}"
+            )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    current = torch.cuda.current_device() if a.type == "cuda" else 0
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
 def _exchange(cooperative: bool | ProcessGroup, dev: torch.device) -> Exchange | None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .errors import StreamloadError
+from .errors import StreamloadError, UnsupportedError
 from .layer_keys import layer_of
 from .layers import LayerStream, layers
 from .source import Source
@@ -77,6 +77,10 @@ class _Filler:
         owner, attr = self._owner(name)
         return owner._parameters[attr] if self.kind[name] == "parameter" else owner._buffers[attr]  # type: ignore[return-value]
 
+    def destinations(self, options: Options) -> Options:
+        """The stream's options for this filler (assigning needs nothing more)."""
+        return options
+
     def submodule(self, key: str) -> nn.Module | None:
         try:
             return self.module.get_submodule(key)
@@ -128,6 +132,37 @@ class _Filler:
                 parts.append(f"left on the meta device, not in the checkpoint: {_short(extra)}")
             raise StreamloadError(f"loading into {type(self.module).__name__}: " + "; ".join(parts))
         return r
+
+
+class _InPlaceFiller(_Filler):
+    """Writes arriving tensors into the module's existing parameters and buffers: every tensor keeps
+    its storage (and address), so CUDA graphs and optimisers holding them stay valid. The stream
+    writes the staged bytes straight into each destination (`iter(into=...)`), converting to its dtype."""
+
+    def destinations(self, options: Options) -> Options:
+        if options.get("dtype") is not None:
+            raise UnsupportedError(
+                "load_into(in_place=True) converts each tensor to its parameter's own dtype: leave out dtype="
+            )
+        tensors = {name: self._get(name) for name in self.kind}
+        on_meta = [n for n, t in tensors.items() if t is not None and t.is_meta]
+        if on_meta:
+            raise UnsupportedError(
+                f"load_into(in_place=True) writes into the module's tensors, but {_short(on_meta, 5)} "
+                "are on the meta device: load without in_place to assign new tensors"
+            )
+        into = {n: t.detach() for n, t in tensors.items() if t is not None}
+        devices = {t.device for t in into.values()}
+        if options.get("device") is None and len(devices) == 1:
+            options = {**options, "device": devices.pop()}
+        return {**options, "into": into}
+
+    def assign(self, name: str, tensor: torch.Tensor) -> None:
+        names = self.group_of.get(name)
+        if names is None:
+            self.result.unexpected_keys.append(name)
+            return
+        self.filled.update(names)  # written in place: tied names share the storage
 
 
 # torch.nn.init's in-place initialisers: with `empty_weights` they have nothing to initialise.
@@ -185,6 +220,7 @@ def load_into(
     source: Source,
     *,
     strict: bool = True,
+    in_place: bool = False,
     on_layer: Callable[[str, nn.Module | None], Any] | None = None,
     **options: Unpack[Options],
 ) -> LoadResult:
@@ -192,13 +228,18 @@ def load_into(
 
     Tensors are assigned, not copied (`load_state_dict(assign=True)` semantics), so a module built on
     the meta device (`empty_weights`) ends up holding the loaded tensors with no second copy; tied
-    weights stay tied.
+    weights stay tied. With `in_place=True` the module's existing tensors are overwritten instead:
+    every parameter keeps its storage and address (weights reloaded under captured CUDA graphs or a
+    live optimiser), each converted to its parameter's dtype, the bytes going from the staging slot
+    (or the file mapping) straight into the parameter.
 
     Args:
         module: the module to fill.
         source: as for `iter`.
         strict: missing and unexpected keys are an error, raised before any weight is read when the
             checkpoint's names show it; buffers left on meta are one at the end.
+        in_place: write into the existing parameters and buffers (same shapes; `device` defaults to
+            theirs; no `dtype`) instead of assigning new tensors.
         on_layer: called with (key, submodule) as soon as a layer is complete, while later ones load.
         **options: the options of `iter` (`Options`: device, dtype, include, ...).
 
@@ -213,8 +254,8 @@ def load_into(
         ...     model = MyModel(config)
         >>> streamload.load_into(model, "model/", device="cuda", on_layer=lambda k, m: warm_up(m))  # doctest: +SKIP
     """
-    filler = _Filler(module)
-    with layers(source, **options) as groups:
+    filler = _InPlaceFiller(module) if in_place else _Filler(module)
+    with layers(source, **filler.destinations(options)) as groups:
         filler.start(groups, strict)
         for key, tensors in groups:
             if (layer := filler.fill(key, tensors, on_layer)) is not None:
@@ -227,12 +268,13 @@ async def aload_into(
     source: Source,
     *,
     strict: bool = True,
+    in_place: bool = False,
     on_layer: OnLayer | None = None,
     **options: Unpack[Options],
 ) -> LoadResult:
     """`load_into` for async code; `on_layer` may be a coroutine function."""
-    filler = _Filler(module)
-    async with layers(source, **options) as groups:
+    filler = _InPlaceFiller(module) if in_place else _Filler(module)
+    async with layers(source, **filler.destinations(options)) as groups:
         filler.start(groups, strict)
         async for key, tensors in groups:
             if (layer := filler.fill(key, tensors, on_layer)) is not None:

@@ -38,6 +38,7 @@ class Item(NamedTuple):
     nbytes: int  # of the ranges together (asked for by every piece: a slice can have thousands of ranges)
     part: Slice | None = None  # this rank's slice of the full tensor, if sharded
     read_whole: bool = False  # the ranges are the whole tensor: take `part` of it after reading
+    into: torch.Tensor | None = None  # an existing tensor the bytes are written into (in place), delivered as is
 
     @property
     def name(self) -> str:
@@ -135,12 +136,14 @@ def make_plan(
     dtype: DTypeOption = None,
     shard: ShardSpec | None = None,
     share: Share | None = None,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> Plan:
     """Select, order and pack the tensors of `checkpoint` into batches of at most `slot_bytes`;
     with `shard`, only this rank's part of each tensor (and only its bytes are read).
 
     `share` (cooperative loading) is asked which whole-tensor reads every rank makes; those are
     packed into shared batches of their own, laid out alike on every rank whatever else a rank reads.
+    `into` names existing tensors to write in place (their dtype is the one delivered).
     """
     if order not in ("layer", "file"):
         raise ValueError(f"order must be 'layer' or 'file', not {order!r}")
@@ -159,6 +162,8 @@ def make_plan(
         infos.sort(key=by_file)
     spec = shard.resolved() if shard is not None else None  # (shard.py is imported only by those who shard)
     items = tuple(item for t in infos if (item := _item(t, dtype, spec)) is not None)
+    if into:
+        items = tuple(_into(item, into[item.name]) if item.name in into else item for item in items)
     used = {t.path for t in infos}
     files = {f.path: f for f in checkpoint.files if f.path in used}
     if share is None:
@@ -215,6 +220,25 @@ def _item(info: TensorInfo, dtype: DTypeOption, shard: ShardSpec | None) -> Item
         return Item(info, sliced, stored, out, whole, info.nbytes, part, read_whole=True)
     kept = tuple(r for r in ranges if r[1])
     return Item(info, sliced, stored, out, kept, sum(n for _, n in kept), part)
+
+
+def _into(item: Item, dest: torch.Tensor) -> Item:
+    """`item` written into `dest`: same shape (this rank's part), a dtype the stored one converts to."""
+    where = f"{item.info.path}: tensor {item.name!r}"
+    if tuple(dest.shape) != item.shape:
+        raise UnsupportedError(
+            f"{where}: cannot load in place into a tensor of shape {list(dest.shape)}: the checkpoint's "
+            f"{'part for this rank' if item.part is not None else 'tensor'} has shape {list(item.shape)}"
+        )
+    floating = item.stored.is_floating_point and dest.dtype.is_floating_point
+    if dest.dtype != item.stored and not floating:
+        raise UnsupportedError(
+            f"{where}: cannot load {item.stored} in place into a {dest.dtype} tensor (only floating-point "
+            "tensors are converted)"
+        )
+    if dest.is_meta:
+        raise UnsupportedError(f"{where}: cannot load in place into a tensor on the meta device")
+    return item._replace(out=dest.dtype, into=dest)
 
 
 def _pack(items: Sequence[Item], slot_bytes: int, shared: bool = False) -> list[Batch]:

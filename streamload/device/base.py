@@ -81,15 +81,21 @@ class Assembler:
             if item.read_whole:  # the whole tensor was read: keep this rank's part, owned and contiguous
                 assert item.part is not None
                 part = dest.narrow(item.part.dim, item.part.start, item.part.length)
+                if item.into is not None:
+                    return item.into.copy_(part)
                 dest = part.to(item.out, copy=True, memory_format=torch.contiguous_format)
+            elif item.into is not None and dest is not item.into:  # a destination we could not write piecewise
+                dest = item.into.copy_(dest)
         return dest
 
     def _allocate(self, item: Item) -> torch.Tensor:
+        if item.into is not None and item.into.is_contiguous() and not item.read_whole:
+            return item.into  # in place: the slot's bytes go straight into the destination
         if item.read_whole:
             shape = torch_shape(item.info.dtype, item.info.shape)
             assert shape is not None
             return torch.empty(shape, dtype=item.stored, device=self.device)
-        return torch.empty(item.shape, dtype=item.out, device=self.device)
+        return torch.empty(item.shape, dtype=item.out if item.into is None else item.stored, device=self.device)
 
     @staticmethod
     def _write(dest: torch.Tensor, piece: Piece, src: torch.Tensor, non_blocking: bool) -> None:
@@ -109,4 +115,7 @@ class Assembler:
 
 
 def convert(t: torch.Tensor, item: Item) -> torch.Tensor:
+    """`t` (the stored bytes) as delivered: into the item's destination, or converted to its dtype."""
+    if item.into is not None:
+        return item.into.copy_(t)
     return t if item.out == item.stored else t.to(item.out)

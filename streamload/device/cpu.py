@@ -69,8 +69,10 @@ def _view(item: Item, files: LocalFiles) -> torch.Tensor:
     full = _mapped(info, item.stored, shape, files)
     if item.part is None:
         return full
-    # A rank's slice: copied out of the full tensor's view, which reads only the slice's pages.
-    return full.narrow(item.part.dim, item.part.start, item.part.length).clone()
+    # A rank's slice: copied out of the full tensor's view, which reads only the slice's pages
+    # (in place: `convert` copies it straight into the destination).
+    part = full.narrow(item.part.dim, item.part.start, item.part.length)
+    return part if item.into is not None else part.clone()
 
 
 def _mapped(info: TensorInfo, dtype: torch.dtype, shape: tuple[int, ...], files: LocalFiles) -> torch.Tensor:

@@ -62,6 +62,9 @@ class CudaDevice:
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: Files) -> list[Delivered]:
         assert slot is not None
         with torch.cuda.device(self.device):
+            if any(p.item.into is not None for p in batch.pieces):
+                # Destinations are the caller's tensors: their queued work comes before our writes.
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
             src = slot if slot.is_cuda else self._to_device(batch, slot)
             out = []
             for piece in batch.pieces:

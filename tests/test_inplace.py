@@ -1,0 +1,124 @@
+"""`load_into(in_place=True)` and `iter(into=...)`: weights written into existing tensors, whose
+storage (and address) never changes; values bit-exact against `safetensors.torch.load_file`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import streamload
+from streamload.errors import StreamloadError, UnsupportedError
+
+from .conftest import same_bits
+
+
+class Tiny(nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(300, 16, dtype=dtype)
+        self.layers = nn.ModuleList(nn.Linear(16, 16, dtype=dtype) for _ in range(3))
+        self.head = nn.Linear(16, 300, bias=False, dtype=dtype)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("steps", torch.zeros(4, dtype=torch.int64))
+
+
+def _checkpoint(path: Path, dtype: torch.dtype = torch.float32, seed: int = 1) -> Path:
+    torch.manual_seed(seed)
+    state = {k: v.to(dtype) if v.is_floating_point() else v + seed for k, v in Tiny().state_dict().items()}
+    state.pop("head.weight")  # saved once, as save_pretrained does with tied weights
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    return path
+
+
+def _addresses(model: nn.Module) -> dict[str, int]:
+    return {n: t.data_ptr() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+def test_in_place_keeps_addresses_and_loads_exact_values(tmp_path: Path, reader: str) -> None:
+    model = Tiny()
+    before = _addresses(model)
+    ckpt = _checkpoint(tmp_path / "a.safetensors")
+    streamload.load_into(model, ckpt, in_place=True, reader=reader, ring_bytes=8192, slots=2)
+    assert _addresses(model) == before
+    assert model.head.weight is model.embed.weight
+    reference = load_file(ckpt)
+    for name, t in model.state_dict().items():
+        if name != "head.weight":
+            assert same_bits(t, reference[name]), name
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+def test_in_place_converts_to_each_parameters_dtype(tmp_path: Path, reader: str) -> None:
+    model = Tiny(dtype=torch.float32)
+    model.layers[1].to(torch.float16)  # mixed: each parameter keeps its own dtype
+    before = _addresses(model)
+    ckpt = _checkpoint(tmp_path / "bf16.safetensors", dtype=torch.bfloat16)
+    streamload.load_into(model, ckpt, in_place=True, reader=reader, ring_bytes=8192, slots=2)
+    assert _addresses(model) == before
+    reference = load_file(ckpt)
+    assert model.layers[1].weight.dtype == torch.float16
+    for name, t in model.state_dict().items():
+        if name != "head.weight":
+            assert torch.equal(t, reference[name].to(t.dtype)), name
+
+
+def test_into_a_rank_slice_reads_only_its_bytes(tmp_path: Path) -> None:
+    full = torch.randn(64, 32)
+    save_file({"w": full}, str(tmp_path / "w.safetensors"))
+    dest = torch.zeros(32, 32)
+    ptr = dest.data_ptr()
+    spec = streamload.ShardSpec({"w": 0}, rank=1, world_size=2)
+    with streamload.iter(tmp_path / "w.safetensors", device="cpu", reader="posix", shard=spec, into={"w": dest}) as s:
+        (name, got), = list(s)
+    assert got is dest and dest.data_ptr() == ptr
+    assert torch.equal(dest, full[32:])
+    assert s.stats.bytes_read == 32 * 32 * 4
+
+
+def test_into_a_non_contiguous_destination(tmp_path: Path) -> None:
+    full = torch.randn(8, 6)
+    save_file({"w": full}, str(tmp_path / "w.safetensors"))
+    base = torch.zeros(6, 8)
+    dest = base.t()  # a transposed view: written through, not replaced
+    for reader in ("posix", "mmap"):
+        base.zero_()
+        streamload.load(tmp_path / "w.safetensors", device="cpu", reader=reader, into={"w": dest})
+        assert torch.equal(base.t(), full)
+
+
+def test_in_place_errors_are_clear(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path / "a.safetensors")
+    with pytest.raises(UnsupportedError, match="leave out dtype"):
+        streamload.load_into(Tiny(), ckpt, in_place=True, dtype=torch.float16)
+    with streamload.empty_weights():
+        meta = Tiny()
+    with pytest.raises(UnsupportedError, match="meta device"):
+        streamload.load_into(meta, ckpt, in_place=True)
+    small = Tiny()
+    small.layers[0].weight = nn.Parameter(torch.zeros(8, 16))
+    with pytest.raises(UnsupportedError, match=r"'layers\.0\.weight'.*shape \[8, 16\].*\[16, 16\]"):
+        streamload.load_into(small, ckpt, in_place=True)
+    ints = Tiny()
+    ints.steps = torch.zeros(4, dtype=torch.float32)
+    with pytest.raises(UnsupportedError, match="'steps'.*int64 in place into a torch.float32"):
+        streamload.load_into(ints, ckpt, in_place=True)
+    extra = tmp_path / "extra.safetensors"
+    save_file({**load_file(ckpt), "unknown.weight": torch.zeros(2)}, str(extra))
+    with pytest.raises(StreamloadError, match="unexpected keys: 'unknown.weight'"):
+        streamload.load_into(Tiny(), extra, in_place=True)
+
+
+@pytest.mark.anyio
+async def test_in_place_async(tmp_path: Path) -> None:
+    model = Tiny()
+    before = _addresses(model)
+    ckpt = _checkpoint(tmp_path / "a.safetensors", seed=3)
+    seen: list[str] = []
+    await streamload.aload_into(model, ckpt, in_place=True, on_layer=lambda key, m: seen.append(key))
+    assert _addresses(model) == before and seen == ["layers.0", "layers.1", "layers.2"]
+    assert torch.equal(model.layers[2].bias, load_file(ckpt)["layers.2.bias"])
