@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 SKIP = "skip"  # a rule's answer for a tensor this rank does not keep at all (an expert it does not own)
 Dim = int | str | None  # a split dimension, None (replicate) or SKIP
-Rules = Mapping[str, Dim] | Callable[[str, tuple[int, ...]], Dim]
+Rules = Mapping[str, Dim] | Callable[[str, tuple[int, ...]], "Dim | Slice"]
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class ShardSpec:
     """How tensors are split over ranks.
 
     `rules` maps fnmatch patterns to a dimension (`None`: replicate, `ShardSpec.SKIP`: not kept),
-    first match wins, unmatched tensors are replicated; or it is a callable `(name, shape) -> dim`.
+    first match wins, unmatched tensors are replicated; or it is a callable `(name, shape) -> dim`,
+    which may also answer with the exact `Slice` the rank keeps (a server's own partitioning).
     `rank` and `world_size` default to torch.distributed's once it is initialised.
 
     >>> tp = ShardSpec({"*.q_proj.weight": 0, "*.o_proj.weight": 1, "*embed_tokens*": 0}, rank=1, world_size=2)
@@ -53,7 +54,7 @@ class ShardSpec:
             raise ValueError(f"rank {rank} is not in a world of size {world}")
         return ShardSpec(self.rules, rank, world)
 
-    def dim(self, name: str, shape: tuple[int, ...]) -> Dim:
+    def dim(self, name: str, shape: tuple[int, ...]) -> Dim | Slice:
         if callable(self.rules):
             return self.rules(name, shape)
         return next((d for pat, d in self.rules.items() if fnmatch.fnmatchcase(name, pat)), None)
@@ -61,7 +62,7 @@ class ShardSpec:
     def slice(self, name: str, shape: tuple[int, ...]) -> Slice | str | None:
         """This rank's slice of a tensor, None to keep it whole, or SKIP."""
         dim = self.dim(name, shape)
-        if dim is None or dim == SKIP:
+        if dim is None or dim == SKIP or isinstance(dim, Slice):
             return dim
         assert self.rank is not None and self.world_size is not None, "call resolved() first"
         if not isinstance(dim, int) or not -len(shape) <= dim < len(shape):

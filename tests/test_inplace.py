@@ -74,10 +74,22 @@ def test_into_a_rank_slice_reads_only_its_bytes(tmp_path: Path) -> None:
     ptr = dest.data_ptr()
     spec = streamload.ShardSpec({"w": 0}, rank=1, world_size=2)
     with streamload.iter(tmp_path / "w.safetensors", device="cpu", reader="posix", shard=spec, into={"w": dest}) as s:
-        (name, got), = list(s)
+        ((_, got),) = list(s)
     assert got is dest and dest.data_ptr() == ptr
     assert torch.equal(dest, full[32:])
     assert s.stats.bytes_read == 32 * 32 * 4
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_into_a_view_inside_a_larger_tensor(tmp_path: Path, reader: str, dtype: torch.dtype) -> None:
+    """A fused parameter (q, k, v rows in one tensor): each checkpoint tensor lands at its own rows."""
+    parts = {n: torch.randn(8, 4) for n in "qkv"}
+    save_file(parts, str(tmp_path / "qkv.safetensors"))
+    fused = torch.zeros(24, 4, dtype=dtype)
+    into = {n: fused[8 * i : 8 * (i + 1)] for i, n in enumerate("qkv")}
+    streamload.load(tmp_path / "qkv.safetensors", device="cpu", reader=reader, into=into, ring_bytes=8192, slots=2)
+    assert torch.equal(fused, torch.cat([parts[n] for n in "qkv"]).to(dtype))
 
 
 def test_into_a_non_contiguous_destination(tmp_path: Path) -> None:

@@ -53,8 +53,12 @@ class HostRing:
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's whole storage (works for 0-d, bool and packed dtypes)."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    """A flat uint8 view of a contiguous tensor's bytes (0-d, bool and packed dtypes too), from its own
+    first byte: a destination may be a view into a larger storage (a rank's rows of a fused parameter)."""
+    nbytes = t.numel() * t.element_size()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,), (1,)
+    )
 
 
 class Assembler:

@@ -1,0 +1,272 @@
+"""streamload as a vLLM load format: `LLM(model, load_format="streamload")`, `vllm serve M --load-format streamload`.
+
+`pip install "streamload[vllm]"` registers the format through vLLM's `vllm.general_plugins` entry
+point, in every vLLM process; user code imports nothing. Options come as `model_loader_extra_config`
+(`OPTIONS`). The loader:
+
+1. resolves the checkpoint as vLLM's default loader does (a local directory, a hub id downloaded into
+   vLLM's download dir, the object-storage `model_weights` vLLM pulled configs for), or `source`;
+2. learns, by a dry run of the model's own `load_weights` on stand-ins (`dryrun.py`), which part of
+   each tensor this tensor-parallel rank keeps and which parameter view it lands in;
+3. streams only those bytes, in layer order, straight into the parameters (`iter(shard=, into=)`);
+   tensors the dry run could not predict are read whole and go through `load_weights` as usual.
+
+`get_all_weights` streams whole tensors in layer order, which is what vLLM's in-place
+`reload_weights(weights_path=...)` asks a loader for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from . import api
+from .dryrun import Learned, dry_run
+from .dtypes import torch_shape
+from .errors import StreamloadError
+from .shard import SKIP, ShardSpec, Slice
+
+log = logging.getLogger("vllm.streamload")  # under vLLM's logger: shown with vLLM's own lines
+
+
+@dataclass
+class Report:
+    """What the last load in this process did (`last_load`): for logs, tests and benchmarks."""
+
+    seconds: float = 0.0
+    bytes_read: int = 0
+    bytes_total: int = 0  # the whole checkpoint
+    direct: int = 0  # tensors written straight into their parameters
+    through_model: int = 0  # tensors read whole and given to the model's load_weights
+    unused: int = 0  # tensors the model does not use: never read
+    bytes_fair: int = 0  # 1/world of each tensor the ranks split plus every other tensor read: the goal
+    why_whole: dict[str, str] = field(default_factory=dict)  # a few unpredicted tensors, and why
+
+
+last_load = Report()
+
+FORMAT = "streamload"
+# model_loader_extra_config keys: streamload.iter's tuning, where the weights are, and two switches.
+OPTIONS: dict[str, type | tuple[type, ...]] = {
+    "reader": str,
+    "threads": int,
+    "ring_bytes": int,
+    "slots": int,
+    "chunk_bytes": int,
+    "cache_dir": str,
+    "source": str,  # weights from here (a directory, s3://, http(s)://) while configs come from `model`
+    "direct": bool,  # dry run + rank-local reads straight into the parameters (default True)
+    "cooperative": bool,  # tensor-parallel ranks divide what several of them read whole (default False)
+}
+_STREAM = ("reader", "threads", "ring_bytes", "slots", "chunk_bytes", "cache_dir")
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: registers the "streamload" load format (idempotent)."""
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+
+    if _LOAD_FORMAT_TO_MODEL_LOADER.get(FORMAT) is not StreamloadModelLoader:
+        register_model_loader(FORMAT)(StreamloadModelLoader)
+
+
+def check_options(extra: Any) -> dict[str, Any]:
+    """`model_loader_extra_config`, checked: known keys with values of the right type."""
+    if not isinstance(extra, dict):
+        raise ValueError(
+            f"model_loader_extra_config for load format {FORMAT!r} must be a dict, not {type(extra).__name__}"
+        )
+    unknown = sorted(set(extra) - set(OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"unknown model_loader_extra_config keys for load format {FORMAT!r}: {', '.join(unknown)}; "
+            f"known keys: {', '.join(OPTIONS)}"
+        )
+    for key, value in extra.items():
+        want = OPTIONS[key]
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            kind = want.__name__ if isinstance(want, type) else " or ".join(t.__name__ for t in want)
+            raise ValueError(f"model_loader_extra_config[{key!r}] must be a {kind}, not {value!r}")
+    return dict(extra)
+
+
+class StreamloadModelLoader(BaseModelLoader):
+    """vLLM's `BaseModelLoader` on streamload's pipeline (see the module's docstring)."""
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        self.options = check_options(load_config.model_loader_extra_config)
+        self._first_model: str | None = None  # `source` applies to this model, not to a reload's new path
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        self.source(model_config)
+
+    def source(self, model_config: ModelConfig) -> str:
+        """Where the weights are, resolved the way vLLM's default loader resolves a model."""
+        model = model_config.model
+        if self._first_model is None:
+            self._first_model = model
+        if self.options.get("source") and model == self._first_model:
+            return str(self.options["source"])
+        if getattr(model_config, "model_weights", ""):  # object storage: vLLM pulled the configs
+            return str(model_config.model_weights)
+        if os.path.exists(model) or "://" in model:
+            return model
+        from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
+
+        return download_weights_from_hf(
+            model,
+            self.load_config.download_dir,
+            ["*.safetensors", "*.safetensors.index.json"],
+            model_config.revision,
+            ignore_patterns=self.load_config.ignore_patterns,
+        )
+
+    def _stream_options(self, model: nn.Module) -> dict[str, Any]:
+        options: dict[str, Any] = {k: self.options[k] for k in _STREAM if k in self.options}
+        return {"device": _device_of(model), **options}
+
+    def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
+        """(name, whole tensor) in layer order: what vLLM's `reload_weights` feeds `load_weights`."""
+        with api.iter(self.source(model_config), **self._stream_options(model)) as stream:
+            yield from stream
+        _report(stream, None, 1)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        start = time.perf_counter()
+        source = self.source(model_config)
+        options = self._stream_options(model)
+        learned, loaded = self._learn(model, source) if self.options.get("direct", True) else (None, set())
+        if learned is None:
+            loaded |= set(model.load_weights(self.get_all_weights(model_config, model)) or ())
+        else:
+            rank, world = _tp_rank_world()
+            spec = ShardSpec(_rule(learned), rank=rank, world_size=world)
+            into = {name: copy.dest for name, copy in learned.copies.items()}
+            if self.options.get("cooperative") and world > 1:
+                options["cooperative"] = _tp_group(options["device"])
+            with api.iter(source, shard=spec, into=into, **options) as stream:
+                loaded |= set(model.load_weights(_unpredicted(stream, learned)) or ())
+            _report(stream, learned, world)
+        last_load.seconds = time.perf_counter() - start
+        log.info(
+            "streamload: %d tensors straight into their parameters, %d through load_weights%s, %d unused; "
+            "%.1f of %.1f MB read",
+            last_load.direct,
+            last_load.through_model,
+            f" (e.g. {last_load.why_whole})" if last_load.why_whole else "",
+            last_load.unused,
+            last_load.bytes_read / 1e6,
+            last_load.bytes_total / 1e6,
+        )
+        log.info("Loading weights took %.2f seconds", last_load.seconds)
+        if model_config.quantization is None:
+            DefaultModelLoader.track_weights_loading(self, model, loaded)  # type: ignore[arg-type]
+
+    def _learn(self, model: nn.Module, source: str) -> tuple[Learned | None, set[str]]:
+        checkpoint = api.inspect(source)
+        tensors = {}
+        for name, info in checkpoint.tensors.items():
+            shape, dtype = torch_shape(info.dtype, info.shape), info.dtype.torch_dtype
+            if shape is not None and dtype is not None:
+                tensors[name] = (shape, dtype)
+        try:
+            learned, loaded = dry_run(model.load_weights, tensors)
+        except Exception as exc:  # the real run gives the model's own error, if it is one
+            log.warning(
+                "streamload: the dry run of %s.load_weights failed (%s); loading whole tensors",
+                type(model).__name__,
+                exc,
+            )
+            return None, set()
+        learned.whole.update(dict.fromkeys(set(checkpoint.tensors) - set(tensors), "no torch dtype"))
+        return learned, set(loaded or ())
+
+
+def _report(stream: Any, learned: Learned | None, world: int) -> None:
+    stats, tensors = stream.stats, stream.checkpoint.tensors
+    last_load.bytes_read, last_load.bytes_total = stats.bytes_read, stream.checkpoint.nbytes
+    last_load.direct = len(learned.copies) if learned else 0
+    last_load.unused = len(learned.unused) if learned else 0
+    last_load.through_model = stats.tensors_total - last_load.direct
+    split = {n for n, c in learned.copies.items() if c.part is not None} if learned else set()
+    unused = learned.unused if learned else set()
+    last_load.bytes_fair = sum(
+        t.nbytes // world if n in split else t.nbytes for n, t in tensors.items() if n not in unused
+    )
+    last_load.why_whole = dict(list(learned.whole.items())[:3]) if learned else {}
+
+
+def _rule(learned: Learned) -> Any:
+    def rule(name: str, shape: tuple[int, ...]) -> Slice | str | None:
+        copy = learned.copies.get(name)
+        if copy is not None:
+            return copy.part
+        return SKIP if name in learned.unused else None
+
+    return rule
+
+
+def _unpredicted(stream: Any, learned: Learned) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream's tensors that the dry run could not place; the others are in place already."""
+    for name, t in stream:
+        if name not in learned.copies:
+            yield name, t
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    device = next((p.device for p in model.parameters() if not p.is_meta), None)
+    if device is None:  # an in-place reload puts layers on meta until their weights are in
+        from vllm.platforms import current_platform
+
+        device = torch.device(current_platform.device_type)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _tp_rank_world() -> tuple[int, int]:
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    try:
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except AssertionError:  # no model-parallel groups: a model built outside an engine
+        return 0, 1
+
+
+_groups: dict[tuple[int, ...], Any] = {}
+
+
+def _tp_group(device: torch.device) -> Any:
+    """A process group of the tensor-parallel ranks for streamload's exchanges alone: vLLM's own groups
+    carry its collectives (on CPU, with a shared-memory all-reduce) that ours must not interleave with."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    ranks = tuple(get_tp_group().ranks)
+    if ranks not in _groups:
+        _groups[ranks] = dist.new_group(list(ranks), backend="nccl" if device.type == "cuda" else "gloo")
+    return _groups[ranks]
+
+
+__all__ = [
+    "FORMAT",
+    "OPTIONS",
+    "Report",
+    "StreamloadError",
+    "StreamloadModelLoader",
+    "check_options",
+    "last_load",
+    "register",
+]

@@ -1,0 +1,180 @@
+"""Real vLLM engines on this machine's CPU, in one process so they share vLLM's imports: every scenario
+that `test_vllm.py` checks, its results written as JSON. Run as `python -m tests.vllm_engines OUT.json`.
+
+Each scenario builds real checkpoints with transformers' `save_pretrained`, starts engines with
+`load_format="streamload"` and with vLLM's own `"safetensors"` loader, and records greedy tokens,
+parameter addresses and what streamload read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process: ~4 s each, not ~35 s
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with our own functions
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: tiny models need no more
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a core per tensor-parallel rank
+
+import torch
+
+SMALL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256}  # fmt: skip
+PROMPTS = [[1, 2, 3, 4, 5], [7, 100, 42, 250, 3, 9]]
+
+
+def make_models(root: Path) -> dict[str, Path]:
+    import transformers
+
+    configs: dict[str, Callable[[], Any]] = {
+        "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=False)),
+        "qwen2-tied": lambda: transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(**SMALL, tie_word_embeddings=True)
+        ),
+        "qwen2-moe": lambda: transformers.Qwen2MoeForCausalLM(
+            transformers.Qwen2MoeConfig(
+                **{**SMALL, "intermediate_size": 128},
+                moe_intermediate_size=64,
+                shared_expert_intermediate_size=128,
+                num_experts=4,
+                num_experts_per_tok=2,
+                tie_word_embeddings=False,
+            )
+        ),
+    }
+    paths = {}
+    for seed, (name, build) in enumerate(configs.items()):
+        torch.manual_seed(seed)
+        model = build()
+        with torch.no_grad():  # weights large enough that greedy tokens depend on every one of them
+            for p in model.parameters():
+                p.normal_(0, 0.2)
+        paths[name] = root / name
+        model.save_pretrained(paths[name], max_shard_size="200KB")  # several shards and an index
+        if name == "llama":  # the same model with other weights, for the in-place reload
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-1.5)
+            paths["llama-new"] = root / "llama-new"
+            model.save_pretrained(paths["llama-new"], max_shard_size="200KB")
+    return paths
+
+
+def engine(path: Path, load_format: str, **kwargs: Any) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=str(path),
+        load_format=load_format,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=256,
+        seed=0,
+        **kwargs,
+    )
+
+
+def tokens(llm: Any) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _model_state(worker: Any) -> dict[str, Any]:
+    """On a worker: each parameter's address and a digest of its bytes; what streamload read."""
+    import hashlib
+
+    import streamload.vllm
+
+    model = worker.model_runner.get_model()
+    params = {
+        n: (p.data_ptr(), hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest())
+        for n, p in model.named_parameters()
+    }
+    return {"params": params, "report": vars(streamload.vllm.last_load).copy()}
+
+
+def state(llm: Any) -> list[dict[str, Any]]:
+    return llm.collective_rpc(_model_state)
+
+
+def close(llm: Any) -> None:
+    import gc
+
+    shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    del llm
+    gc.collect()
+
+
+def error_of(call: Callable[[], Any]) -> str:
+    try:
+        llm = call()
+    except Exception as exc:  # the engine's own error, as a user would see it
+        return "".join(traceback.format_exception_only(type(exc), exc)) + repr(exc.__cause__)
+    close(llm)
+    return ""
+
+
+def run(root: Path) -> dict[str, Any]:
+    paths = make_models(root)
+    out: dict[str, Any] = {}
+    for name in ("llama", "qwen2-tied", "qwen2-moe"):
+        llm = engine(paths[name], "safetensors")
+        out[f"{name}/safetensors"] = {"tokens": tokens(llm), "state": state(llm)}
+        close(llm)
+        llm = engine(paths[name], "streamload")
+        out[f"{name}/streamload"] = {"tokens": tokens(llm), "state": state(llm)}
+        if name == "llama":  # in place, the way RL frameworks push new weights into a running engine
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths["llama-new"])})
+            out["llama/reloaded"] = {"tokens": tokens(llm), "state": state(llm)}
+        close(llm)
+    llm = engine(paths["llama-new"], "safetensors")
+    out["llama-new/safetensors"] = {"tokens": tokens(llm)}
+    close(llm)
+    llm = engine(paths["llama"], "streamload", model_loader_extra_config={"direct": False, "reader": "posix"})
+    out["llama/streamload-whole"] = {"tokens": tokens(llm), "state": state(llm)}
+    close(llm)
+
+    out["bad-key"] = error_of(lambda: engine(paths["llama"], "streamload", model_loader_extra_config={"thread": 4}))
+    out["bad-value"] = error_of(lambda: engine(paths["llama"], "streamload", model_loader_extra_config={"slots": "2"}))
+    broken = root / "llama-missing-shard"
+    broken.mkdir()
+    for f in paths["llama"].iterdir():
+        os.link(f, broken / f.name)
+    shard = sorted(broken.glob("*.safetensors"))[1]
+    shard.unlink()
+    out["missing-shard"] = {"error": error_of(lambda: engine(broken, "streamload")), "file": shard.name}
+
+    tp = {"safetensors": {}, "streamload": {}, "streamload-cooperative": {"cooperative": True}}
+    for name in ("llama", "qwen2-moe"):  # tensor parallel: two ranks, a core each
+        for label, extra in tp.items():
+            fmt = label.partition("-")[0]
+            llm = engine(paths[name], fmt, tensor_parallel_size=2, distributed_executor_backend="mp",
+                         model_loader_extra_config=extra)  # fmt: skip
+            out[f"{name}/tp2/{label}"] = {"tokens": tokens(llm), "state": state(llm)}
+            close(llm)
+    return out
+
+
+def main() -> None:
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run(Path(tmp))
+    results["seconds"] = time.perf_counter() - started
+    Path(sys.argv[1]).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
