@@ -10,12 +10,14 @@
 #                                               # transformers, streamload, compiled after / during load
 #   bench/gpu.sh offload RESULTS_DIR            # a Llama 3x its budget: offload vs accelerate's CPU
 #                                               # offload vs the whole model, tokens per second
+#   bench/gpu.sh vllm RESULTS_DIR               # vLLM's load formats (needs vLLM's CUDA build): weights
+#                                               # loaded, engine ready, first token; TP=2 with two GPUs
 #
 # Everything lands in RESULTS_DIR: device.txt, tests.log, bench.log, bench-gpu.{json,png,md},
-# startup.log, sweep-warm.log, sweep-cold.log, first-token.{log,json}, offload.{log,json}.
+# startup.log, sweep-warm.log, sweep-cold.log, first-token.{log,json}, offload.{log,json}, vllm*.{log,json}.
 # DEVICE (default cuda), LAYERS (default 76: 8.1 GB) and RUNS (default 3) override the defaults.
 set -uo pipefail
-step=${1:?tests, bench, tune, first-token or offload}
+step=${1:?tests, bench, tune, first-token, offload or vllm}
 out=${2:?a results directory}
 ckpt=${3:-/tmp/streamload-gpu}
 device=${DEVICE:-cuda}
@@ -59,8 +61,18 @@ offload)
     PYTHONUNBUFFERED=1 $python bench/offload.py "$llama" --device "$device" --runs "${RUNS:-3}" \
         --json "$out/offload.json" 2>&1 | tee "$out/offload.log"
     ;;
+vllm)
+    llama=/tmp/llama-vllm-gpu
+    [ -f "$llama/config.json" ] || $python bench/vllm.py --make "$llama" || exit
+    PYTHONUNBUFFERED=1 $python bench/vllm.py "$llama" --dtype bfloat16 --runs "${RUNS:-3}" \
+        --json "$out/vllm.json" 2>&1 | tee "$out/vllm.log"
+    if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+        PYTHONUNBUFFERED=1 $python bench/vllm.py "$llama" --dtype bfloat16 --tp 2 --formats streamload,safetensors \
+            --runs "${RUNS:-3}" --json "$out/vllm-tp2.json" 2>&1 | tee "$out/vllm-tp2.log"
+    fi
+    ;;
 *)
-    echo "usage: bench/gpu.sh tests|bench|tune|first-token|offload RESULTS_DIR [CKPT_DIR]" >&2
+    echo "usage: bench/gpu.sh tests|bench|tune|first-token|offload|vllm RESULTS_DIR [CKPT_DIR]" >&2
     exit 2
     ;;
 esac

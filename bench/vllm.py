@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Run as a script, this file's folder leads sys.path and this file would shadow the vllm package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 FORMATS: dict[str, dict[str, Any]] = {
     "streamload": {"load_format": "streamload"},
     "safetensors": {"load_format": "safetensors"},
@@ -50,12 +53,35 @@ def make(path: Path, hidden: int = 2048, ffn: int = 5632, layers: int = 8, vocab
     print(f"wrote {path}: {layers} layers, {size / 1e9:.2f} GB")
 
 
-def one(fmt: str, model: str, tp: int, dtype: str) -> None:
+def one(fmt: str, model: str, tp: int, dtype: str, extra: dict[str, Any]) -> None:
     """In a fresh process: engine up, one token out; prints the timings as JSON."""
     started = time.perf_counter()
     from vllm import LLM, SamplingParams
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    # Every format timed alike: its loader's load_weights, whole (the engine runs in this process
+    # for one tensor-parallel rank; with more, each format's own log line is all there is).
+    timed: list[float] = []
+    load_model = BaseModelLoader.load_model
+
+    def load_model_timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        load_weights = self.load_weights
+
+        def load_weights_timed(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return load_weights(*a, **k)
+            finally:
+                timed.append(time.perf_counter() - t)
+
+        self.load_weights = load_weights_timed
+        return load_model(self, *args, **kwargs)
+
+    BaseModelLoader.load_model = load_model_timed  # type: ignore[method-assign]
 
     kwargs: dict[str, Any] = dict(FORMATS[fmt])
+    if extra:
+        kwargs["model_loader_extra_config"] = extra
     if tp > 1:
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, max_model_len=512,
@@ -68,7 +94,7 @@ def one(fmt: str, model: str, tp: int, dtype: str) -> None:
     report: list[Any] = []
     if fmt == "streamload":
         report = llm.collective_rpc(_streamload_report)
-    print("RESULT " + json.dumps({"ready": ready - started, "first_token": first - started,
+    print("RESULT " + json.dumps({"ready": ready - started, "first_token": first - started, "timed": timed,
                                   "token": out[0].outputs[0].token_ids[0], "report": report}), flush=True)  # fmt: skip
 
 
@@ -78,23 +104,31 @@ def _streamload_report(worker: Any) -> dict[str, Any]:
     return vars(streamload.vllm.last_load).copy()
 
 
-def run(fmt: str, model: Path, tp: int, dtype: str, cold: bool) -> dict[str, Any]:
-    from streamload.bench import evict
+def run(fmt: str, model: Path, tp: int, dtype: str, cold: bool, extra: str) -> dict[str, Any]:
+    from streamload.bench import evict, parallel_read
 
+    files = [str(f) for f in model.glob("*.safetensors")]
     if cold:
-        evict(str(f) for f in model.glob("*.safetensors"))
+        evict(files)
+    else:  # fill the page cache: the run before may have read with O_DIRECT, or been a cold one
+        parallel_read(files, direct=False, pinned=False)()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    if tp > 1:
+    if tp == 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in the run's process: its loader timed
+    else:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, __file__, "--one", fmt, str(model), "--tp", str(tp), "--dtype", dtype],
-                          capture_output=True, text=True, env=env, check=False)  # fmt: skip
+    command = [sys.executable, __file__, "--one", fmt, str(model), "--tp", str(tp), "--dtype", dtype]
+    if fmt == "streamload" and extra:
+        command += ["--extra", extra]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     wall = time.perf_counter() - started
     lines = done.stdout + done.stderr
     result = next((json.loads(line[7:]) for line in lines.splitlines() if line.startswith("RESULT ")), None)
-    loading = [float(m) for m in LOADING.findall(lines)]
+    loading = (result or {}).get("timed") or [float(m) for m in LOADING.findall(lines)]
     if done.returncode or result is None or not loading:
-        error = next((line for line in reversed(lines.splitlines()) if "Error" in line), lines[-300:])
+        errors = [line for line in lines.splitlines() if "Error" in line and "Tokenizer not available" not in line]
+        error = errors[-1] if errors else lines[-300:]
         return {"error": error.strip()[-300:], "wall": wall}
     return {**result, "loading": max(loading), "wall": wall}
 
@@ -110,11 +144,12 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--modes", default="cold,warm")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--extra", default="", help="streamload's model_loader_extra_config, as JSON")
     args = parser.parse_args()
     if args.make:
         return make(args.make)
     if args.one:
-        return one(args.one, str(args.model), args.tp, args.dtype)
+        return one(args.one, str(args.model), args.tp, args.dtype, json.loads(args.extra or "{}"))
     if args.model is None:
         parser.error("give a model directory (make one with --make)")
     formats = args.formats.split(",")
@@ -124,7 +159,7 @@ def main() -> None:
             for fmt in formats:
                 if results[mode][fmt] and "error" in results[mode][fmt][0]:
                     continue  # a format that cannot run here fails alike every time
-                r = run(fmt, args.model, args.tp, args.dtype, cold=mode == "cold")
+                r = run(fmt, args.model, args.tp, args.dtype, cold=mode == "cold", extra=args.extra)
                 results[mode][fmt].append(r)
                 shown = r.get("error") or f"loading {r['loading']:.2f} s, ready {r['ready']:.1f} s"
                 print(f"run {i + 1} {mode:4} {fmt:15} {shown}", flush=True)

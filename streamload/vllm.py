@@ -46,6 +46,7 @@ class Report:
     """What the last load in this process did (`last_load`): for logs, tests and benchmarks."""
 
     seconds: float = 0.0
+    plan_seconds: float = 0.0  # of which: headers and the dry run, before the first byte is read
     bytes_read: int = 0
     bytes_total: int = 0  # the whole checkpoint
     direct: int = 0  # tensors written straight into their parameters
@@ -107,17 +108,15 @@ class StreamloadModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
         self.options = check_options(load_config.model_loader_extra_config)
-        self._first_model: str | None = None  # `source` applies to this model, not to a reload's new path
 
     def download_model(self, model_config: ModelConfig) -> None:
-        self.source(model_config)
+        self.source(model_config, first=True)
 
-    def source(self, model_config: ModelConfig) -> str:
-        """Where the weights are, resolved the way vLLM's default loader resolves a model."""
+    def source(self, model_config: ModelConfig, first: bool = False) -> str:
+        """Where the weights are, resolved the way vLLM's default loader resolves a model. The `source`
+        option applies to the `first` load only, not to a reload from a new path."""
         model = model_config.model
-        if self._first_model is None:
-            self._first_model = model
-        if self.options.get("source") and model == self._first_model:
+        if first and self.options.get("source"):
             return str(self.options["source"])
         if getattr(model_config, "model_weights", ""):  # object storage: vLLM pulled the configs
             return str(model_config.model_weights)
@@ -139,17 +138,21 @@ class StreamloadModelLoader(BaseModelLoader):
 
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
         """(name, whole tensor) in layer order: what vLLM's `reload_weights` feeds `load_weights`."""
-        with api.iter(self.source(model_config), **self._stream_options(model)) as stream:
+        yield from self._whole(self.source(model_config), model)
+
+    def _whole(self, source: str, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
+        with api.iter(source, **self._stream_options(model)) as stream:
             yield from stream
         _report(stream, None, 1)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         start = time.perf_counter()
-        source = self.source(model_config)
+        source = self.source(model_config, first=True)
         options = self._stream_options(model)
         learned, loaded = self._learn(model, source) if self.options.get("direct", True) else (None, set())
+        last_load.plan_seconds = time.perf_counter() - start
         if learned is None:
-            loaded |= set(model.load_weights(self.get_all_weights(model_config, model)) or ())
+            loaded |= set(model.load_weights(self._whole(source, model)) or ())
         else:
             rank, world = _tp_rank_world()
             spec = ShardSpec(_rule(learned), rank=rank, world_size=world)
@@ -245,19 +248,12 @@ def _tp_rank_world() -> tuple[int, int]:
         return 0, 1
 
 
-_groups: dict[tuple[int, ...], Any] = {}
-
-
 def _tp_group(device: torch.device) -> Any:
-    """A process group of the tensor-parallel ranks for streamload's exchanges alone: vLLM's own groups
-    carry its collectives (on CPU, with a shared-memory all-reduce) that ours must not interleave with."""
-    import torch.distributed as dist
+    """vLLM's group of the tensor-parallel ranks (every rank is in load_weights when it is used)."""
     from vllm.distributed import get_tp_group
 
-    ranks = tuple(get_tp_group().ranks)
-    if ranks not in _groups:
-        _groups[ranks] = dist.new_group(list(ranks), backend="nccl" if device.type == "cuda" else "gloo")
-    return _groups[ranks]
+    group = get_tp_group()
+    return group.device_group if device.type == "cuda" else group.cpu_group
 
 
 __all__ = [

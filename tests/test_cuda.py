@@ -154,3 +154,29 @@ def test_auto_falls_back_when_kvikio_is_missing(
     assert "kvikio is unavailable" in caplog.text
     ref = load_file(every_dtype)
     assert all(same_bits(t.cpu(), ref[n]) for n, t in stream)
+
+
+@cuda
+@pytest.mark.parametrize("reader", READERS)
+def test_load_into_in_place_on_cuda(tmp_path: Path, reader: str) -> None:
+    """Weights reloaded into a CUDA module: addresses unchanged, values exact, converted to each
+    parameter's dtype on the loader's stream, tied weights tied; queued work on the destination first."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(300, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 300))
+    model[2].weight = model[0].weight
+    model = model.to("cuda:0", torch.bfloat16)
+    model[1].float()  # mixed dtypes
+    state = {
+        k: random_tensor(torch.float32, tuple(v.shape), seed=i) for i, (k, v) in enumerate(model.state_dict().items())
+    }
+    state.pop("2.weight")
+    save_file(state, tmp_path / "m.safetensors")
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    model[1].weight.mul_(2)  # queued on the current stream: must not land after the reload's writes
+    streamload.load_into(model, tmp_path / "m.safetensors", in_place=True, reader=reader, **SMALL_RING)
+    torch.cuda.synchronize()
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+    assert model[2].weight is model[0].weight
+    for name, t in state.items():
+        got = model.state_dict()[name]
+        assert torch.equal(got.cpu(), t.to(got.dtype)), name

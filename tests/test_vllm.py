@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -83,6 +84,12 @@ def test_whole_tensors_through_load_weights(engines: dict[str, Any]) -> None:
     assert _report(run)["direct"] == 0 and _report(run)["through_model"] > 0
 
 
+def test_weights_over_http_with_configs_from_a_local_directory(engines: dict[str, Any]) -> None:
+    run = engines["llama/streamload-http"]
+    assert run["tokens"] == engines["llama/safetensors"]["tokens"]
+    assert run["requests"] > 0 and _report(run)["bytes_read"] == _report(run)["bytes_total"]
+
+
 def test_reload_in_place_keeps_addresses_and_serves_the_new_weights(engines: dict[str, Any]) -> None:
     before, after = engines["llama/streamload"], engines["llama/reloaded"]
     assert {n: p for n, (p, _) in _params(after).items()} == {n: p for n, (p, _) in _params(before).items()}
@@ -117,3 +124,57 @@ def test_tensor_parallel_ranks_read_their_part(engines: dict[str, Any], model: s
             assert report["bytes_read"] < 0.7 * report["bytes_total"], (label, rank, report)
             if label == "streamload-cooperative":  # what several ranks read whole, each reads a share of
                 assert report["bytes_read"] <= report["bytes_fair"] * 1.05, (rank, report)
+
+
+@pytest.fixture
+def loader_class() -> Any:
+    if not _have_vllm():
+        if os.environ.get("CI"):
+            pytest.fail("vLLM is not installed")
+        pytest.skip("vLLM is not installed")
+    from streamload.vllm import StreamloadModelLoader
+
+    return StreamloadModelLoader
+
+
+def _load_config(**kwargs: Any) -> Any:
+    from vllm.config.load import LoadConfig
+
+    return LoadConfig(load_format="streamload", **kwargs)
+
+
+def test_hub_ids_resolve_like_vllms_own_loader(tmp_path: Path, loader_class: Any, monkeypatch: Any) -> None:
+    """A hub id resolves to its snapshot in vLLM's download dir (here offline, from a filled cache)."""
+    import huggingface_hub
+    import torch
+    from safetensors.torch import save_file
+
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    snapshot.mkdir(parents=True)
+    save_file({"w": torch.ones(2)}, str(snapshot / "model.safetensors"))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snapshot.name)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    loader = loader_class(_load_config(download_dir=str(tmp_path / "hub")))
+    model = SimpleNamespace(model="acme/tiny", revision=None, model_weights="")
+    assert Path(loader.source(model)) == snapshot
+
+
+def test_where_the_weights_come_from(tmp_path: Path, loader_class: Any) -> None:
+    local = SimpleNamespace(model=str(tmp_path), revision=None, model_weights="")
+    pulled = SimpleNamespace(model=str(tmp_path), revision=None, model_weights="s3://bucket/llama/")
+    assert loader_class(_load_config()).source(local) == str(tmp_path)
+    assert loader_class(_load_config()).source(pulled) == "s3://bucket/llama/"  # vLLM pulled the configs only
+    remote = loader_class(_load_config(model_loader_extra_config={"source": "https://host/llama/"}))
+    assert remote.source(local, first=True) == "https://host/llama/"
+    assert remote.source(local) == str(tmp_path)  # a reload's new path is not redirected
+
+
+def test_options_are_checked_before_an_engine_starts(loader_class: Any) -> None:
+    with pytest.raises(ValueError, match="unknown model_loader_extra_config keys .*: chunk; known keys: reader"):
+        loader_class(_load_config(model_loader_extra_config={"chunk": 1}))
+    with pytest.raises(ValueError, match=r"\['direct'\] must be a bool, not 'no'"):
+        loader_class(_load_config(model_loader_extra_config={"direct": "no"}))
+    with pytest.raises(ValueError, match=r"\['threads'\] must be a int, not True"):
+        loader_class(_load_config(model_loader_extra_config={"threads": True}))

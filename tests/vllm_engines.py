@@ -147,6 +147,17 @@ def run(root: Path) -> dict[str, Any]:
     out["llama/streamload-whole"] = {"tokens": tokens(llm), "state": state(llm)}
     close(llm)
 
+    from tests.servers import RangeServer
+
+    server = RangeServer(root)  # weights over HTTP (ranged GETs), configs from the local directory
+    try:
+        extra = {"source": f"{server.url}/llama/"}
+        llm = engine(paths["llama"], "streamload", model_loader_extra_config=extra)
+        out["llama/streamload-http"] = {"tokens": tokens(llm), "state": state(llm), "requests": len(server.requests)}
+        close(llm)
+    finally:
+        server.close()
+
     out["bad-key"] = error_of(lambda: engine(paths["llama"], "streamload", model_loader_extra_config={"thread": 4}))
     out["bad-value"] = error_of(lambda: engine(paths["llama"], "streamload", model_loader_extra_config={"slots": "2"}))
     broken = root / "llama-missing-shard"
