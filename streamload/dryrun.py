@@ -46,7 +46,7 @@ class Learned:
 
 
 # Calls that only describe a tensor (no data, no new tensor): answered by the meta tensor as they are.
-_SAME = ("to", "contiguous", "detach", "clone", "__get__")  # same values: the stand-in goes on as it is
+_SAME = ("to", "contiguous", "detach", "clone", "data")  # same values: the stand-in goes on as it is
 _RESHAPE = ("reshape", "view", "flatten", "squeeze", "unsqueeze", "view_as", "reshape_as")
 _VALUES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__array__")
 
@@ -56,6 +56,75 @@ class _Recorder:
         self.copies: dict[str, list[tuple[torch.Tensor, _StandIn]]] = {}
         self.touched: set[str] = set()
         self.tainted: dict[str, str] = {}  # name -> the first call that made it unpredictable
+        self.landed: dict[int, list[tuple[str, int, int]]] = {}  # storage -> (name, first byte, end) copied there
+
+    def copied(self, name: str, dest: torch.Tensor, src: _StandIn) -> None:
+        self.copies.setdefault(name, []).append((dest, src))
+        if not dest.is_meta:
+            first, end = _span(dest)
+            self.landed.setdefault(dest.untyped_storage().data_ptr(), []).append((name, first, end))
+
+    def written(self, target: torch.Tensor) -> None:
+        """`target` is written after copies landed: a copy it overlaps would be overwritten (a loader that
+        post-processes its parameter in place, e.g. `param.copy_(fn(param))`), so it cannot go first."""
+        if target.is_meta or isinstance(target, _StandIn):
+            return
+        first, end = _span(target)
+        for name, lo, hi in self.landed.get(target.untyped_storage().data_ptr(), ()):
+            if lo < end and first < hi:
+                self.tainted.setdefault(name, "its parameter is written again after the copy")
+
+
+_OPERATORS = (
+    "add",
+    "sub",
+    "mul",
+    "truediv",
+    "floordiv",
+    "mod",
+    "pow",
+    "and",
+    "or",
+    "xor",
+    "lshift",
+    "rshift",
+    "matmul",
+)
+_IN_PLACE_OPERATORS = {f"__i{op}__" for op in _OPERATORS} | {"__setitem__"}
+
+
+def _in_place(name: str) -> bool:
+    """`copy_`, `fill_`, `mul_`, `t[i] = x`, `t += x`: calls that write their first argument."""
+    return name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("__"))
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor spans: [first, end)."""
+    size = t.element_size()
+    first = t.storage_offset() * size
+    if t.numel() == 0:
+        return first, first
+    return first, first + (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * size
+
+
+class _WriteWatch(torch.overrides.TorchFunctionMode):
+    """Sees every torch call of the dry run, stand-ins or not, to catch writes into landed copies."""
+
+    def __init__(self, rec: _Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if not any(isinstance(a, _StandIn) for a in _flat(args, kwargs)):
+            if _in_place(name) and args and isinstance(args[0], torch.Tensor):
+                self.rec.written(args[0])
+            out = kwargs.get("out")
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.rec.written(t)
+        return func(*args, **kwargs)
 
 
 _recorder: _Recorder | None = None
@@ -101,12 +170,14 @@ class _StandIn(torch.Tensor):
         ins = [a for a in _flat(args, kwargs) if isinstance(a, _StandIn)]
         rec.touched.update(a.root for a in ins)
         name = getattr(func, "__name__", "")
+        if name == "__get__":  # a property: `.data` is the same values; `.T`, `.mT`, `.real`, ... are not
+            name = "data" if getattr(getattr(func, "__self__", None), "__name__", "") == "data" else "property"
         if name in _VALUES:
             raise Unpredictable(f"{name}() of {ins[0].root!r}")
         if name == "copy_" and len(args) >= 2:
             dest, src = args[0], args[1]
             if isinstance(src, _StandIn) and not isinstance(dest, _StandIn):
-                rec.copies.setdefault(src.root, []).append((dest, src))
+                rec.copied(src.root, dest, src)
                 return dest
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
@@ -119,9 +190,13 @@ class _StandIn(torch.Tensor):
         return _taint(out, ins)
 
     def _follow(self, name: str, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
-        """The stand-in(s) `out` is, when `name` only selects or re-labels elements of this one."""
+        """The stand-in(s) `out` is, when `name` only selects or re-labels elements of this one (with
+        the same dtype: a `view(dtype)` reinterprets bits, which a copy into place would not)."""
         axes = self.axes
-        if name in _SAME and isinstance(out, torch.Tensor) and out.dtype == self.dtype:
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        if not self.plain or any(not isinstance(o, torch.Tensor) or o.dtype != self.dtype for o in outs):
+            return None
+        if name in _SAME:
             return self._like(out, self.narrows, axes)
         if name == "narrow" and axes is not None:
             dim, start, length = _narrow_args(args, kwargs)
@@ -134,7 +209,7 @@ class _StandIn(torch.Tensor):
             rest = axes[:dim] + axes[dim + 1 :]
             picks = [() if axes[dim] is None else ((axes[dim], i, 1),) for i in range(len(out))]
             return type(out)(self._like(o, (*self.narrows, *p), rest) for o, p in zip(out, picks, strict=True))
-        if name in _RESHAPE and isinstance(out, torch.Tensor):
+        if name in _RESHAPE:
             if axes is not None and _drop_ones(out.shape) == _drop_ones(self.shape):
                 kept = iter(a for a, n in zip(axes, self.shape, strict=True) if n != 1)
                 return self._like(out, self.narrows, tuple(None if n == 1 else next(kept) for n in out.shape))
@@ -172,7 +247,7 @@ def _taint(out: Any, ins: list[_StandIn]) -> Any:
     if isinstance(out, torch.Tensor):
         if isinstance(out, _StandIn) or not out.is_meta:
             return out
-        return _StandIn.make(out, root, tuple(out.shape), axes=(), plain=False)
+        return _StandIn.make(out, root, tuple(out.shape), axes=None, plain=False)
     return type(out)(_taint(o, ins) for o in out)
 
 
@@ -206,7 +281,8 @@ def dry_run(
             )
             for name, (shape, dtype) in tensors.items()
         )
-        result = load(stand_ins)
+        with _WriteWatch(rec):
+            result = load(stand_ins)
     finally:
         _recorder = None
     learned = Learned()

@@ -62,7 +62,12 @@ class ShardSpec:
     def slice(self, name: str, shape: tuple[int, ...]) -> Slice | str | None:
         """This rank's slice of a tensor, None to keep it whole, or SKIP."""
         dim = self.dim(name, shape)
-        if dim is None or dim == SKIP or isinstance(dim, Slice):
+        if isinstance(dim, Slice):  # the rule's own slice: checked, so that it never reads a neighbour's bytes
+            d = dim.dim % len(shape) if -len(shape) <= dim.dim < len(shape) else None
+            if d is None or dim.start < 0 or dim.length < 0 or dim.start + dim.length > shape[d]:
+                raise ValueError(f"tensor {name!r} of shape {list(shape)}: {dim} is not a slice of it")
+            return Slice(d, dim.start, dim.length)
+        if dim is None or dim == SKIP:
             return dim
         assert self.rank is not None and self.world_size is not None, "call resolved() first"
         if not isinstance(dim, int) or not -len(shape) <= dim < len(shape):

@@ -145,23 +145,41 @@ class StreamloadModelLoader(BaseModelLoader):
             yield from stream
         _report(stream, None, 1)
 
+    def load_model(self, vllm_config: Any, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        # A speculative drafter shares this load config; the `source` option is the main model's.
+        self._main = model_config is vllm_config.model_config
+        return super().load_model(vllm_config, model_config, prefix)
+
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         start = time.perf_counter()
-        source = self.source(model_config, first=True)
+        source = self.source(model_config, first=getattr(self, "_main", True))
         options = self._stream_options(model)
-        learned, loaded = self._learn(model, source) if self.options.get("direct", True) else (None, set())
+        learned, loaded = (
+            self._learn(model, source, options["device"]) if self.options.get("direct", True) else (None, None)
+        )
         last_load.plan_seconds = time.perf_counter() - start
+        rank, world = _tp_rank_world()
+        if self.options.get("cooperative") and world > 1:
+            if not _every_rank(learned is not None):  # the ranks exchange only if they all read alike
+                learned, loaded = None, None
+            options["cooperative"] = _tp_group(options["device"])
         if learned is None:
-            loaded |= set(model.load_weights(self._whole(source, model)) or ())
+            with api.iter(source, **options) as stream:
+                feed = (pair for pair in stream)
+                result = model.load_weights(feed)
+                for _ in feed:  # what the model left unread: read, so that cooperative ranks stay in step
+                    pass
+            loaded = _union(set(), result)
         else:
-            rank, world = _tp_rank_world()
             spec = ShardSpec(_rule(learned), rank=rank, world_size=world)
             into = {name: copy.dest for name, copy in learned.copies.items()}
-            if self.options.get("cooperative") and world > 1:
-                options["cooperative"] = _tp_group(options["device"])
             with api.iter(source, shard=spec, into=into, **options) as stream:
-                loaded |= set(model.load_weights(_unpredicted(stream, learned)) or ())
-            _report(stream, learned, world)
+                feed = _unpredicted(stream, learned)
+                result = model.load_weights(feed)
+                for _ in feed:  # the model stopped early: its dry run still placed the rest
+                    pass
+            loaded = _union(loaded, result)
+        _report(stream, learned, world)
         last_load.seconds = time.perf_counter() - start
         log.info(
             "streamload: %d tensors straight into their parameters, %d through load_weights%s, %d unused; "
@@ -174,10 +192,12 @@ class StreamloadModelLoader(BaseModelLoader):
             last_load.bytes_total / 1e6,
         )
         log.info("Loading weights took %.2f seconds", last_load.seconds)
-        if model_config.quantization is None:
+        if model_config.quantization is None and loaded is not None:  # None: the model does not track
             DefaultModelLoader.track_weights_loading(self, model, loaded)  # type: ignore[arg-type]
 
-    def _learn(self, model: nn.Module, source: str) -> tuple[Learned | None, set[str]]:
+    def _learn(self, model: nn.Module, source: str, device: torch.device) -> tuple[Learned | None, set[str] | None]:
+        if _quantized_while_loading(model):  # its loaders record what they get for later: no stand-ins
+            return None, None
         checkpoint = api.inspect(source)
         tensors = {}
         for name, info in checkpoint.tensors.items():
@@ -192,9 +212,44 @@ class StreamloadModelLoader(BaseModelLoader):
                 type(model).__name__,
                 exc,
             )
-            return None, set()
+            return None, None
         learned.whole.update(dict.fromkeys(set(checkpoint.tensors) - set(tensors), "no torch dtype"))
-        return learned, set(loaded or ())
+        for name, copy in list(learned.copies.items()):  # what the stream cannot write in place, the model does
+            why = _cannot_write(copy.dest, tensors[name][1], device)
+            if why:
+                del learned.copies[name]
+                learned.whole[name] = why
+        return learned, None if loaded is None else set(loaded)
+
+
+def _cannot_write(dest: torch.Tensor, stored: torch.dtype, device: torch.device) -> str:
+    if dest.device.type != device.type or (device.index is not None and dest.device.index != device.index):
+        return f"its parameter is on {dest.device}"
+    if dest.dtype != stored and not (dest.dtype.is_floating_point and stored.is_floating_point):
+        return f"{stored} into a {dest.dtype} parameter"
+    if dest.requires_grad:
+        return "its parameter requires grad"
+    return ""
+
+
+def _quantized_while_loading(model: nn.Module) -> bool:
+    return any(getattr(getattr(m, "quant_method", None), "uses_meta_device", False) for m in model.modules()) or any(
+        p.is_meta for p in model.parameters()
+    )
+
+
+def _union(loaded: set[str] | None, result: Any) -> set[str] | None:
+    return None if loaded is None or result is None else loaded | set(result)
+
+
+def _every_rank(ok: bool) -> bool:
+    """Whether `ok` holds on every tensor-parallel rank (a collective over vLLM's TP group)."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+    return bool(flag.item())
 
 
 def _report(stream: Any, learned: Learned | None, world: int) -> None:

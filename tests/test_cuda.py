@@ -172,6 +172,7 @@ def test_load_into_in_place_on_cuda(tmp_path: Path, reader: str) -> None:
     state.pop("2.weight")
     save_file(state, tmp_path / "m.safetensors")
     before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time, so that the next kernel is still queued
     model[1].weight.mul_(2)  # queued on the current stream: must not land after the reload's writes
     streamload.load_into(model, tmp_path / "m.safetensors", in_place=True, reader=reader, **SMALL_RING)
     torch.cuda.synchronize()

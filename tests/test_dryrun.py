@@ -109,3 +109,42 @@ def test_size_one_dimensions_and_unbind_keep_track_of_the_slice() -> None:
     learned, _ = dry_run(load, {f"e{i}": ((6, 8), torch.float16) for i in range(4)})
     assert learned.copies["e2"].part == Slice(0, 3, 3)
     assert learned.copies["e2"].dest.data_ptr() == experts[2, 3:].data_ptr()
+
+
+def test_a_parameter_changed_after_its_copy_is_loaded_by_the_model() -> None:
+    """`param.copy_(fn(param))` after the copy (vLLM's composed loaders, Mamba's A = -exp(A_log)): the
+    stream cannot write first and leave `fn` undone, so the tensor goes to the real function; writes
+    beside a copy (a vocabulary's padding rows zeroed) do not count."""
+    a_log, vocab = torch.zeros(4), torch.zeros(8, 2)
+
+    def load(pairs: Pairs) -> None:
+        for name, t in pairs:
+            if name == "A_log":
+                a_log.copy_(t)
+                a_log.copy_(-torch.exp(a_log))
+            else:
+                vocab[:6].copy_(t)
+                vocab[6:].fill_(0)
+
+    learned, _ = dry_run(load, {"A_log": ((4,), torch.float32), "embed": ((6, 2), torch.float32)})
+    assert learned.whole == {"A_log": "its parameter is written again after the copy"}
+    assert learned.copies["embed"].part is None and learned.copies["embed"].dest.shape == (6, 2)
+
+
+def test_transposes_reinterpretations_and_ops_after_an_unpredictable_one() -> None:
+    w, u, v = torch.zeros(4, 2), torch.zeros(4, 2, dtype=torch.int16), torch.zeros(2, 4)
+
+    def load(pairs: Pairs) -> None:
+        for name, t in pairs:
+            if name == "T":
+                w.copy_(t.T)  # a property, not the same values
+            elif name == "bits":
+                u.copy_(t.view(torch.int16))  # the same bytes as another dtype: no conversion would match
+            else:
+                v.copy_(t.float().narrow(0, 0, 2))  # tainted, then narrowed: still just unpredictable
+
+    learned, _ = dry_run(
+        load, {"T": ((2, 4), torch.float32), "bits": ((4, 2), torch.float16), "after": ((4, 4), torch.bfloat16)}
+    )
+    assert not learned.copies
+    assert learned.whole["T"] == "property" and learned.whole["bits"] == "view" and learned.whole["after"] == "float"

@@ -92,6 +92,30 @@ def test_into_a_view_inside_a_larger_tensor(tmp_path: Path, reader: str, dtype: 
     assert torch.equal(fused, torch.cat([parts[n] for n in "qkv"]).to(dtype))
 
 
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+def test_into_rank_parts_read_whole_or_sliced(tmp_path: Path, reader: str) -> None:
+    """A column split (small strided blocks: read whole, then cut) and a row split, into views."""
+    cols, rows = torch.randn(16, 8), torch.randn(8, 4)
+    save_file({"cols": cols, "rows": rows}, str(tmp_path / "m.safetensors"))
+    spec = streamload.ShardSpec({"cols": 1, "rows": 0}, rank=1, world_size=2)
+    fused = torch.zeros(16 * 4 + 4 * 4)
+    into = {"cols": fused[:64].view(16, 4), "rows": fused[64:].view(4, 4)}
+    with streamload.iter(tmp_path / "m.safetensors", device="cpu", reader=reader, shard=spec, into=into) as s:
+        assert {i.name: i.read_whole for i in s.plan.items} == {"cols": True, "rows": False}
+        list(s)
+    assert torch.equal(into["cols"], cols[:, 4:]) and torch.equal(into["rows"], rows[4:])
+
+
+def test_an_explicit_slice_outside_the_tensor_is_refused(tmp_path: Path) -> None:
+    save_file({"w": torch.zeros(8, 4)}, str(tmp_path / "m.safetensors"))
+    from streamload.shard import Slice
+
+    for bad in (Slice(0, 6, 4), Slice(2, 0, 1), Slice(1, -1, 2)):
+        spec = streamload.ShardSpec(lambda name, shape, bad=bad: bad, rank=0, world_size=2)
+        with pytest.raises(ValueError, match="is not a slice of it"):
+            streamload.load(tmp_path / "m.safetensors", device="cpu", shard=spec)
+
+
 def test_into_a_non_contiguous_destination(tmp_path: Path) -> None:
     full = torch.randn(8, 6)
     save_file({"w": full}, str(tmp_path / "w.safetensors"))
