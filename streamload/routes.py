@@ -60,7 +60,14 @@ def _kvikio(load: Load) -> Reader | None:
         kv.close()
         return None
     if load.first_file is not None:
-        kv.probe(load.first_file, load.device)
+        try:
+            kv.probe(load.first_file, load.device)
+        except UnsupportedError as exc:  # GDS reported, but cuFile cannot read this file (tmpfs, its config)
+            kv.close()
+            if load.chosen:
+                raise
+            log.warning("streamload: %s; reading with preadv into pinned memory instead", exc)
+            return None
     return kv
 
 

@@ -20,6 +20,13 @@ from ..storage import LocalFiles
 from .base import Job, Span, eof_error, read_error, span_groups
 
 
+def _configure(defaults: Any, wanted: dict[str, int]) -> None:
+    """Set kvikio's global settings that differ: a new `num_threads` rebuilds kvikio's thread pool."""
+    changed = {key: value for key, value in wanted.items() if defaults.get(key) != value}
+    if changed:
+        defaults.set(changed)
+
+
 class KvikioReader:
     """Reads each span with `CuFile.pread` straight into the device slot; kvikio splits every request
     into `task_size` tasks on its own thread pool of `threads` threads."""
@@ -31,8 +38,12 @@ class KvikioReader:
         except Exception as exc:  # ImportError, or a missing libcufile/libcuda behind it
             raise UnsupportedError(f"kvikio cannot be imported: {exc}") from exc
         self._kvikio: Any = kvikio
-        kvikio.defaults.set({"num_threads": threads, "task_size": task_size})
-        self.gds = not kvikio.defaults.is_compat_mode_preferred()
+        try:
+            _configure(kvikio.defaults, {"num_threads": threads, "task_size": task_size})
+            self.gds = not kvikio.defaults.is_compat_mode_preferred()
+        except Exception as exc:  # kvikio < 25.04 has no defaults.get/set; a broken cuFile setup
+            why = f"{type(exc).__name__}: {exc}"
+            raise UnsupportedError(f"kvikio cannot be set up ({why}); it needs kvikio >= 25.04") from exc
         self.name = "kvikio-gds" if self.gds else "kvikio-posix"
         self.chunk_bytes = max(task_size, 64 << 20)  # kvikio parallelises inside one request
         self._handles: dict[Path, Any] = {}
@@ -41,7 +52,8 @@ class KvikioReader:
     def probe(self, path: Path, device: torch.device) -> None:
         """Read a file's first 8 bytes through kvikio and compare: kvikio's first I/O is where a
         missing driver or libcufile shows up."""
-        buf = torch.zeros(8, dtype=torch.uint8, device=device)
+        # Uninitialised: a zero-fill would be a kernel on the caller's stream, unordered with kvikio's read.
+        buf = torch.empty(8, dtype=torch.uint8, device=device)
         try:
             n = self._handle(path).pread(buf, 8, 0).get()
         except Exception as exc:
