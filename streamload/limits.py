@@ -39,6 +39,10 @@ class Usage(NamedTuple):
     staging_kept: int = 0  # bytes of host slots kept for later streams (within the cap, with what is held)
 
 
+Register = Callable[[torch.Tensor], "Callable[[], None] | None"]
+_PAGE = mmap.PAGESIZE
+
+
 class HostSlots:
     """Host staging slots, kept by the process across streams.
 
@@ -55,7 +59,8 @@ class HostSlots:
         self._lock = threading.Lock()
         self._free: dict[int, list[torch.Tensor]] = {}  # by size
         self._kept = 0  # bytes in `_free`
-        self._pinned: dict[int, Callable[[], None]] = {}  # data_ptr -> how to unpin it
+        self._pinned: dict[int, tuple[int, Callable[[], None]]] = {}  # data_ptr -> (bytes registered, undo)
+        self._refused: set[int] = set()  # slots CUDA would not register
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A slot of `nbytes`: one a closed stream left (its pages in, maybe pinned), else a new one."""
@@ -92,27 +97,42 @@ class HostSlots:
         return dropped
 
     def _unpin(self, slots: list[torch.Tensor]) -> None:
+        """Undo the registration of slots about to be unmapped (a later slot may reuse the address)."""
         for slot in slots:
             with self._lock:
-                unpin = self._pinned.pop(slot.data_ptr(), None)
-            if unpin is not None:
-                unpin()
+                pinned = self._pinned.pop(slot.data_ptr(), None)
+                self._refused.discard(slot.data_ptr())
+            if pinned is not None:
+                pinned[1]()
 
     @property
     def kept(self) -> int:
         return self._kept
 
-    def pin(self, slot: torch.Tensor, register: Callable[[torch.Tensor], Callable[[], None] | None]) -> bool:
-        """Register `slot` once (`register` returns how to undo it, or None if it failed)."""
+    def pin(self, slot: torch.Tensor, register: Register, used: int | None = None) -> bool:
+        """Register the first `used` bytes of `slot` (whole pages; all of it if None) unless they are
+        already: `register` returns how to undo it, or None if CUDA refused, and a refused slot is
+        not asked again (it is copied from pageable memory). A later batch that uses more bytes than
+        were registered registers the whole slot instead."""
         ptr = slot.data_ptr()
+        want = slot.numel() if used is None else min(slot.numel(), -(-used // _PAGE) * _PAGE)
         with self._lock:
-            if ptr in self._pinned:
+            if ptr in self._refused:
+                return False
+            pinned = self._pinned.pop(ptr, None)
+        if pinned is not None:
+            if pinned[0] >= want:
+                with self._lock:
+                    self._pinned[ptr] = pinned
                 return True
-        unpin = register(slot)
-        if unpin is None:
-            return False
+            pinned[1]()  # too few bytes: unregister, then register the whole slot
+            want = slot.numel()
+        unpin = register(slot[:want])
         with self._lock:
-            self._pinned[ptr] = unpin
+            if unpin is None:
+                self._refused.add(ptr)
+                return False
+            self._pinned[ptr] = (want, unpin)
         return True
 
 

@@ -181,3 +181,40 @@ def test_load_into_in_place_on_cuda(tmp_path: Path, reader: str) -> None:
     for name, t in state.items():
         got = model.state_dict()[name]
         assert torch.equal(got.cpu(), t.to(got.dtype)), name
+
+
+@cuda
+def test_staging_slots_are_really_pinned_and_a_refused_registration_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamload.limits import shared_limits
+
+    state = {f"w{i}": random_tensor(torch.float16, (256, 256), seed=i) for i in range(4)}
+    save_file(state, tmp_path / "m.safetensors")
+    got: dict[str, torch.Tensor] = {}
+    slots: list[torch.Tensor] = []
+    with streamload.iter(tmp_path / "m.safetensors", device="cuda:0", reader="posix", **SMALL_RING) as stream:
+        for name, t in stream:
+            got[name] = t
+            slots = slots or list(stream._pipeline.device._ring.slots)  # type: ignore[attr-defined]
+    assert slots and all(s.is_pinned() for s in slots)  # registered with CUDA, as torch sees it
+    assert all(same_bits(got[n].cpu(), t) for n, t in state.items())
+    shared_limits().host.trim(0)
+
+    real = torch.cuda.cudart()
+
+    class Refusing:
+        def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+            return int(real.cudaHostRegister(ptr, 1 << 62, flags))  # a size CUDA refuses: a real CUDA error
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    got = streamload.load(
+        tmp_path / "m.safetensors", device="cuda:0", reader="posix", dtype=torch.float32, **SMALL_RING
+    )
+    assert all(torch.equal(got[n].cpu(), t.float()) for n, t in state.items())  # the dtype copy (a kernel) ran
+    torch.ones(4, device="cuda:0").add_(1)  # and so does the caller's next kernel
+    torch.cuda.synchronize()
+    shared_limits().host.trim(0)

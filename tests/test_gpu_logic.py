@@ -89,3 +89,52 @@ def test_auto_falls_back_when_the_kvikio_probe_fails(monkeypatch: Any, caplog: p
     with pytest.raises(UnsupportedError, match="file system not supported"):
         routes._kvikio(_load(chosen=True))  # named by the caller: its error
     assert ProbeFails.closed == 2
+
+
+class FakeCudart:
+    def __init__(self, register_error: int = 0) -> None:
+        self.register_error = register_error
+        self.calls: list[tuple[str, int, int]] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.calls.append(("register", size, flags))
+        return self.register_error
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.calls.append(("unregister", 0, 0))
+        return 0
+
+
+def test_a_refused_registration_clears_cudas_error_and_is_not_retried(monkeypatch: Any) -> None:
+    from streamload.device import cuda
+    from streamload.limits import HostSlots
+
+    cudart = FakeCudart(register_error=1)  # cudaErrorInvalidValue, as for memory CUDA cannot lock
+    cleared: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(cuda, "clear_cuda_error", lambda: cleared.append(True))
+    slots = HostSlots()
+    slot = slots.take(1 << 16)
+    for _ in range(3):  # three batches through the same slot
+        assert slots.pin(slot, cuda._register, 1000) is False
+    assert cudart.calls == [("register", 4096, 1)] and cleared == [True]  # once; portable; the error cleared
+
+
+def test_only_the_bytes_used_are_registered_and_a_dropped_slot_is_forgotten(monkeypatch: Any) -> None:
+    from streamload.device import cuda
+    from streamload.limits import HostSlots
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    slots = HostSlots()
+    slot = slots.take(1 << 16)
+    assert slots.pin(slot, cuda._register, 5000)  # two pages
+    assert slots.pin(slot, cuda._register, 8000)  # still inside them
+    assert slots.pin(slot, cuda._register, 9000)  # more: the whole slot, once
+    assert slots.pin(slot, cuda._register, 1 << 16)
+    assert cudart.calls == [("register", 8192, 1), ("unregister", 0, 0), ("register", 1 << 16, 1)]
+    slots.give([slot], keep=0)  # dropped: unregistered before its memory goes back
+    assert cudart.calls[-1] == ("unregister", 0, 0)
+    again = slots.take(1 << 16)  # a new slot, maybe at the same address: not taken as registered
+    assert slots.pin(again, cuda._register, 100)
+    assert cudart.calls[-1] == ("register", 4096, 1)

@@ -19,6 +19,8 @@ queued work may still read it.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 from collections.abc import Callable
 
@@ -78,7 +80,7 @@ class CudaDevice:
 
     def _to_device(self, batch: Batch, slot: torch.Tensor) -> torch.Tensor:
         used = batch.extent
-        shared_limits().host.pin(slot, _register)  # once per slot and process; unpinned copies still work
+        shared_limits().host.pin(slot, _register, used)  # once per slot and process; unpinned copies still work
         if self._scratch is None:
             self._scratch = self._device_buffer(slot.numel())
         with torch.cuda.stream(self._stream):
@@ -92,17 +94,50 @@ class CudaDevice:
 
 
 _warned = False
+_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device and context, whichever is current
 
 
 def _register(slot: torch.Tensor) -> Callable[[], None] | None:
-    """Page-lock a host slot for fast asynchronous copies; how to undo it, or None if CUDA refused."""
+    """Page-lock a host slot (the bytes given) for fast asynchronous copies; how to undo it, or None
+    if CUDA refused, with CUDA's error cleared: torch's binding leaves it in the thread's last-error
+    slot, where the next kernel launch (the dtype copy, or the caller's own) would report it."""
     global _warned
     cudart = torch.cuda.cudart()
     ptr = slot.data_ptr()
-    err = int(cudart.cudaHostRegister(ptr, slot.numel(), 0))
+    err = int(cudart.cudaHostRegister(ptr, slot.numel(), _PORTABLE))
     if err != 0:
+        clear_cuda_error()
         if not _warned:
             _warned = True
             log.warning("streamload: cudaHostRegister failed (error %d); copying from pageable memory", err)
         return None
-    return lambda: cudart.cudaHostUnregister(ptr)
+
+    def unregister() -> None:
+        if int(cudart.cudaHostUnregister(ptr)) != 0:
+            clear_cuda_error()
+            log.warning("streamload: cudaHostUnregister failed for a staging slot")
+
+    return unregister
+
+
+def clear_cuda_error() -> None:
+    """`cudaGetLastError()`, which torch's cudart binding lacks: called in the CUDA runtime torch loaded."""
+    library = _cudart()
+    if library is not None:
+        library.cudaGetLastError()
+
+
+@functools.cache
+def _cudart() -> ctypes.CDLL | None:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    except OSError:
+        paths = set()
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    process = ctypes.CDLL(None)  # statically linked into a library loaded globally
+    return process if hasattr(process, "cudaGetLastError") else None
