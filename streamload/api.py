@@ -178,14 +178,19 @@ def inspect(source: Source) -> Checkpoint:
 
 
 def _device(device: str | torch.device | None) -> torch.device:
+    """The device, with "cuda" resolved here, in the caller's thread, to `cuda:{current_device()}`:
+    worker threads (offload's fetches, the async face) see device 0 as current, not the caller's."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):  # torch's own message lists every backend it was built with
         raise UnsupportedError(
             f"device {device!r} is not a device torch knows: use 'cpu', 'cuda' or 'cuda:N'"
         ) from None
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _check_into_device(plan: Plan, dev: torch.device) -> None:

@@ -60,7 +60,12 @@ class Exchange:
                 f"(gloo), not {backend!r}"
             )
         self.device = device
-        self._stream = torch.cuda.Stream(device) if self.on_device else None
+        if self.on_device:
+            from .device.cuda import loader_stream
+
+            self._stream: torch.cuda.Stream | None = loader_stream(device)
+        else:
+            self._stream = None
         self._buffer: torch.Tensor | None = None
 
     @property

@@ -148,8 +148,13 @@ class Offloaded:
         self._streams: set[Any] = set()  # open TensorStreams of fetches in flight, closed on reset
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="streamload-offload")
         shared_limits().join()  # the reader threads stay up between the fetches of one block and the next
-        # host_cache copies run on a stream of their own, so that they overlap the compute
-        self._copies = torch.cuda.Stream(device) if host_cache else None
+        # host_cache copies run on the loader's stream of the device, so that they overlap the compute
+        # (one stream for every fetch: blocks freed there are reused there)
+        self._copies = None
+        if host_cache:
+            from .device.cuda import loader_stream
+
+            self._copies = loader_stream(device)
         self._lock = threading.Lock()
         self._held = resident_bytes
         self._fetches = 0
@@ -195,10 +200,11 @@ class Offloaded:
         start = time.perf_counter()
         fetched = future.result()
         self._waited += time.perf_counter() - start
-        if fetched.ready is not None:  # the compute stream waits on the GPU, never the host
+        if self.device.type == "cuda":
             compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(fetched.ready)
-            for t in fetched.tensors.values():
+            if fetched.ready is not None:  # the compute stream waits on the GPU, never the host
+                compute.wait_event(fetched.ready)
+            for t in fetched.tensors.values():  # the block is freed after the forward: after compute's use
                 t.record_stream(compute)
         block = self.blocks[i]
         for name, t in fetched.tensors.items():

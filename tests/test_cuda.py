@@ -218,3 +218,46 @@ def test_staging_slots_are_really_pinned_and_a_refused_registration_falls_back(
     torch.ones(4, device="cuda:0").add_(1)  # and so does the caller's next kernel
     torch.cuda.synchronize()
     shared_limits().host.trim(0)
+
+
+@cuda
+def test_repeated_loads_do_not_grow_reserved_memory(tmp_path: Path) -> None:
+    """Every load allocates on the device's one loader stream, so freed blocks are reused by the next
+    load instead of staying reserved for a stream nobody uses again."""
+    state = {f"w{i}": random_tensor(torch.bfloat16, (512, 512), seed=i) for i in range(8)}
+    save_file(state, tmp_path / "m.safetensors")
+    reserved = []
+    for _ in range(12):
+        got = streamload.load(tmp_path / "m.safetensors", device="cuda:0", reader="posix", dtype=torch.float32)
+        del got
+        gc.collect()
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved())
+    assert reserved[-1] <= reserved[1], reserved
+
+
+@cuda
+def test_async_face_on_cuda(tmp_path: Path) -> None:
+    import anyio
+
+    state = {f"w{i}": random_tensor(torch.float16, (128, 64), seed=i) for i in range(5)}
+    save_file(state, tmp_path / "m.safetensors")
+
+    async def main() -> dict[str, torch.Tensor]:
+        got = {}
+        async with streamload.iter(tmp_path / "m.safetensors", device="cuda:0", **SMALL_RING) as stream:
+            async for name, t in stream:
+                got[name] = t
+        return got
+
+    got = anyio.run(main)
+    assert all(same_bits(got[n].cpu(), t) for n, t in state.items())
+
+
+@cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_means_the_current_device(tmp_path: Path) -> None:
+    save_file({"w": torch.arange(6.0)}, tmp_path / "m.safetensors")
+    with torch.cuda.device(1):
+        got = streamload.load(tmp_path / "m.safetensors", device="cuda")
+    assert got["w"].device == torch.device("cuda", 1)

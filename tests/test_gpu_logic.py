@@ -138,3 +138,15 @@ def test_only_the_bytes_used_are_registered_and_a_dropped_slot_is_forgotten(monk
     again = slots.take(1 << 16)  # a new slot, maybe at the same address: not taken as registered
     assert slots.pin(again, cuda._register, 100)
     assert cudart.calls[-1] == ("register", 4096, 1)
+
+
+def test_cuda_is_resolved_to_the_callers_current_device(monkeypatch: Any) -> None:
+    """Resolved in the caller's thread: a worker thread (offload's fetches) sees device 0 as current."""
+    from streamload.api import _device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # as after torch.cuda.set_device(1)
+    assert _device("cuda") == torch.device("cuda", 1)
+    assert _device(None) == torch.device("cuda", 1)
+    assert _device("cuda:0") == torch.device("cuda", 0)
+    assert _device("cpu") == torch.device("cpu")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 from collections.abc import Callable
 
 import torch
@@ -45,7 +46,7 @@ class CudaDevice:
         self.name = str(device)
         self.host_slots = host_slots
         self.buffers = 1 if host_slots else 0  # the device copy of a host slot
-        self._stream = torch.cuda.Stream(device)
+        self._stream = loader_stream(device)
         self._assembler = Assembler(device, stream=self._stream)
         self._scratch: torch.Tensor | None = None
         self._ring = HostRing()
@@ -91,6 +92,22 @@ class CudaDevice:
         self._assembler.clear()
         self._scratch = None
         self._ring.close()
+
+
+_streams: dict[int, torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
+
+
+def loader_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream per device that every load and fetch allocates and copies on. The caching
+    allocator reuses a freed block only on the stream that allocated it: a new stream per load (from
+    torch's pool of 32) would let reserved memory grow to ~32 x (block + scratch) under offload."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _streams_lock:
+        stream = _streams.get(index)
+        if stream is None:
+            stream = _streams[index] = torch.cuda.Stream(torch.device("cuda", index))
+        return stream
 
 
 _warned = False
