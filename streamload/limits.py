@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -69,7 +70,19 @@ class HostSlots:
             if free:
                 self._kept -= nbytes
                 return free.pop()
-        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # pages come on first write
+        memory = mmap.mmap(-1, nbytes)  # pages come on first write
+        slot = torch.frombuffer(memory, dtype=torch.uint8)
+        # A slot dropped any other way than through `give` (an error while a stream closed) must not
+        # stay registered, nor leave its address looking registered to a later slot mapped there.
+        weakref.finalize(memory, self._forget, slot.data_ptr()).atexit = False
+        return slot
+
+    def _forget(self, ptr: int) -> None:
+        with self._lock:
+            pinned = self._pinned.pop(ptr, None)
+            self._refused.discard(ptr)
+        if pinned is not None:
+            pinned[1]()
 
     def give(self, slots: list[torch.Tensor], keep: int) -> None:
         """Return slots for later streams, keeping at most `keep` bytes in all."""
@@ -99,11 +112,7 @@ class HostSlots:
     def _unpin(self, slots: list[torch.Tensor]) -> None:
         """Undo the registration of slots about to be unmapped (a later slot may reuse the address)."""
         for slot in slots:
-            with self._lock:
-                pinned = self._pinned.pop(slot.data_ptr(), None)
-                self._refused.discard(slot.data_ptr())
-            if pinned is not None:
-                pinned[1]()
+            self._forget(slot.data_ptr())
 
     @property
     def kept(self) -> int:

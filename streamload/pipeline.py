@@ -171,13 +171,15 @@ class Pipeline:
         finally:
             self._filling.clear()
             self._free.clear()
-            self.reader.close()
-            if self._files is not None:
-                self._files.close()
-            self.stats.staging_bytes = max(self.stats.staging_bytes, self._staging.held)
-            self._staging.give_back()
-            self.device.close()  # after the budget is given back: slots kept for later streams fit in it
-            self._files = self._pool = None
+            try:
+                self.reader.close()
+                if self._files is not None:
+                    self._files.close()
+            finally:  # whatever failed above, the device gives its slots back (unregistered if dropped)
+                self.stats.staging_bytes = max(self.stats.staging_bytes, self._staging.held)
+                self._staging.give_back()
+                self.device.close()  # after the budget is given back: slots kept for later streams fit in it
+                self._files = self._pool = None
 
 
 def _surface(exc: BaseException) -> BaseException:

@@ -150,3 +150,40 @@ def test_cuda_is_resolved_to_the_callers_current_device(monkeypatch: Any) -> Non
     assert _device(None) == torch.device("cuda", 1)
     assert _device("cuda:0") == torch.device("cuda", 0)
     assert _device("cpu") == torch.device("cpu")
+
+
+def test_a_slot_dropped_without_being_given_back_is_unregistered(monkeypatch: Any) -> None:
+    import gc
+
+    from streamload.device import cuda
+    from streamload.limits import HostSlots
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    slots = HostSlots()
+    slot = slots.take(1 << 14)
+    assert slots.pin(slot, cuda._register, 100)
+    del slot  # lost, e.g. a stream whose close failed half-way
+    gc.collect()
+    assert cudart.calls == [("register", 4096, 1), ("unregister", 0, 0)]
+
+
+def test_the_device_gives_its_slots_back_when_closing_the_files_fails(tmp_path: Path, monkeypatch: Any) -> None:
+    from safetensors.torch import save_file
+
+    import streamload
+    from streamload.device.cpu import StagedCPU
+    from streamload.storage.local import LocalFiles
+
+    save_file({"w": torch.zeros(4)}, str(tmp_path / "m.safetensors"))
+    closed: list[bool] = []
+    close = StagedCPU.close
+    monkeypatch.setattr(StagedCPU, "close", lambda self: (closed.append(True), close(self)))
+
+    def fail(self: Any) -> None:
+        raise OSError("close failed")
+
+    monkeypatch.setattr(LocalFiles, "close", fail)
+    with pytest.raises(OSError, match="close failed"):
+        streamload.load(tmp_path / "m.safetensors", device="cpu", reader="posix")
+    assert closed == [True]

@@ -54,7 +54,11 @@ class CudaDevice:
     def new_slot(self, nbytes: int) -> torch.Tensor:
         if self.host_slots:
             return self._ring.new_slot(nbytes)
-        return self._device_buffer(nbytes)
+        slot = self._device_buffer(nbytes)
+        # kvikio writes device slots outside any stream: work still queued on our stream in a block the
+        # allocator handed back must be done first.
+        self._stream.synchronize()
+        return slot
 
     def _device_buffer(self, nbytes: int) -> torch.Tensor:
         # From our stream's pool: a block another stream freed with work still queued is never handed
