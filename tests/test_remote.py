@@ -299,6 +299,14 @@ def test_s3_into_cuda(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert_same(got, ref)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_http_into_cuda(checkpoint: Path, http: RangeServer) -> None:
+    with streamload.iter(f"{http.url}/{checkpoint.name}/", device="cuda:0") as stream:
+        got = {n: t.cpu() for n, t in stream}
+        assert stream.stats.reader == "range" and str(stream.stats.device) == "cuda:0"
+    assert_same(got, reference(checkpoint))
+
+
 def test_s3_credentials_from_a_named_profile(checkpoint: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     with s3_server(monkeypatch) as s3:
         upload(s3, "models", "llama/", checkpoint)
