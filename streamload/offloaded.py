@@ -389,6 +389,15 @@ def offload(
 
     # what the model needs and the checkpoint lacks (tied weights count as present), before any read
     _Filler(model).check_names(checkpoint.tensors, fix="check that the checkpoint is this model's")
+    # buffers no checkpoint holds (rotary inv_freq) must come from the constructor, not stay on meta
+    empty = [n for n, b in model.named_buffers() if b.is_meta and n not in checkpoint.tensors]
+    if empty:
+        shown = ", ".join(repr(n) for n in empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise StreamloadError(
+            f"offload: buffers {shown} are on the meta device and not in the checkpoint, so nothing would "
+            "fill them (the model was built under torch.device('meta')?): build it under "
+            "streamload.empty_weights(), which makes buffers for real and leaves only parameters on meta"
+        )
 
     if keep:
         load_into(model, checkpoint, device=dev, include=keep, strict=False, **options)  # type: ignore[misc]

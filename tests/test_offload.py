@@ -192,3 +192,13 @@ def test_tied_embeddings_and_a_foreign_checkpoint(tmp_path: Path) -> None:
     )
     with pytest.raises(streamload.StreamloadError, match="missing keys: .*nothing was read"):
         streamload.offload(empty_model(), tmp_path / "gpt2", device="cpu", budget_bytes=1 << 30)
+
+
+def test_a_model_built_on_meta_is_refused_naming_its_empty_buffers(llama: Path) -> None:
+    config = transformers.AutoConfig.from_pretrained(llama)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        streamload.StreamloadError, match=r"buffers 'model.rotary_emb.inv_freq'.*streamload.empty_weights\(\)"
+    ):
+        streamload.offload(model, llama, device="cpu", budget_bytes=1 << 30)
