@@ -119,7 +119,7 @@ def main() -> None:
             print(f"run {r + 1} {mode}: {got['pass_s'] * 1e3:.0f} ms per decode pass", file=sys.stderr, flush=True)
 
     def med(mode: str, key: str) -> float | None:
-        values = [x[key] for x in runs[mode] if key in x]
+        values = [x[key] for x in runs.get(mode, []) if key in x]
         return statistics.median(values) if values else None
 
     base = med("accelerate", "pass_s")
