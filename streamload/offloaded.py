@@ -145,6 +145,7 @@ class Offloaded:
         self._index = {id(b.module): i for i, b in enumerate(blocks)}
         self._fetching: dict[int, Future[_Fetched]] = {}
         self._host: dict[int, dict[str, torch.Tensor]] = {}
+        self._views: dict[int, dict[str, torch.Tensor]] = {}  # CPU, mapped reader: blocks that are views
         self._streams: set[Any] = set()  # open TensorStreams of fetches in flight, closed on reset
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="streamload-offload")
         shared_limits().join()  # the reader threads stay up between the fetches of one block and the next
@@ -235,13 +236,29 @@ class Offloaded:
                 out = {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
                 ready = torch.cuda.Event()
                 ready.record(self._copies)
-        else:  # the loader hands a tensor out once it is complete on the device
+        elif (out := self._views.get(i)) is None:  # the loader hands a tensor out once it is complete
             out = dict(self._stream(block, self.device))
+            if self._only_views(out):
+                self._views[i] = out
         with self._lock:
             self._held += block.nbytes
             self._peak = max(self._peak, self._held)
             self._fetches += 1
         return _Fetched(out, ready)
+
+    def _only_views(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether every tensor is a view of the kept file mappings (the mapped CPU reader, no dtype
+        conversion): such a block holds no memory of its own, only page-cache pages the kernel can
+        reclaim, so it is kept for the next passes instead of being mapped and planned anew each time
+        (measured: 2.5-4.5 ms a layer on 2 cores, most of the gap to the whole model)."""
+        files = self._kept.open(()) if self._kept is not None and self.device.type == "cpu" else None
+        if files is None:
+            return False
+        for name, t in tensors.items():
+            info = self.checkpoint.tensors[name]
+            if info.nbytes and t.untyped_storage().data_ptr() != files.mapping(info.path).data_ptr():
+                return False
+        return True
 
     def _stream(self, block: _Block, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
         stream = stream_tensors(self.checkpoint, device=device, include=list(block.names), **self.options)
@@ -303,6 +320,7 @@ class Offloaded:
             h.remove()
         self.model.forward = self._forward  # type: ignore[method-assign]
         self._host.clear()
+        self._views.clear()
 
     def __enter__(self) -> Offloaded:
         return self

@@ -202,3 +202,32 @@ def test_a_model_built_on_meta_is_refused_naming_its_empty_buffers(llama: Path) 
         streamload.StreamloadError, match=r"buffers 'model.rotary_emb.inv_freq'.*streamload.empty_weights\(\)"
     ):
         streamload.offload(model, llama, device="cpu", budget_bytes=1 << 30)
+
+
+def test_mapped_blocks_are_kept_as_views_across_passes(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU, mapped reader: a streamed block is views of the kept file mappings (no memory of its own),
+    so only the first pass streams it; outputs stay identical. Converted blocks are copies: streamed
+    every pass, never kept."""
+    from streamload.offloaded import Offloaded
+
+    whole = streamload.from_pretrained(llama, device="cpu")
+    with torch.no_grad():
+        want = whole.generate(IDS, attention_mask=MASK, max_new_tokens=4, do_sample=False)
+    streams: list[int] = []
+    stream = Offloaded._stream
+    monkeypatch.setattr(
+        Offloaded, "_stream", lambda self, block, device: (streams.append(1), stream(self, block, device))[1]
+    )
+    budget = streamload.inspect(llama).nbytes // 3
+    for dtype, kept in ((None, True), (torch.float16, False)):
+        streams.clear()
+        model = empty_model()
+        with streamload.offload(model, llama, device="cpu", budget_bytes=budget, dtype=dtype) as off:
+            with torch.no_grad():
+                got = model.generate(IDS, attention_mask=MASK, max_new_tokens=4, do_sample=False)
+            blocks, fetches = off.stats.offloaded_blocks, off.stats.fetches
+            assert len(off._views) == (blocks if kept else 0)
+        if dtype is None:
+            assert torch.equal(got, want)
+        assert len(streams) == (blocks if kept else fetches)
+        assert fetches >= 4 * blocks
