@@ -93,10 +93,9 @@ class Exchange:
         target = slot
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             if self.on_device and not slot.is_cuda:
-                from .device.cuda import _register
-                from .limits import shared_limits
+                from .device.cuda import pin_host
 
-                shared_limits().host.pin(slot, _register, batch.extent)  # an asynchronous copy needs it
+                pin_host(slot, batch.extent)
                 if self._buffer is None:
                     self._buffer = torch.empty(slot.numel(), dtype=torch.uint8, device=self.device)
                 target = self._buffer

@@ -222,6 +222,12 @@ def _item(info: TensorInfo, dtype: DTypeOption, shard: ShardSpec | None) -> Item
     return Item(info, sliced, stored, out, kept, sum(n for _, n in kept), part)
 
 
+def converts(stored: torch.dtype, dest: torch.dtype) -> bool:
+    """Whether bytes stored as `stored` may be written in place into a `dest` tensor: the same dtype,
+    or one floating-point dtype converted to another."""
+    return dest == stored or (stored.is_floating_point and dest.is_floating_point)
+
+
 def _into(item: Item, dest: torch.Tensor) -> Item:
     """`item` written into `dest`: same shape (this rank's part), a dtype the stored one converts to."""
     where = f"{item.info.path}: tensor {item.name!r}"
@@ -230,8 +236,7 @@ def _into(item: Item, dest: torch.Tensor) -> Item:
             f"{where}: cannot load in place into a tensor of shape {list(dest.shape)}: the checkpoint's "
             f"{'part for this rank' if item.part is not None else 'tensor'} has shape {list(item.shape)}"
         )
-    floating = item.stored.is_floating_point and dest.dtype.is_floating_point
-    if dest.dtype != item.stored and not floating:
+    if not converts(item.stored, dest.dtype):
         raise UnsupportedError(
             f"{where}: cannot load {item.stored} in place into a {dest.dtype} tensor (only floating-point "
             "tensors are converted)"

@@ -36,7 +36,9 @@ from . import api
 from .dryrun import Learned, dry_run
 from .dtypes import torch_shape
 from .errors import StreamloadError
+from .plan import converts
 from .shard import SKIP, ShardSpec, Slice
+from .source import Checkpoint, open_checkpoint
 
 log = logging.getLogger("vllm.streamload")  # under vLLM's logger: shown with vLLM's own lines
 
@@ -140,7 +142,7 @@ class StreamloadModelLoader(BaseModelLoader):
         """(name, whole tensor) in layer order: what vLLM's `reload_weights` feeds `load_weights`."""
         yield from self._whole(self.source(model_config), model)
 
-    def _whole(self, source: str, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
+    def _whole(self, source: str | Checkpoint, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
         with api.iter(source, **self._stream_options(model)) as stream:
             yield from stream
         _report(stream, None, 1)
@@ -152,7 +154,10 @@ class StreamloadModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         start = time.perf_counter()
-        source = self.source(model_config, first=getattr(self, "_main", True))
+        # The headers, read once for the dry run and the stream (a Checkpoint is its own source).
+        source = open_checkpoint(
+            self.source(model_config, first=getattr(self, "_main", True)), self.options.get("cache_dir")
+        )
         options = self._stream_options(model)
         learned, loaded = (
             self._learn(model, source, options["device"]) if self.options.get("direct", True) else (None, None)
@@ -195,10 +200,11 @@ class StreamloadModelLoader(BaseModelLoader):
         if model_config.quantization is None and loaded is not None:  # None: the model does not track
             DefaultModelLoader.track_weights_loading(self, model, loaded)  # type: ignore[arg-type]
 
-    def _learn(self, model: nn.Module, source: str, device: torch.device) -> tuple[Learned | None, set[str] | None]:
+    def _learn(
+        self, model: nn.Module, checkpoint: Checkpoint, device: torch.device
+    ) -> tuple[Learned | None, set[str] | None]:
         if _quantized_while_loading(model):  # its loaders record what they get for later: no stand-ins
             return None, None
-        checkpoint = api.inspect(source)
         tensors = {}
         for name, info in checkpoint.tensors.items():
             shape, dtype = torch_shape(info.dtype, info.shape), info.dtype.torch_dtype
@@ -223,9 +229,10 @@ class StreamloadModelLoader(BaseModelLoader):
 
 
 def _cannot_write(dest: torch.Tensor, stored: torch.dtype, device: torch.device) -> str:
-    if dest.device.type != device.type or (device.index is not None and dest.device.index != device.index):
+    """Why `iter(into=...)` would refuse `dest` (the checks its plan and `api.iter` make), or ""."""
+    if not api._same_device(dest.device, device):
         return f"its parameter is on {dest.device}"
-    if dest.dtype != stored and not (dest.dtype.is_floating_point and stored.is_floating_point):
+    if not converts(stored, dest.dtype):
         return f"{stored} into a {dest.dtype} parameter"
     if dest.requires_grad:
         return "its parameter requires grad"
@@ -289,9 +296,7 @@ def _device_of(model: nn.Module) -> torch.device:
         from vllm.platforms import current_platform
 
         device = torch.device(current_platform.device_type)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    return api._device(device)
 
 
 def _tp_rank_world() -> tuple[int, int]:

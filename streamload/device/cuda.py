@@ -85,7 +85,7 @@ class CudaDevice:
 
     def _to_device(self, batch: Batch, slot: torch.Tensor) -> torch.Tensor:
         used = batch.extent
-        shared_limits().host.pin(slot, _register, used)  # once per slot and process; unpinned copies still work
+        pin_host(slot, used)
         if self._scratch is None:
             self._scratch = self._device_buffer(slot.numel())
         with torch.cuda.stream(self._stream):
@@ -112,6 +112,12 @@ def loader_stream(device: torch.device) -> torch.cuda.Stream:
         if stream is None:
             stream = _streams[index] = torch.cuda.Stream(torch.device("cuda", index))
         return stream
+
+
+def pin_host(slot: torch.Tensor, used: int) -> bool:
+    """Register a host slot's first `used` bytes with CUDA once per slot and process (an asynchronous
+    copy from it needs it); False if CUDA refused, and copies from it still work, from pageable memory."""
+    return shared_limits().host.pin(slot, _register, used)
 
 
 _warned = False
