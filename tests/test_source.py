@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -75,12 +77,34 @@ def test_same_tensor_in_two_files(tmp_path: Path) -> None:
     assert str(a) in str(info.value) and str(b) in str(info.value)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
-def test_unreadable_file(tmp_path: Path) -> None:
-    a = shard(tmp_path / "a.safetensors", w=torch.ones(1))
-    a.chmod(0)
-    with pytest.raises(streamload.SourceError, match="cannot open"):
-        streamload.iter(a)
+def test_unreadable_file() -> None:
+    """A file its reader may not open. Root reads any file, so as root the check runs in a child
+    process that first drops to the unprivileged user `nobody`."""
+    folder = Path(tempfile.mkdtemp())
+    try:
+        folder.chmod(0o755)  # reachable by anyone: only the file's own mode forbids it
+        a = shard(folder / "a.safetensors", w=torch.ones(1))
+        a.chmod(0)
+        if os.geteuid() != 0:
+            with pytest.raises(streamload.SourceError, match="cannot open"):
+                streamload.iter(a)
+            return
+        pid = os.fork()
+        if pid == 0:  # the child: as nobody, 0 when the error is the expected one
+            code = 1
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                streamload.iter(a)
+            except streamload.SourceError as exc:
+                code = 0 if "cannot open" in str(exc) and str(a) in str(exc) else 2
+            except BaseException:
+                code = 3
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        shutil.rmtree(folder)
 
 
 def test_directory_given_as_file_in_list(tmp_path: Path) -> None:
