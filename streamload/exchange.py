@@ -10,13 +10,21 @@ the same order while later batches are still being read.
 Where the bytes meet: a gloo group exchanges host slots; an NCCL group exchanges device memory: a
 device slot in place, or a host slot through one device buffer of a slot's size (the only extra
 memory the exchange takes).
+
+A rank that fails, stops early or hangs must be an error on the others, not a hang: every collective is
+waited for with a deadline a little shorter than the process group's own timeout. An NCCL collective
+that misses it would otherwise spin on the GPU until NCCL's watchdog ends the whole process; the
+exchange aborts the group's communicators instead (the group is unusable afterwards, as after any NCCL
+timeout) and raises a `StreamloadError`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,16 +36,49 @@ from .read import Job, Reader
 from .source import Checkpoint
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
+    from torch.distributed import ProcessGroup, Work
+
+# The share of the process group's timeout the exchange waits for a collective: it must act before
+# NCCL's watchdog (which checks the same timeout) tears the process down.
+DEADLINE_SHARE = 0.8
 
 
-def all_gather(output: torch.Tensor, part: torch.Tensor, group: ProcessGroup | None = None) -> None:
-    """Every rank's equal-sized `part`, concatenated into `output` (in place when `part` is its own
-    slice of `output`). `all_gather_single` where torch has it, its older name elsewhere."""
+def all_gather(output: torch.Tensor, part: torch.Tensor, group: ProcessGroup | None = None) -> Work:
+    """Start gathering every rank's equal-sized `part`, concatenated into `output` (in place when
+    `part` is its own slice of `output`); returns the collective's work handle.
+    `all_gather_single` where torch has it, its older name elsewhere."""
     import torch.distributed as dist
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, part, group=group)
+    return gather(output, part, group=group, async_op=True)
+
+
+def group_timeout(group: ProcessGroup | None, device: torch.device) -> timedelta:
+    """The timeout the process group's backend for `device` was created with (torch's default where
+    the backend does not tell)."""
+    import torch.distributed as dist
+
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        timeout = pg._get_backend(device).options._timeout
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    except (AttributeError, RuntimeError):
+        pass
+    return dist.default_pg_timeout
+
+
+def wait(work: Work, deadline: float, abort: Any) -> None:
+    """Block until `work` completes; past `deadline` (a `time.monotonic()` value) call `abort()` and
+    raise TimeoutError. The backend's own error, if the collective failed, is raised as it is."""
+    pause = 50e-6
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            abort()
+            raise TimeoutError("no answer from the other ranks in time")
+        time.sleep(pause)
+        pause = min(pause * 2, 2e-3)  # quick collectives are seen quickly, long ones cost no CPU
+    work.wait()
 
 
 class Exchange:
@@ -67,6 +108,17 @@ class Exchange:
         else:
             self._stream = None
         self._buffer: torch.Tensor | None = None
+        self._pg = group if group is not None else dist.group.WORLD
+        self.timeout = group_timeout(group, device if self.on_device else torch.device("cpu"))
+
+    def _collective(self, output: torch.Tensor, part: torch.Tensor) -> None:
+        """All-gather `part` into `output`, waited for with a deadline (see the module's docstring)."""
+        work = all_gather(output, part, self.group)
+        wait(work, time.monotonic() + self.timeout.total_seconds() * DEADLINE_SHARE, self._abort)
+
+    def _abort(self) -> None:
+        if self.on_device:  # NCCL: a collective that never ends; gloo's own timeout frees its thread
+            self._pg.abort()
 
     @property
     def buffers(self) -> int:
@@ -101,9 +153,7 @@ class Exchange:
                 target = self._buffer
                 target[lo : lo + size].copy_(slot[lo : lo + size], non_blocking=True)
             try:
-                all_gather(target[: size * self.world], target[lo : lo + size], self.group)
-                if self._stream is not None:
-                    self._stream.synchronize()
+                self._collective(target[: size * self.world], target[lo : lo + size])
             except Exception as exc:
                 raise self._failed(batch, exc) from exc
         return target
@@ -142,7 +192,7 @@ class Exchange:
         where = self.device if self.on_device else torch.device("cpu")
         t = t.to(where)
         out = torch.empty((self.world, t.numel()), dtype=t.dtype, device=where)
-        all_gather(out.view(-1), t, self.group)
+        self._collective(out.view(-1), t)
         return out.cpu()
 
     def _failed(self, batch: Batch, exc: Exception) -> StreamloadError:
@@ -151,8 +201,9 @@ class Exchange:
         shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
         return StreamloadError(
             f"{', '.join(paths)}: rank {self.rank} of {self.world}: exchanging tensors {shown} with the other "
-            f"ranks failed; a rank failed, stopped early, or did not answer within the process group's "
-            f"timeout: {exc}"
+            f"ranks failed; a rank failed, stopped early, or did not answer within "
+            f"{self.timeout.total_seconds() * DEADLINE_SHARE:.3g} s ({DEADLINE_SHARE:.0%} of the process "
+            f"group's timeout){'; the process group was aborted' if self.on_device else ''}: {exc}"
         )
 
     def close(self) -> None:

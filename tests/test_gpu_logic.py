@@ -187,3 +187,90 @@ def test_the_device_gives_its_slots_back_when_closing_the_files_fails(tmp_path: 
     with pytest.raises(OSError, match="close failed"):
         streamload.load(tmp_path / "m.safetensors", device="cpu", reader="posix")
     assert closed == [True]
+
+
+class NeverDone:
+    """A collective whose peers never answer (a rank that failed or hangs)."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise AssertionError("waited on a collective that never ends")
+
+
+class Aborts:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def abort(self) -> None:
+        self.calls += 1
+
+
+@pytest.fixture
+def exchange(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """An Exchange on a world of one (gloo, in this process) whose collectives never complete."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from streamload import exchange as exchange_module
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ex = exchange_module.Exchange(None, torch.device("cpu"))
+        assert ex.timeout == dist.default_pg_timeout  # the group's own timeout, read from its backend
+        ex.timeout = timedelta(seconds=0.2)
+        monkeypatch.setattr(exchange_module, "all_gather", lambda *args: NeverDone())
+        yield ex
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_collective_past_its_deadline_is_an_error_naming_the_tensors_and_aborts_nccl(
+    exchange: Any, tmp_path: Path
+) -> None:
+    import time
+
+    from safetensors.torch import save_file
+
+    import streamload
+    from streamload.plan import make_plan
+    from tests.conftest import random_tensor
+
+    save_file({"layers.0.w": random_tensor(torch.float32, (64, 64))}, tmp_path / "model.safetensors")
+    plan = make_plan(streamload.inspect(tmp_path), slot_bytes=1 << 20)
+    batch = plan.batches[0]._replace(shared=True)
+    slot = torch.empty(batch.extent + 1, dtype=torch.uint8)
+
+    exchange._pg = Aborts()  # gloo: its own timeout frees its thread, the exchange does not abort
+    started = time.monotonic()
+    with pytest.raises(streamload.StreamloadError) as caught:
+        exchange.gather(batch, slot)
+    assert 0.1 < time.monotonic() - started < 5  # 80% of the 0.2 s timeout, not forever
+    message = str(caught.value)
+    assert "model.safetensors" in message and "'layers.0.w'" in message and "rank 0 of 1" in message
+    assert "did not answer within 0.16 s" in message and "aborted" not in message
+    assert exchange._pg.calls == 0
+
+    exchange.on_device = True  # NCCL: a collective that only an abort of the communicators ends
+    with pytest.raises(TimeoutError):
+        exchange._collective(slot, slot)
+    assert exchange._pg.calls == 1
+    assert "the process group was aborted" in str(exchange._failed(batch, TimeoutError()))
+
+
+def test_a_failed_collective_raises_the_backends_error() -> None:
+    from streamload.exchange import wait
+
+    class Failed:
+        def is_completed(self) -> bool:
+            return True
+
+        def wait(self) -> None:
+            raise RuntimeError("NCCL error: remote process exited")
+
+    aborts = Aborts()
+    with pytest.raises(RuntimeError, match="remote process exited"):
+        wait(Failed(), deadline=float("inf"), abort=aborts.abort)
+    assert aborts.calls == 0
