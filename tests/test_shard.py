@@ -127,6 +127,9 @@ def _rank_main(rank: int, world: int, model: str, out: str, options: dict[str, A
     options |= options.pop("differ", {}).get(str(rank), {})  # options only this rank uses
     backend = options.pop("backend", "gloo")
     split = options.pop("split", True)  # False: every rank loads the whole checkpoint (replicas)
+    options["device"] = options["device"].format(rank=rank)  # "cuda:{rank}": a GPU per rank
+    if options["device"].startswith("cuda:"):
+        torch.cuda.set_device(torch.device(options["device"]))
     dist.init_process_group(backend, init_method=f"file://{out}/pg", rank=rank, world_size=world,
                             timeout=timedelta(seconds=3))  # fmt: skip
     result: dict[str, Any] = {}
@@ -228,6 +231,17 @@ def test_cooperative_to_one_gpu_over_gloo(model: Path, tmp_path: Path, world: in
     assert all(r.get("ok") for r in results), results
     total = sum(t.nbytes for t in streamload.inspect(model).tensors.values())
     assert sum(r["bytes_read"] for r in results) == total
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_rank_leaving_an_nccl_cooperative_load_is_an_error_not_the_watchdog(model: Path, tmp_path: Path) -> None:
+    # NCCL would spin on the GPU until its watchdog ends the process: the exchange's deadline aborts the
+    # group instead, so rank 0 lives to write its error.
+    results = run_ranks(model, tmp_path, 2, device="cuda:{rank}", backend="nccl", cooperative=True,
+                        ring_bytes=8192, slots=2, chunk_bytes=4096, fail_after={"1": 2})  # fmt: skip
+    assert results[1]["ok"]
+    assert "rank 0 of 2: exchanging tensors" in results[0]["error"] and "aborted" in results[0]["error"]
+    assert results[0]["seconds"] < 20
 
 
 def test_shared_batches_are_laid_out_alike_on_every_rank(model: Path) -> None:
