@@ -7,7 +7,15 @@
 from typing import TYPE_CHECKING, Any
 
 from .api import inspect, iter, load
-from .errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError, UnsupportedError
+from .errors import (
+    HeaderError,
+    IntegrityError,
+    MissingFileError,
+    ReadError,
+    SourceError,
+    StreamloadError,
+    UnsupportedError,
+)
 from .format import FileHeader, TensorInfo
 from .layer_keys import Layer, group_of, layer_of
 from .layers import LayerStream, layers  # the module `streamload.layers` is shadowed by its function
@@ -42,6 +50,7 @@ __all__ = [
     "Checkpoint",
     "FileHeader",
     "HeaderError",
+    "IntegrityError",
     "Layer",
     "LayerStream",
     "LoadResult",

@@ -14,10 +14,11 @@ from .errors import UnsupportedError
 from .limits import check_fits
 from .pipeline import Pipeline
 from .plan import DTypeOption, Order, Patterns, Plan, make_plan
-from .routes import ReaderName, route
+from .routes import Into, ReaderName, route
 from .source import Checkpoint, PathLike, Source, open_checkpoint
 from .stats import Stats
 from .stream import TensorStream
+from .verify import Verify
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -46,6 +47,7 @@ def iter(
     cooperative: bool | ProcessGroup = False,
     cache_dir: PathLike | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
+    verify: Verify = False,
 ) -> TensorStream:
     """Stream the tensors of a safetensors checkpoint, each as soon as its bytes are in.
 
@@ -69,6 +71,13 @@ def iter(
         into: {name: existing tensor} to write in place instead of allocating: same shape (this
             rank's part with `shard`), on `device`; floating-point tensors are converted to the
             destination's dtype. The stream hands out those very tensors.
+        verify: check the bytes against known digests as they are read (no second pass): True, every
+            file's known digests (a Hugging Face cache's blob names, an S3 ETag, the digest file
+            `streamload digest` writes), refusing a file with none; or {file name: SHA-256 hex}, those.
+            A mismatch is an `IntegrityError` naming the file (and tensor). With per-tensor digests
+            each tensor is checked before it is handed out; a file known only by a whole-file digest
+            is read whole, in file order, and checked at its end: `iter` may have handed out tensors
+            of it already (`load` and the others return nothing unverified).
 
     Returns:
         A `TensorStream` of (name, tensor), for `for` / `async for`, best inside `with` / `async with`.
@@ -94,8 +103,8 @@ def iter(
     check_fits(tuning.slot_bytes, "a ring slot")
     first = checkpoint.files[0].path if checkpoint.files else None
     exchange = _exchange(cooperative, dev)
-    host_only = exchange is not None and not exchange.on_device
-    read, make = route(dev, reader, checkpoint.storage.kind, tuning, first, total, host_only)
+    lands, why = _lands(exchange, verify)
+    read, make = route(dev, reader, checkpoint.storage.kind, tuning, first, total, lands, why)
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
     share = None
     if exchange is not None:
@@ -103,6 +112,15 @@ def iter(
 
         read, make = cooperative_pair(read, make, exchange)
         share = functools.partial(exchange.agree, checkpoint, layout=f"{tuning.slot_bytes}/{order}")
+    chosen = None
+    if verify is not False:
+        from .verify import choose, needs_file_order
+
+        if exchange is not None:
+            raise UnsupportedError("verify= and cooperative loading together are not supported yet")
+        chosen = choose(checkpoint, verify)
+        if needs_file_order(chosen):
+            order = "file"  # a whole-file digest is hashed in file order
     plan = make_plan(
         checkpoint,
         slot_bytes=tuning.slot_bytes,
@@ -115,8 +133,13 @@ def iter(
         into=into,
     )
     _check_into_device(plan, dev)
+    check = None
+    if chosen is not None:
+        from .verify import Verifier
+
+        check = Verifier(plan, chosen)
     stats = Stats(bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=read.name, device=make.name)
-    return TensorStream(checkpoint, plan, Pipeline(plan, checkpoint.storage, read, make, tuning, stats))
+    return TensorStream(checkpoint, plan, Pipeline(plan, checkpoint.storage, read, make, tuning, stats, check))
 
 
 class Options(TypedDict, total=False):
@@ -136,6 +159,7 @@ class Options(TypedDict, total=False):
     cooperative: bool | ProcessGroup
     cache_dir: PathLike | None
     into: Mapping[str, torch.Tensor] | None
+    verify: Verify
 
 
 def load(source: Source, **options: Unpack[Options]) -> dict[str, torch.Tensor]:
@@ -207,6 +231,15 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
         return False
     current = torch.cuda.current_device() if a.type == "cuda" else 0
     return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
+def _lands(exchange: Exchange | None, verify: Verify) -> tuple[tuple[Into, ...], str]:
+    """Where the bytes must land for this load, and why."""
+    if exchange is not None and not exchange.on_device:
+        return ("host",), "cooperative loading over a host-memory process group reads into host staging slots"
+    if verify is not False:
+        return ("host", "mapped"), "verify= hashes the bytes in host memory"
+    return ("host", "mapped", "device"), ""
 
 
 def _exchange(cooperative: bool | ProcessGroup, dev: torch.device) -> Exchange | None:

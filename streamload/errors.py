@@ -25,3 +25,8 @@ class UnsupportedError(StreamloadError, ValueError):
 
 class ReadError(StreamloadError, OSError):
     """Reading tensor bytes failed (I/O error, file truncated or changed after its header was read)."""
+
+
+class IntegrityError(StreamloadError):
+    """Bytes read do not match the checkpoint's known digest (a damaged or changed file), or a load
+    asked to be verified has no digest to check against."""

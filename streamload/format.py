@@ -49,6 +49,8 @@ class FileHeader(NamedTuple):
     metadata: dict[str, str] | None
     identity: tuple[object, ...] = ()  # as read (local: device, inode, size, mtime; objects: size, ETag):
     # the storage checks that the data it reads later comes from the very same file
+    prefix: bytes = b""  # the file's bytes before the data section (length word and header), as read:
+    # a whole-file digest is checked from these and the tensor bytes, without reading the header twice
 
 
 ReadAt = Callable[[int, int], bytes]  # (offset, count) -> exactly `count` bytes of the file, or an error
@@ -79,7 +81,7 @@ def header_from(path: PurePath, size: int, head: bytes, read_at: ReadAt) -> File
         raise HeaderError(f"{path}: header length {n} runs past the end of the file ({size} bytes): truncated?")
     if 8 + n > len(head):
         head += read_at(len(head), 8 + n - len(head))
-    return parse_header(path, size, head[8 : 8 + n])
+    return parse_header(path, size, head[8 : 8 + n])._replace(prefix=bytes(head[: 8 + n]))
 
 
 def _no_duplicates(path: PurePath):

@@ -56,6 +56,12 @@ class _KeptOpen:
     def cached(self, headers: Any) -> None:
         return None
 
+    def digest(self, header: Any) -> Any:
+        return self.storage.digest(header)
+
+    def sidecar(self, near: Any, name: str) -> bytes | None:
+        return self.storage.sidecar(near, name)
+
     def open(self, headers: Any) -> Any:
         with self._lock:
             if self._files is None:

@@ -27,6 +27,7 @@ from .read import Reader
 from .read.pool import ReaderPool, Reads
 from .stats import Stats
 from .storage import Files, Storage
+from .verify import Hashing, NoCheck, Verifier
 
 
 class _Filling(NamedTuple):
@@ -50,9 +51,12 @@ class Pipeline:
         device: Device,
         tuning: Tuning,
         stats: Stats,
+        check: Verifier | NoCheck | None = None,
     ) -> None:
         self.plan, self.storage, self.reader, self.device, self.tuning = plan, storage, reader, device, tuning
         self.stats = stats
+        self.check = check or NoCheck()
+        self._hashing: deque[tuple[Hashing, torch.Tensor | None]] = deque()  # slots whose bytes are being hashed
         self._batches = iter(plan.batches)
         self._filling: deque[_Filling] = deque()
         self._free: list[torch.Tensor | None] = []
@@ -61,7 +65,7 @@ class Pipeline:
         self._staging = Staging()
         self._stop = threading.Event()
         self._busy = threading.Lock()  # held by next_batch; close waits for it
-        self._started = self._closed = False
+        self._started = self._closed = self._ended = False
 
     # -- the consumer's side ------------------------------------------------------------------------
     def next_batch(self) -> list[Delivered] | None:
@@ -76,15 +80,18 @@ class Pipeline:
                 if not self._started:
                     self._start()
                 if not self._filling:
-                    self.stats.finish()
+                    self._end()
                     return None
                 filling = self._filling.popleft()
                 filling.reads.wait()
                 if self._stop.is_set():
                     raise Stopped("the stream was closed")
+                hashing = self.check.start(filling.batch, filling.slot, self._files)
                 made = self._instantiate(filling)
-                self._free.append(filling.slot)
-                self._fill()
+                if hashing.before_delivery:  # tensors checked by their own digests are handed out checked
+                    hashing.wait()
+                self._hashing.append((hashing, filling.slot))
+                self._settle()
                 return made
             except Stopped:
                 raise
@@ -145,6 +152,30 @@ class Pipeline:
             reads = self._pool.submit(self.reader.jobs(batch, slot, self._files))
             self._filling.append(_Filling(batch, slot, reads))
 
+    def _settle(self) -> None:
+        """Slots whose bytes are hashed go back to the ring (in plan order) and the next reads start;
+        while every slot is still being hashed and nothing is being read, wait for the oldest."""
+        while self._hashing:
+            hashing, slot = self._hashing[0]
+            if not hashing.done() and (self._filling or self._free):
+                break
+            hashing.wait()  # raises a mismatch it found
+            self._hashing.popleft()
+            self._free.append(slot)
+            self._fill()
+        self._fill()
+
+    def _end(self) -> None:
+        """Every batch was delivered: the last hashes are waited for (a file's verdict comes at its end)."""
+        if self._ended:
+            return
+        while self._hashing:
+            self._hashing[0][0].wait()
+            self._hashing.popleft()
+        self.check.finish(self.stats)
+        self._ended = True
+        self.stats.finish()
+
     def _instantiate(self, filling: _Filling) -> list[Delivered]:
         assert self._files is not None
         slot, batch = filling.slot, filling.batch
@@ -172,6 +203,8 @@ class Pipeline:
             self._filling.clear()
             self._free.clear()
             try:
+                self.check.close()  # no thread hashes a slot's bytes any more
+                self._hashing.clear()
                 self.reader.close()
                 if self._files is not None:
                     self._files.close()

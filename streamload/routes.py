@@ -9,7 +9,7 @@ fits and whose builder accepts the load; a named reader is checked against its r
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import PurePath
 from typing import Literal, NamedTuple
 
@@ -133,10 +133,12 @@ def route(
     tuning: Tuning,
     first_file: PurePath | None = None,
     total_bytes: int = 0,
-    host_only: bool = False,
+    lands: Collection[Into] = ("host", "mapped", "device"),
+    why: str = "",
 ) -> tuple[Reader, Device]:
-    """The reader and device for a load. `host_only`: the bytes must land in host staging slots
-    (cooperative loading over a host-memory process group exchanges them there)."""
+    """The reader and device for a load. `lands`: where the load needs the bytes to land, and `why`
+    (cooperative loading over a host-memory process group exchanges them in host staging slots,
+    verification hashes them in host memory)."""
     names = [r.name for r in READERS]
     if reader != "auto" and reader not in names:
         raise ValueError(f"reader must be 'auto' or one of {', '.join(repr(n) for n in names)}, not {reader!r}")
@@ -149,7 +151,7 @@ def route(
     for row in READERS:
         if chosen and row.name != reader:
             continue
-        fits = _fits(row, dev, storage, host_only)
+        fits = _fits(row, dev, storage, lands, why)
         if fits is not None:
             if chosen:
                 raise UnsupportedError(fits)
@@ -160,7 +162,7 @@ def route(
     raise UnsupportedError(f"no reader reads {storage} storage into {dev}")  # the table lacks a row
 
 
-def _fits(row: ReaderRow, dev: torch.device, storage: str, host_only: bool) -> str | None:
+def _fits(row: ReaderRow, dev: torch.device, storage: str, lands: Collection[Into], why: str) -> str | None:
     """None if the row serves this load, else why not (the error for a reader named by the caller)."""
     others = ", ".join(repr(r.name) for r in READERS if r.storage == storage and dev.type in r.devices)
     if row.storage != storage:
@@ -168,10 +170,7 @@ def _fits(row: ReaderRow, dev: torch.device, storage: str, host_only: bool) -> s
     if dev.type not in row.devices:
         where = "GPU memory" if row.devices == ("cuda",) else f"device={row.devices[0]!r}"
         return f"the {row.name} reader reads into {where}, not {dev.type}: use {others}"
-    if host_only and row.into != "host":
-        return (
-            "cooperative loading over a host-memory process group reads into host staging slots: "
-            f"use a reader that does ({', '.join(repr(r.name) for r in READERS if r.into == 'host')}), "
-            f"not {row.name!r}"
-        )
+    if row.into not in lands:
+        fit = ", ".join(repr(r.name) for r in READERS if r.into in lands and r.storage == storage)
+        return f"{why}: use a reader that does ({fit}), not {row.name!r}"
     return None

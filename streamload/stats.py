@@ -18,6 +18,8 @@ class Stats:
     tensors_done: int = 0
     time_to_first_tensor: float | None = None
     staging_bytes: int = 0  # staging memory the stream held from the process-wide budget (set at its end)
+    bytes_verified: int = 0  # checked against a digest (verify=; set at the stream's end)
+    bytes_unverified: int = 0  # read with verify= but covered by no digest (the cut edges of rank slices)
     started: float | None = field(default=None, repr=False)
     finished: float | None = field(default=None, repr=False)
 

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .base import INDEX_NAME, Files, Listing, PathLike, Source, Storage
+from .base import INDEX_NAME, Digest, Files, Listing, PathLike, Source, Storage
 from .local import LocalFiles, LocalStorage
 
 
@@ -36,5 +36,5 @@ def storage_for(source: Source, cache_dir: PathLike | None = None) -> Storage:
     return LocalStorage()
 
 
-__all__ = ["INDEX_NAME", "STORAGES", "Files", "Listing", "LocalFiles", "LocalStorage", "PathLike", "Source",
+__all__ = ["INDEX_NAME", "STORAGES", "Digest", "Files", "Listing", "LocalFiles", "LocalStorage", "PathLike", "Source",
            "Storage", "storage_for"]  # fmt: skip

@@ -61,6 +61,23 @@ class Storage(Protocol):
         """Local copies of all these files at these versions, if a cache holds them; else None."""
         ...
 
+    def digest(self, header: FileHeader) -> Digest | None:
+        """A digest of the whole file that the storage knows without reading it (a Hugging Face cache
+        blob's name, an object's ETag where it is an MD5), else None."""
+        ...
+
+    def sidecar(self, near: PurePath, name: str) -> bytes | None:
+        """The bytes of the small file `name` in the folder (or prefix) of `near`; None if absent."""
+        ...
+
+
+class Digest(NamedTuple):
+    """A whole file's digest: the hashlib algorithm, the hex digest, and where it was learnt."""
+
+    algorithm: str  # "sha256" or "md5"
+    hex: str
+    origin: str
+
 
 def file_list(paths: list[PurePath]) -> Listing:
     """A source given as a list of files: at least one, none twice."""

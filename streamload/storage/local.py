@@ -11,7 +11,7 @@ import torch
 
 from ..errors import HeaderError, MissingFileError, ReadError, SourceError
 from ..format import FIRST_READ, FileHeader, header_from
-from .base import INDEX_NAME, Listing, Source, file_list, parse_index
+from .base import INDEX_NAME, Digest, Listing, Source, file_list, parse_index
 
 
 class LocalStorage:
@@ -53,6 +53,22 @@ class LocalStorage:
 
     def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:
         return None  # already local
+
+    def digest(self, header: FileHeader) -> Digest | None:
+        """In a Hugging Face hub cache, `snapshots/<rev>/<file>` links to `blobs/<sha256 of the file>`."""
+        target = Path(os.path.realpath(header.path))
+        name = target.name
+        if target.parent.name == "blobs" and len(name) == 64 and all(c in "0123456789abcdef" for c in name):
+            return Digest("sha256", name, f"the Hugging Face cache's blob name ({target})")
+        return None
+
+    def sidecar(self, near: PurePath, name: str) -> bytes | None:
+        try:
+            return (Path(near).parent / name).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise SourceError(f"{Path(near).parent / name}: cannot read: {exc.strerror or exc}") from None
 
 
 def _from_index(index: Path) -> Listing:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import MissingFileError, ReadError, SourceError, UnsupportedError
 from ..format import FIRST_READ, FileHeader, header_from
-from .base import INDEX_NAME, Listing, Source, file_list, parse_index
+from .base import INDEX_NAME, Digest, Listing, Source, file_list, parse_index
 
 if TYPE_CHECKING:
     from .cache import CacheWriter
@@ -147,6 +147,25 @@ class ObjectStorage:
         from .cache import lookup
 
         return None if self.cache_dir is None else lookup(self.cache_dir, headers)
+
+    def digest(self, header: FileHeader) -> Digest | None:
+        """S3's ETag is the object's MD5 unless it was uploaded in parts ("<hex>-<parts>") or encrypted
+        with KMS; an HTTP server's ETag is opaque, so only s3:// is trusted."""
+        kind, tag = (*header.identity, None, None, None)[1:3]
+        etag = str(tag or "").strip('"').lower()
+        if self.root.startswith("s3://") and kind == "etag" and len(etag) == 32:
+            if all(c in "0123456789abcdef" for c in etag):
+                return Digest("md5", etag, "the object's ETag")
+        return None
+
+    def sidecar(self, near: PurePath, name: str) -> bytes | None:
+        assert isinstance(near, ObjectPath)
+        path = ObjectPath(str(near.parent) + "/" + name) if near.parent != near else near
+        try:
+            data, _ = self.call(lambda: _get(self.store, path.key, None, None), path)
+        except MissingFileError:
+            return None
+        return bytes(data)
 
     def _path(self, url: str) -> ObjectPath:
         path = ObjectPath(url)

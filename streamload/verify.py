@@ -1,0 +1,450 @@
+"""Integrity: a checkpoint's bytes checked against known digests as they are read, never by reading a
+file a second time.
+
+Two kinds of digest:
+- whole-file (SHA-256, or MD5): what a Hugging Face cache gives for free (`snapshots/<rev>/<file>` is a
+  link to `blobs/<sha256 of the file>`), an S3 object's ETag, a digest file, or `verify={file: hex}`.
+  Checking one needs every byte of the file in order, so such a file is read whole, in file order, and
+  its verdict comes when its last byte has been hashed.
+- per-tensor blocks (xxh3-64 of each `BLOCK_BYTES` of each tensor), from a digest file that
+  `streamload digest` writes next to the checkpoint: checked in any order, before a tensor is handed
+  out, and for a rank's slice every block it reads whole.
+
+The pipeline hands each batch to `Verifier.start` once its bytes are in (a host slot, or the file's
+mapping); the verifier's threads hash it while the consumer makes the batch's tensors, each file's
+batches one after another in plan order, files in parallel. A slot is refilled only once its bytes
+are hashed; tensors checked by blocks are handed out only once their blocks matched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import PurePath
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from .errors import IntegrityError, UnsupportedError
+from .format import FileHeader
+from .plan import Batch, Item, Piece, Plan
+from .source import Checkpoint
+from .stats import Stats
+from .storage import Digest
+
+DIGEST_FILE = "streamload.digests.json"
+FORMAT = "streamload-digests/1"
+BLOCK_BYTES = 1 << 20  # a rank's slice is verified block by block: the edges of a slice that cut a block are not
+Verify = bool | Mapping[str, str]
+log = logging.getLogger("streamload")
+
+
+def block_digest(data: memoryview | bytes) -> str:
+    import xxhash  # imported by loads that verify only
+
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def block_hasher() -> Any:
+    import xxhash
+
+    return xxhash.xxh3_64()
+
+
+class Known(NamedTuple):
+    """What is known of one file's digests, and from where."""
+
+    whole: Digest | None = None
+    blocks: Mapping[str, Sequence[str]] | None = None  # tensor name -> digest of each block
+    block_bytes: int = BLOCK_BYTES
+    origin: str = ""  # of the blocks
+    stale: str | None = None  # why the digest file's entry does not describe this file
+
+
+def known_digests(checkpoint: Checkpoint) -> dict[PurePath, Known]:
+    """Every file's digests that can be had without reading tensor data: the storage's own (hub cache
+    blob names, S3 ETags) and the digest file next to the checkpoint."""
+    sidecars: dict[str, dict[str, Any] | None] = {}
+    out: dict[PurePath, Known] = {}
+    for header in checkpoint.files:
+        folder = str(header.path.parent)
+        if folder not in sidecars:
+            sidecars[folder] = _digest_file(checkpoint, header.path)
+        entry = ((sidecars[folder] or {}).get("files") or {}).get(header.path.name)
+        whole = checkpoint.storage.digest(header) if header.prefix else None
+        if not isinstance(entry, dict):
+            out[header.path] = Known(whole)
+            continue
+        origin = str(PurePath(folder) / DIGEST_FILE)
+        if entry.get("size") != header.size:
+            out[header.path] = Known(whole, stale=f"{origin} was made for a file of {entry.get('size')} bytes, "
+                                     f"this one has {header.size}")  # fmt: skip
+            continue
+        if whole is None and isinstance(entry.get("sha256"), str):
+            whole = Digest("sha256", entry["sha256"], origin)
+        block = (sidecars[folder] or {}).get("block_bytes", BLOCK_BYTES)
+        out[header.path] = Known(whole, entry.get("tensors"), block, origin)
+    return out
+
+
+def _digest_file(checkpoint: Checkpoint, near: PurePath) -> dict[str, Any] | None:
+    raw = checkpoint.storage.sidecar(near, DIGEST_FILE)
+    if raw is None:
+        return None
+    where = f"{near.parent}/{DIGEST_FILE}"
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise IntegrityError(f"{where}: not a digest file (invalid JSON: {exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("files"), dict):
+        raise IntegrityError(f"{where}: not a digest file of format {FORMAT!r}; write it anew with `streamload digest`")
+    return doc
+
+
+def choose(checkpoint: Checkpoint, verify: Verify) -> dict[PurePath, Known]:
+    """The digests a load with `verify=` checks each file against (files absent are not checked).
+    True: every file's known digests, refusing a file with none; a mapping {file name: hex}: those."""
+    if isinstance(verify, Mapping):
+        by_name = {h.path.name: h.path for h in checkpoint.files} | {str(h.path): h.path for h in checkpoint.files}
+        chosen: dict[PurePath, Known] = {}
+        for name, hexdigest in verify.items():
+            if name not in by_name:
+                raise ValueError(f"verify: {name!r} is not a file of this checkpoint ({', '.join(sorted(by_name))})")
+            algorithm = {64: "sha256", 32: "md5"}.get(len(hexdigest))
+            if algorithm is None or any(c not in "0123456789abcdefABCDEF" for c in hexdigest):
+                raise ValueError(f"verify: {name!r}: {hexdigest!r} is not a SHA-256 (64 hex digits) or MD5 (32)")
+            chosen[by_name[name]] = Known(Digest(algorithm, hexdigest.lower(), "verify="))
+        return chosen
+    known = known_digests(checkpoint)
+    missing = [str(p) for p, k in known.items() if k.whole is None and k.blocks is None]
+    if missing:
+        stale = [k.stale for k in known.values() if k.stale]
+        raise IntegrityError(
+            f"verify=True, but no digest is known for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+            f"{' (' + stale[0] + ')' if stale else ''}: write one with `streamload digest "
+            f"{checkpoint.files[0].path.parent}`, load from a Hugging Face cache, or pass verify={{file: sha256}}"
+        )
+    return known
+
+
+def needs_file_order(chosen: Mapping[PurePath, Known]) -> bool:
+    """A file checked by its whole-file digest alone is hashed in file order: the plan must read it so."""
+    return any(k.blocks is None for k in chosen.values())
+
+
+# -- checking --------------------------------------------------------------------------------------
+
+
+class FileCheck(Protocol):
+    verified: int  # bytes that matched
+    unverified: int  # bytes read that no digest covers (the cut edges of a rank's slice)
+
+    def feed(self, piece: Piece, data: memoryview) -> None:
+        """The bytes of `piece`, in plan order; raises IntegrityError on a mismatch."""
+
+    def end(self) -> None:
+        """The stream ended: every byte this file was to give has been fed."""
+
+
+class WholeFile:
+    def __init__(self, header: FileHeader, digest: Digest) -> None:
+        self.header, self.digest = header, digest
+        self.hash = hashlib.new(digest.algorithm)
+        self.hash.update(header.prefix)
+        self.at = header.data_start
+        self.verified = self.unverified = 0
+
+    def feed(self, piece: Piece, data: memoryview) -> None:
+        assert piece.file_offset == self.at, f"{self.header.path}: bytes fed out of file order"
+        self.hash.update(data)
+        self.at += len(data)
+        if self.at == self.header.size:
+            got = self.hash.hexdigest()
+            if got != self.digest.hex:
+                raise IntegrityError(
+                    f"{self.header.path}: the file's {self.digest.algorithm.upper()} is {got}, not {self.digest.hex} "
+                    f"as {self.digest.origin} says: the file is damaged or was changed (tensors of it that "
+                    "iter() handed out already must not be used)"
+                )
+            self.verified = self.header.size
+
+    def end(self) -> None:
+        assert self.at == self.header.size, f"{self.header.path}: the stream ended before the file's end"
+
+
+class Blocks:
+    def __init__(self, header: FileHeader, known: Known) -> None:
+        self.path, self.block = header.path, known.block_bytes
+        self.origin = known.origin
+        self.digests = known.blocks or {}
+        self.partial: dict[str, tuple[int, int, Any]] = {}  # tensor -> (block, bytes so far up to, hash)
+        self.verified = self.unverified = 0
+
+    def feed(self, piece: Piece, data: memoryview) -> None:
+        info = piece.item.info
+        want = self.digests[info.name]
+        rel = piece.file_offset - info.begin
+        pos, end = rel, rel + len(data)
+        while pos < end:
+            j = pos // self.block
+            lo, hi = j * self.block, min((j + 1) * self.block, info.nbytes)
+            upto = min(end, hi)
+            chunk = data[pos - rel : upto - rel]
+            state = self.partial.pop(info.name, None)
+            if pos == lo and upto == hi:  # a whole block in one piece: the common case
+                self._compare(info.name, j, len(want), lo, hi, block_digest(chunk), want[j])
+            elif pos == lo or (state is not None and state[0] == j and state[1] == pos):
+                h = block_hasher() if pos == lo else state[2]  # type: ignore[index]
+                h.update(chunk)
+                if upto == hi:
+                    self._compare(info.name, j, len(want), lo, hi, h.hexdigest(), want[j])
+                else:
+                    self.partial[info.name] = (j, upto, h)
+            else:  # a slice that starts inside a block: its head cannot be checked
+                if state is not None:
+                    self.unverified += state[1] - state[0] * self.block
+                self.unverified += upto - pos
+            pos = upto
+
+    def _compare(self, name: str, j: int, n: int, lo: int, hi: int, got: str, want: str) -> None:
+        if got != want:
+            raise IntegrityError(
+                f"{self.path}: tensor {name!r}: bytes {lo}..{hi} of it (block {j + 1} of {n}) do not match "
+                f"{self.origin}: the file is damaged or was changed"
+            )
+        self.verified += hi - lo
+
+    def end(self) -> None:
+        for j, upto, _ in self.partial.values():  # slices that end inside a block
+            self.unverified += upto - j * self.block
+        self.partial.clear()
+
+
+def _check_for(header: FileHeader, known: Known, items: list[Item]) -> FileCheck:
+    if known.blocks is not None:
+        for item in items:
+            blocks = known.blocks.get(item.name)
+            count = -(-item.info.nbytes // known.block_bytes)
+            if not isinstance(blocks, list) or len(blocks) != count:
+                raise IntegrityError(
+                    f"{header.path}: tensor {item.name!r}: {known.origin} has no digests of it (or the wrong "
+                    "number): it was made for another version of the checkpoint; write it anew with "
+                    "`streamload digest`"
+                )
+        return Blocks(header, known)
+    assert known.whole is not None
+    partial = [i.name for i in items if i.ranges != ((i.info.begin, i.info.nbytes),)]
+    left_out = len(header.tensors) - len(items)
+    if partial or left_out or len(header.prefix) != header.data_start:
+        what = f"{left_out} of its tensors are left out" if left_out else f"tensor {partial[0]!r} is read in part"
+        raise IntegrityError(
+            f"{header.path}: only a whole-file digest is known ({known.whole.origin}), and this load does not read "
+            f"the whole file ({what}): bytes never read cannot be checked against it. Write per-tensor digests "
+            f"with `streamload digest {header.path.parent}` to verify a part of a checkpoint"
+        )
+    return WholeFile(header, known.whole)
+
+
+class _Serial:
+    """One file's hashing: tasks run one at a time, in the order given, on the verifier's threads."""
+
+    def __init__(self, executor: ThreadPoolExecutor, check: FileCheck) -> None:
+        self.executor, self.check = executor, check
+        self._queue: deque[tuple[Callable[[], None], Future[None]]] = deque()
+        self._lock = threading.Lock()
+        self._running = False
+        self.closed = False
+
+    def submit(self, task: Callable[[], None]) -> Future[None]:
+        done: Future[None] = Future()
+        with self._lock:
+            self._queue.append((task, done))
+            if not self._running:
+                self._running = True
+                self.executor.submit(self._drain)
+        return done
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue or self.closed:
+                    self._running = False
+                    return
+                task, done = self._queue.popleft()
+            if not done.set_running_or_notify_cancel():
+                continue
+            try:
+                task()
+                done.set_result(None)
+            except BaseException as exc:
+                self.closed = True  # a mismatch: this file's later bytes need no hashing
+                done.set_exception(exc)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.closed = True
+            queue, self._queue = self._queue, deque()
+        for _, done in queue:
+            done.cancel()
+
+
+class Hashing:
+    """A batch's hashing: `done`, and `wait` (which raises what it found)."""
+
+    def __init__(self, futures: list[Future[None]], before_delivery: bool) -> None:
+        self.futures, self.before_delivery = futures, before_delivery
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def wait(self) -> None:
+        for f in self.futures:
+            f.result()
+
+
+NOTHING = Hashing([], before_delivery=False)
+
+
+class NoCheck:
+    """What a load that verifies nothing does."""
+
+    def start(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> Hashing:
+        return NOTHING
+
+    def finish(self, stats: Stats) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Verifier:
+    """Checks the files of a plan against `chosen` digests (see the module's docstring)."""
+
+    def __init__(self, plan: Plan, chosen: Mapping[PurePath, Known], threads: int | None = None) -> None:
+        by_file: dict[PurePath, list[Item]] = {}
+        for item in plan.items:
+            by_file.setdefault(item.info.path, []).append(item)
+        checks = {p: _check_for(plan.files[p], chosen[p], items) for p, items in by_file.items() if p in chosen}
+        self._executor = ThreadPoolExecutor(threads or min(4, os.cpu_count() or 1), "streamload-verify")
+        self._files = {p: _Serial(self._executor, c) for p, c in checks.items()}
+
+    def start(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> Hashing:
+        if slot is not None and slot.device.type != "cpu":
+            raise UnsupportedError("verify hashes bytes in host memory: this reader put them on the device")
+        view = _host_bytes(slot) if slot is not None else None
+        pieces: dict[PurePath, list[Piece]] = {}
+        for p in batch.pieces:
+            if p.item.info.path in self._files and p.length:
+                pieces.setdefault(p.item.info.path, []).append(p)
+        futures, before = [], False
+        for path, mine in pieces.items():
+            serial = self._files[path]
+            source = view if view is not None else _host_bytes(files.mapping(path))
+            at = (lambda p: p.slot_offset) if view is not None else (lambda p: p.file_offset)
+
+            def task(check: FileCheck = serial.check, mine: list[Piece] = mine, source: memoryview = source,
+                     at: Callable[[Piece], int] = at) -> None:  # fmt: skip
+                for p in mine:
+                    check.feed(p, source[at(p) : at(p) + p.length])
+
+            futures.append(serial.submit(task))
+            before = before or isinstance(serial.check, Blocks)
+        return Hashing(futures, before)
+
+    def finish(self, stats: Stats) -> None:
+        """The stream ended (every batch hashed): count what was checked."""
+        for serial in self._files.values():
+            serial.check.end()
+            stats.bytes_verified += serial.check.verified
+            stats.bytes_unverified += serial.check.unverified
+        if stats.bytes_unverified:
+            log.warning(
+                "streamload: verify: %d bytes read could not be checked: rank slices that begin or end inside "
+                "a %d-byte block of a per-tensor digest", stats.bytes_unverified, BLOCK_BYTES,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        """Stop hashing; returns once no thread reads a slot any more (slots may be released then)."""
+        for serial in self._files.values():
+            serial.cancel()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _host_bytes(t: torch.Tensor | torch.UntypedStorage) -> memoryview:
+    n = t.nbytes() if isinstance(t, torch.UntypedStorage) else t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+# -- writing a digest file -------------------------------------------------------------------------
+
+_READ_BYTES = 16 << 20
+
+
+def write_digests(checkpoint: Checkpoint, threads: int | None = None) -> tuple[PurePath, dict[str, Any]]:
+    """Hash every file of a local checkpoint (SHA-256 of the file, xxh3-64 of each block of each
+    tensor; files in parallel, each read once, in order) and write `streamload.digests.json` next to
+    them. Returns the digest file's path and what it holds."""
+    if checkpoint.storage.kind != "local":
+        raise UnsupportedError(
+            "streamload digest reads local files: download the checkpoint (or load it once with cache_dir=) "
+            "and write the digest file there, then copy it next to the objects"
+        )
+    folders = {h.path.parent for h in checkpoint.files}
+    if len(folders) > 1:
+        raise UnsupportedError(f"the checkpoint's files are in {len(folders)} folders: a digest file covers one")
+    with ThreadPoolExecutor(threads or min(len(checkpoint.files), os.cpu_count() or 1)) as pool:
+        entries = list(pool.map(_digest_of, checkpoint.files))
+    doc = {"format": FORMAT, "block_bytes": BLOCK_BYTES, "block_hash": "xxh3-64",
+           "files": {h.path.name: e for h, e in zip(checkpoint.files, entries, strict=True)}}  # fmt: skip
+    target = folders.pop() / DIGEST_FILE
+    temporary = target.with_name(f".{DIGEST_FILE}.{os.getpid()}")
+    with open(temporary, "w") as f:  # type: ignore[call-overload]
+        json.dump(doc, f, indent=1)
+    os.replace(temporary, target)  # type: ignore[arg-type]
+    return target, doc
+
+
+def _digest_of(header: FileHeader) -> dict[str, Any]:
+    whole = hashlib.sha256()
+    blocks: dict[str, list[str]] = {t.name: [] for t in header.tensors}
+    tensors = iter(header.tensors)
+    current = next(tensors, None)
+    block = block_hasher()
+    buffer = bytearray(_READ_BYTES)
+    view = memoryview(buffer)
+    fd = os.open(header.path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        offset = 0
+        while offset < header.size:
+            n = os.preadv(fd, [view[: min(_READ_BYTES, header.size - offset)]], offset)
+            if n == 0:
+                raise IntegrityError(f"{header.path}: ended at {offset} bytes, its header says {header.size}")
+            data = view[:n]
+            whole.update(data)
+            at = max(offset, header.data_start)
+            while current is not None and at < offset + n:  # the tensors' blocks in this read
+                if current.nbytes == 0:
+                    current = next(tensors, None)
+                    continue
+                rel = at - current.begin
+                upto = min(offset + n, current.end, current.begin + (rel // BLOCK_BYTES + 1) * BLOCK_BYTES)
+                block.update(data[at - offset : upto - offset])
+                at = upto
+                if (upto - current.begin) % BLOCK_BYTES == 0 or upto == current.end:
+                    blocks[current.name].append(block.hexdigest())
+                    block.reset()
+                if upto == current.end:
+                    current = next(tensors, None)
+            offset += n
+    finally:
+        os.close(fd)
+    return {"size": header.size, "sha256": whole.hexdigest(), "tensors": blocks}

@@ -1,0 +1,227 @@
+"""verify=: digests checked as the bytes are read (per-tensor blocks from a digest file, whole-file
+SHA-256 from a Hugging Face cache's blob names or the caller), on real files damaged on purpose."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import streamload
+from streamload import IntegrityError, ShardSpec
+from streamload.verify import BLOCK_BYTES, DIGEST_FILE, write_digests
+
+from .conftest import own_threads, random_tensor, same_bits
+
+SMALL_RING = {"ring_bytes": 1 << 20, "slots": 2}  # tensors larger than a slot: cut across batches
+
+
+def make_model(folder: Path) -> Path:
+    """Two shards; tensors of 2.5 blocks (so blocks straddle slots), small ones, an empty one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    big = (BLOCK_BYTES * 5 // 2) // 4
+    state = {f"model.layers.{i}.mlp.weight": random_tensor(torch.float32, (big // 640, 640), seed=i) for i in range(4)}
+    state |= {f"model.layers.{i}.norm.weight": random_tensor(torch.bfloat16, (640,), seed=10 + i) for i in range(4)}
+    state["model.embed.weight"] = random_tensor(torch.float16, (300, 64), seed=20)
+    state["model.empty"] = torch.zeros(0)
+    names = sorted(state)
+    save_file({n: state[n] for n in names[:5]}, folder / "model-00001-of-00002.safetensors")
+    save_file({n: state[n] for n in names[5:]}, folder / "model-00002-of-00002.safetensors")
+    return folder
+
+
+def reference(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out |= {n: t.clone() for n, t in load_file(f).items()}  # copies: the files are damaged later
+    return out
+
+
+def damage(path: Path, offset: int) -> None:
+    """Flip one byte in place: same size, same header."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def hub_cache(folder: Path, cache: Path) -> Path:
+    """The layout of a Hugging Face cache: snapshot files are links to blobs named by their SHA-256."""
+    snapshot = cache / "snapshots" / "abc123"
+    (cache / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in folder.glob("*.safetensors"):
+        sha = hashlib.sha256(f.read_bytes()).hexdigest()
+        os.replace(f, cache / "blobs" / sha)
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", sha))
+    return snapshot
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+@pytest.mark.parametrize("ring", [{}, SMALL_RING])
+def test_a_digest_file_verifies_every_byte_and_the_tensors_are_exact(tmp_path: Path, reader: str, ring: dict) -> None:
+    model = make_model(tmp_path / "m")
+    written, doc = write_digests(streamload.inspect(model))
+    assert written == model / DIGEST_FILE
+    for f in model.glob("*.safetensors"):
+        assert doc["files"][f.name]["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
+    with streamload.iter(model, device="cpu", reader=reader, verify=True, **ring) as stream:
+        got = dict(stream)
+    ref = reference(model)
+    assert set(got) == set(ref) and all(same_bits(got[n], t) for n, t in ref.items())
+    assert stream.stats.bytes_verified == sum(t.nbytes for t in streamload.inspect(model).tensors.values())
+    assert stream.stats.bytes_unverified == 0
+    first = next(n for n, _ in streamload.iter(model, device="cpu", verify=True))
+    assert first.startswith("model.embed")  # layer order
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+def test_a_damaged_tensor_is_never_handed_out(tmp_path: Path, reader: str) -> None:
+    model = make_model(tmp_path / "m")
+    write_digests(streamload.inspect(model))
+    ckpt = streamload.inspect(model)
+    before = reference(model)
+    victim = ckpt.tensors["model.layers.2.mlp.weight"]
+    damage(Path(victim.path), victim.begin + BLOCK_BYTES + 17)  # inside its second block
+
+    handed: list[str] = []
+    with pytest.raises(IntegrityError) as caught:
+        with streamload.iter(model, device="cpu", reader=reader, verify=True, **SMALL_RING) as stream:
+            for name, _ in stream:
+                handed.append(name)
+    message = str(caught.value)
+    assert str(victim.path) in message and "'model.layers.2.mlp.weight'" in message
+    assert f"bytes {BLOCK_BYTES}..{2 * BLOCK_BYTES}" in message and "block 2 of 3" in message
+    assert "model.layers.1.mlp.weight" in handed and victim.name not in handed  # layer order: 0, 1, then 2 fails
+    with pytest.raises(IntegrityError):
+        streamload.load(model, device="cpu", reader=reader, verify=True)
+    # without verification the damage goes unseen: the damaged bytes are handed out
+    assert not same_bits(streamload.load(model, device="cpu", reader=reader)[victim.name], before[victim.name])
+
+
+def test_hub_cache_blob_names_verify_whole_files_in_file_order(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m")
+    ref = reference(model)
+    snapshot = hub_cache(model, tmp_path / "models--org--name")
+    with streamload.iter(snapshot, device="cpu", verify=True, **SMALL_RING) as stream:
+        names = [n for n, _ in stream]
+    ckpt = streamload.inspect(snapshot)
+    assert names == [t.name for f in ckpt.files for t in f.tensors]  # file order, not layer order
+    assert stream.stats.bytes_verified == sum(f.size for f in ckpt.files)
+    assert all(same_bits(t, ref[n]) for n, t in streamload.load(snapshot, device="cpu", verify=True).items())
+
+    shown = {f.path.name: d for f, d in zip(ckpt.files, streamload.verify.known_digests(ckpt).values(), strict=True)}
+    assert all(d.whole is not None and d.whole.algorithm == "sha256" for d in shown.values())
+
+    second = ckpt.files[1]
+    damage(Path(second.path), second.size - 3)  # the last tensor's bytes
+    with pytest.raises(IntegrityError, match=rf"{second.path}: the file's SHA256 is [0-9a-f]{{64}}, not") as caught:
+        streamload.load(snapshot, device="cpu", verify=True)
+    assert "Hugging Face cache" in str(caught.value)
+
+
+def test_the_callers_sha256_is_checked(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m")
+    files = sorted(model.glob("*.safetensors"))
+    digests = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    assert set(streamload.load(model, device="cpu", verify=digests)) == set(reference(model))
+    wrong = dict(digests, **{files[0].name: "0" * 64})
+    with pytest.raises(IntegrityError, match=f"{files[0].name}: the file's SHA256 is .* as verify= says"):
+        streamload.load(model, device="cpu", verify=wrong, reader="posix")
+    with pytest.raises(ValueError, match="'nope.safetensors' is not a file of this checkpoint"):
+        streamload.iter(model, device="cpu", verify={"nope.safetensors": "0" * 64})
+    with pytest.raises(ValueError, match="not a SHA-256"):
+        streamload.iter(model, device="cpu", verify={files[0].name: "xyz"})
+
+
+def test_nothing_to_check_against_is_refused_before_reading(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m")
+    with pytest.raises(
+        IntegrityError, match=r"no digest is known for .*model-00001-of-00002.safetensors.*streamload digest"
+    ):
+        streamload.iter(model, device="cpu", verify=True)
+
+
+def test_a_part_of_a_file_needs_per_tensor_digests(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m")
+    snapshot = hub_cache(model, tmp_path / "cache")
+    with pytest.raises(IntegrityError, match="only a whole-file digest is known .* of its tensors are left out"):
+        streamload.iter(snapshot, device="cpu", verify=True, exclude="*norm*")
+    write_digests(streamload.inspect(snapshot))  # next to the snapshot's links
+    with streamload.iter(snapshot, device="cpu", verify=True, exclude="*norm*") as stream:
+        got = dict(stream)
+    assert not any("norm" in n for n in got) and stream.stats.bytes_verified == stream.stats.bytes_read
+
+
+def test_rank_slices_are_verified_block_by_block(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m")
+    write_digests(streamload.inspect(model))
+    ref = reference(model)
+    rules = {"*mlp.weight": 0, "*embed*": 1}  # rows: contiguous ranges; columns of the embedding: strided
+    for rank in range(2):
+        with streamload.iter(model, device="cpu", verify=True, shard=ShardSpec(rules, rank, 2)) as stream:
+            got = dict(stream)
+        for name, t in got.items():
+            full = ref[name]
+            dim = rules.get("*mlp.weight" if "mlp" in name else "*embed*" if "embed" in name else "", None)
+            want = full if dim is None else full.chunk(2, dim)[rank]
+            assert same_bits(t, want.contiguous()), name
+        stats = stream.stats
+        assert stats.bytes_verified + stats.bytes_unverified == stats.bytes_read
+        # Only the blocks a rank's rows cut are left unchecked (the strided embedding is read whole).
+        cut = 0
+        for name, info in streamload.inspect(model).tensors.items():
+            if "mlp" in name:
+                lo, hi = rank * info.nbytes // 2, (rank + 1) * info.nbytes // 2
+                whole = range(-(-lo // BLOCK_BYTES), hi // BLOCK_BYTES + (hi == info.nbytes))
+                cut += (hi - lo) - sum(min(info.nbytes, (j + 1) * BLOCK_BYTES) - j * BLOCK_BYTES for j in whole)
+        assert stats.bytes_unverified == cut > 0
+
+
+def test_a_stale_digest_file_is_named(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m")
+    write_digests(streamload.inspect(model))
+    first = sorted(model.glob("*.safetensors"))[0]
+    state = load_file(first)
+    state["extra"] = torch.ones(3)
+    save_file(state, first)
+    with pytest.raises(IntegrityError, match=r"digests.json was made for a file of \d+ bytes, this one has"):
+        streamload.iter(model, device="cpu", verify=True)
+    (model / DIGEST_FILE).write_text("{not json")
+    with pytest.raises(IntegrityError, match="not a digest file"):
+        streamload.iter(model, device="cpu", verify=True)
+    (model / DIGEST_FILE).write_text(json.dumps({"format": "other"}))
+    with pytest.raises(IntegrityError, match="write it anew with `streamload digest`"):
+        streamload.iter(model, device="cpu", verify=True)
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+def test_stopping_a_verified_load_leaves_no_thread(tmp_path: Path, reader: str) -> None:
+    model = make_model(tmp_path / "m")
+    write_digests(streamload.inspect(model))
+    before = own_threads()
+    for stop_after in (0, 1, 3):
+        with streamload.iter(model, device="cpu", reader=reader, verify=True, **SMALL_RING) as stream:
+            for k, _ in enumerate(stream):
+                if k >= stop_after:
+                    break
+    deadline = time.monotonic() + 2
+    while own_threads() - before and time.monotonic() < deadline:  # the shared reader pool may linger
+        time.sleep(0.05)
+    assert not {t for t in own_threads() - before if t.name.startswith("streamload-verify")}
+
+
+@pytest.mark.anyio
+async def test_the_async_face_verifies(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m")
+    write_digests(streamload.inspect(model))
+    async with streamload.iter(model, device="cpu", verify=True, **SMALL_RING) as stream:
+        got = {n: t async for n, t in stream}
+    assert set(got) == set(reference(model)) and stream.stats.bytes_verified == stream.stats.bytes_read
