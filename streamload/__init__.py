@@ -2,80 +2,73 @@
 
 >>> import streamload
 >>> state = streamload.load("model.safetensors", device="cpu")  # doctest: +SKIP
+
+Every public name is imported on first use: `import streamload` costs almost nothing until a load
+starts (torch is imported then), and the command line installs its Ctrl-C handling before that.
 """
 
-from typing import TYPE_CHECKING, Any
+import typing as _typing
 
-from .api import inspect, iter, load
-from .errors import (
-    HeaderError,
-    IntegrityError,
-    MissingFileError,
-    ReadError,
-    SourceError,
-    StreamloadError,
-    UnsupportedError,
-)
-from .format import FileHeader, TensorInfo
-from .layer_keys import Layer, group_of, layer_of
-from .layers import LayerStream, layers  # the module `streamload.layers` is shadowed by its function
-from .limits import Usage, set_limits, usage
-from .source import Checkpoint
-from .stats import Stats
-from .stream import TensorStream
-
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports each name
+    # ruff: noqa: F401
+    from .api import inspect, iter, load
+    from .errors import (
+        HeaderError,
+        IntegrityError,
+        MissingFileError,
+        ReadError,
+        SourceError,
+        StreamloadError,
+        UnsupportedError,
+    )
+    from .format import FileHeader, TensorInfo
     from .hf import from_pretrained
+    from .layer_keys import Layer, group_of, layer_of
+    from .layer_stream import LayerStream, layers
+    from .limits import Usage, set_limits, usage
     from .module import LoadResult, aload_into, empty_weights, load_into
+    from .offloaded import Offloaded, offload
     from .shard import ShardSpec
+    from .source import Checkpoint
+    from .stats import Stats
+    from .stream import TensorStream
 
-# Imported on first use: a plain load needs none of them (`import streamload` is on a load's clock).
-_LAZY = {"LoadResult": "module", "aload_into": "module", "empty_weights": "module", "load_into": "module",
-         "ShardSpec": "shard", "from_pretrained": "hf", "offload": "offloaded", "Offloaded": "offloaded"}  # fmt: skip
+# name -> the module that defines it
+_WHERE = {
+    "inspect": "api", "iter": "api", "load": "api",
+    "HeaderError": "errors", "IntegrityError": "errors", "MissingFileError": "errors", "ReadError": "errors",
+    "SourceError": "errors", "StreamloadError": "errors", "UnsupportedError": "errors",
+    "FileHeader": "format", "TensorInfo": "format",
+    "from_pretrained": "hf",
+    "Layer": "layer_keys", "group_of": "layer_keys", "layer_of": "layer_keys",
+    "LayerStream": "layer_stream", "layers": "layer_stream",
+    "Usage": "limits", "set_limits": "limits", "usage": "limits",
+    "LoadResult": "module", "aload_into": "module", "empty_weights": "module", "load_into": "module",
+    "Offloaded": "offloaded", "offload": "offloaded",
+    "ShardSpec": "shard",
+    "Checkpoint": "source",
+    "Stats": "stats",
+    "TensorStream": "stream",
+}  # fmt: skip
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'streamload' has no attribute {name!r}")
+def __getattr__(name: str) -> _typing.Any:
     import importlib
+    import importlib.util
 
+    module = _WHERE.get(name)
+    if module is None:
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module 'streamload' has no attribute {name!r}")
+        return importlib.import_module(f".{name}", __name__)  # a submodule: streamload.plan, ...
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
 
 
+def __dir__() -> list[str]:
+    return sorted([*__all__, "__version__"])
+
+
 __version__ = "0.1.0"
-__all__ = [
-    "Checkpoint",
-    "FileHeader",
-    "HeaderError",
-    "IntegrityError",
-    "Layer",
-    "LayerStream",
-    "LoadResult",
-    "MissingFileError",
-    "Offloaded",
-    "ReadError",
-    "ShardSpec",
-    "SourceError",
-    "Stats",
-    "StreamloadError",
-    "TensorInfo",
-    "TensorStream",
-    "UnsupportedError",
-    "Usage",
-    "aload_into",
-    "empty_weights",
-    "from_pretrained",
-    "group_of",
-    "inspect",
-    "iter",
-    "layer_of",
-    "layers",
-    "load",
-    "load_into",
-    "offload",
-    "set_limits",
-    "usage",
-]
+__all__ = sorted(_WHERE)

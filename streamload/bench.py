@@ -278,7 +278,7 @@ def _layer0_names(files: list[str]) -> set[str]:
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             names |= set(json.loads(fh.read(n))) - {"__metadata__"}
-    return {n for n in names if re.match(r"^(?:.*?\.)?(?:layers|layer|h|blocks|block)\.0(?:\.|$)", n)}  # layers.py
+    return {n for n in names if re.match(r"^(?:.*?\.)?(?:layers|layer|h|blocks|block)\.0(?:\.|$)", n)}  # layer_keys.py
 
 
 def _peak_rss() -> int:

@@ -1,9 +1,11 @@
-"""The `streamload` command: demo, inspect, load, bench."""
+"""The `streamload` command: demo, inspect, digest, load, bench."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -35,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("path")
     inspect.add_argument("--json", action="store_true", help="print JSON, every tensor listed (default: tables)")
 
+    digest = sub.add_parser("digest", help="write streamload.digests.json next to a local checkpoint",
+                            description="Hash every file of a local checkpoint (SHA-256 of each file, xxh3-64 "
+                            "of each MiB of each tensor) and write streamload.digests.json next to it, so "
+                            "that loads with verify=True (`streamload load --verify`) check every tensor "
+                            "they read.")  # fmt: skip
+    digest.add_argument("path", help="a file, directory or index")
+
     load = sub.add_parser("load", help="load a checkpoint and report, with a progress bar")
     load.add_argument("path", help="a file, directory, index, or an s3:// or http(s):// URL")
     load.add_argument("--device", default=None, help=device)
@@ -50,9 +59,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="keep a local copy of a remote checkpoint here, and read it next time (default: none)",
     )
-    for flag, what in (("--threads", "reader threads"), ("--chunk-bytes", "largest read request"),
-                       ("--ring-bytes", "staging ring size"), ("--slots", "ring slots")):  # fmt: skip
-        load.add_argument(flag, type=_positive, default=None, help=f"{what} (default: from the machine)")
+    load.add_argument("--verify", action="store_true", help="check the bytes against known digests as they are "
+                      "read (a Hugging Face cache's, or streamload.digests.json from `streamload digest`)")  # fmt: skip
+    load.add_argument("--threads", type=_positive, default=None, help="reader threads (default: from the machine)")
+    load.add_argument("--slots", type=_positive, default=None, help="ring slots (default: from the machine)")
+    for flag, what in (("--chunk-bytes", "largest read request"), ("--ring-bytes", "staging ring size")):
+        load.add_argument(flag, type=_size, default=None, metavar="SIZE",
+                          help=f"{what}, in bytes or with a unit: 4MiB, 512KiB, 1GiB, 8M "
+                          "(default: from the machine)")  # fmt: skip
 
     bench = sub.add_parser("bench", help="compare every installed loader on a checkpoint, in one run",
                            description="Compare every installed loader on a checkpoint, each run in a fresh "
@@ -76,9 +90,28 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9}  # fmt: skip
+
+
+def _size(text: str) -> int:
+    """A byte count: `4194304`, `4MiB`, `4M` (binary), `4MB` (decimal), `1.5GiB`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes or a unit, e.g. 4MiB, 512KiB, 1GiB")
+    value = int(float(match.group(1)) * unit)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, not {text!r}")
     return value
 
 
@@ -91,32 +124,43 @@ def main(argv: list[str] | None = None) -> int:
             run(device=args.device, cold=not args.warm, keep=args.keep)
         elif args.command == "inspect":
             _inspect(args.path, as_json=args.json)
+        elif args.command == "digest":
+            _digest(args.path)
         elif args.command == "load":
             tuning = {k: v for k in ("threads", "chunk_bytes", "ring_bytes", "slots") if (v := getattr(args, k))}
-            _load(args.path, args.device, args.dtype, args.reader, tuning, args.cache_dir)
+            _load(args.path, args.device, args.dtype, args.reader, tuning, args.cache_dir, args.verify)
         elif args.command == "bench":
             return _bench(args)
     except (StreamloadError, ValueError) as exc:
         print(f"streamload: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # the stream was closed on the way out: one line, the shell's code for SIGINT
+    except KeyboardInterrupt:  # torch still importing, or a stream closed on the way out: one line
         print("streamload: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `streamload inspect --json | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's own flush at exit stays quiet
+        return 141
     return 0
 
 
 def _inspect(path: str, as_json: bool) -> None:
     from .api import inspect
     from .layer_keys import layer_of, layer_rank
+    from .verify import known_digests
 
     ckpt = inspect(path)
+    digests = known_digests(ckpt)
     tensors = list(ckpt.tensors.values())
     in_order = sorted(tensors, key=lambda t: (layer_rank(t.name), t.name))  # layers 0, 1, 2, ..., 10
     layers = Counter(layer.name for t in in_order if (layer := layer_of(t.name)))
     dtypes = Counter(t.dtype.name for t in tensors)
     largest = max(tensors, key=lambda t: t.nbytes, default=None)
     summary = {
-        "files": [{"path": str(f.path), "bytes": f.size, "tensors": len(f.tensors)} for f in ckpt.files],
+        "files": [
+            {"path": str(f.path), "bytes": f.size, "tensors": len(f.tensors), "digest": _digest_row(digests[f.path])}
+            for f in ckpt.files
+        ],
         "tensor_count": len(tensors),
         "tensors": [_row(t) for t in in_order],
         "bytes": ckpt.nbytes,
@@ -135,10 +179,14 @@ def _inspect(path: str, as_json: bool) -> None:
     from rich.table import Table
 
     console = Console()
-    files = Table("file", "bytes", "tensors", title=f"{path}")
+    files = Table("file", "bytes", "tensors", "digests", title=f"{path}")
     for f in summary["files"]:
-        files.add_row(Path(f["path"]).name, f"{f['bytes']:,}", str(f["tensors"]))
+        files.add_row(Path(f["path"]).name, f"{f['bytes']:,}", str(f["tensors"]), _digest_text(f["digest"]))
     console.print(files)
+    unknown = sum(1 for f in summary["files"] if not (f["digest"]["whole_file"] or f["digest"]["per_tensor"]))
+    if unknown:
+        console.print(f"no digest known for {_count(unknown, 'file')}: `streamload digest {path}` writes them "
+                      "(loads with verify=True check them)")  # fmt: skip
     kinds = Table("dtype", "tensors", "bytes")
     for d, v in summary["dtypes"].items():
         kinds.add_row(d, str(v["tensors"]), f"{v['bytes']:,}")
@@ -151,6 +199,42 @@ def _inspect(path: str, as_json: bool) -> None:
         console.print(f"largest: {largest.name} ({what})")
     if ckpt.metadata:
         console.print(f"metadata: {ckpt.metadata}")
+
+
+def _digest_row(known: Any) -> dict[str, Any]:
+    whole = known.whole
+    return {
+        "whole_file": None if whole is None else {"algorithm": whole.algorithm, "hex": whole.hex, "from": whole.origin},
+        "per_tensor": None if known.blocks is None else {"block_bytes": known.block_bytes, "from": known.origin},
+        "stale": known.stale,
+    }
+
+
+def _digest_text(row: dict[str, Any]) -> str:
+    parts = ["per tensor"] if row["per_tensor"] else []
+    if row["whole_file"]:
+        origin = row["whole_file"]["from"]
+        parts.append(row["whole_file"]["algorithm"] + (" (hub cache)" if "Hugging Face" in origin else ""))
+    if row["stale"]:
+        parts.append("stale digest file")
+    return " + ".join(parts) or "none"
+
+
+def _digest(path: str) -> None:
+    import time
+
+    from .api import inspect
+    from .verify import write_digests
+
+    started = time.perf_counter()
+    ckpt = inspect(path)
+    target, doc = write_digests(ckpt)
+    seconds = time.perf_counter() - started
+    size = sum(f.size for f in ckpt.files)
+    blocks = sum(len(b) for f in doc["files"].values() for b in f["tensors"].values())
+    print(f"wrote {target}: {_count(len(ckpt.files), 'file')} (SHA-256 each), "
+          f"{_count(len(ckpt.tensors), 'tensor')} in {_count(blocks, 'block')}; {size / 1e9:.2f} GB in "
+          f"{seconds:.2f} s ({size / seconds / 1e9:.2f} GB/s)")  # fmt: skip
 
 
 def _row(t: Any) -> dict[str, Any]:
@@ -166,7 +250,13 @@ def _count(n: int, noun: str) -> str:
 
 
 def _load(
-    path: str, device: str | None, dtype: str | None, reader: str, tuning: dict[str, int], cache_dir: str | None
+    path: str,
+    device: str | None,
+    dtype: str | None,
+    reader: str,
+    tuning: dict[str, int],
+    cache_dir: str | None,
+    verify: bool = False,
 ) -> None:
     import torch
 
@@ -177,8 +267,10 @@ def _load(
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}; use a torch name such as float16 or bfloat16")
-    stream = stream_iter(path, device=device, dtype=torch_dtype, reader=reader, cache_dir=cache_dir, **tuning)  # type: ignore[arg-type]
+    stream = stream_iter(path, device=device, dtype=torch_dtype, reader=reader, cache_dir=cache_dir, verify=verify,
+                         **tuning)  # type: ignore[arg-type]  # fmt: skip
     s = stream.stats
+    sizes = {i.name: i.nbytes for i in stream.plan.items}
     if sys.stderr.isatty():
         from .progress import progress_bar
 
@@ -186,16 +278,20 @@ def _load(
             task = progress.add_task("loading", total=s.bytes_total)
             for _ in stream:
                 progress.update(task, completed=s.bytes_read)
-    else:  # plain lines for logs: one per ~10% of the bytes
-        next_mark = 0.1
+    else:  # plain lines for logs: one per ~10% of the bytes handed out (reads run ahead of them)
+        next_mark, done = 0.1, 0
         with stream:
-            for _ in stream:
-                if s.bytes_total and s.bytes_read / s.bytes_total >= next_mark:
-                    print(f"{s.bytes_read / s.bytes_total:4.0%} {s.bytes_read / 1e9:.2f} GB {s.gbps:.2f} GB/s "
+            for name, _ in stream:
+                done += sizes[name]
+                if s.bytes_total and done / s.bytes_total >= next_mark - 1e-9:
+                    print(f"{100 * done // s.bytes_total:3d}% {done / 1e9:.2f} GB {s.gbps:.2f} GB/s "
                           f"{s.tensors_done}/{s.tensors_total} tensors", flush=True)  # fmt: skip
-                    next_mark = s.bytes_read / s.bytes_total + 0.1
+                    next_mark = min(1.0, done / s.bytes_total + 0.1) if done < s.bytes_total else 2.0
     print(f"{s.tensors_done} tensors, {s.bytes_read / 1e9:.2f} GB to {s.device} via {s.reader} in {s.elapsed:.2f} s "
           f"({s.gbps:.2f} GB/s), first tensor after {1e3 * (s.time_to_first_tensor or 0):.1f} ms")  # fmt: skip
+    if verify:
+        unchecked = f"; {s.bytes_unverified / 1e9:.2f} GB read could not be checked" if s.bytes_unverified else ""
+        print(f"verified: {s.bytes_verified / 1e9:.2f} GB matched their digests{unchecked}")
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from torch import nn
 
 from .errors import StreamloadError, UnsupportedError
 from .layer_keys import layer_of
-from .layers import LayerStream, layers
+from .layer_stream import LayerStream, layers
 from .source import Source
 
 if TYPE_CHECKING:

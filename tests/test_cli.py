@@ -256,3 +256,84 @@ def test_bench_sweep_prints_one_line_per_setting_and_the_best_as_options(
     assert f"threads={base.threads * 2} chunk=" in best and "x the defaults" in best
     assert f"--threads {base.threads * 2} --chunk-bytes {base.chunk_bytes * 4}" in out[-2]
     assert out[-1].strip().startswith("streamload.iter(path, ring_bytes=")
+
+
+def test_digest_then_load_verify_and_inspect_shows_the_digests(
+    small_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(small_model, model)
+    assert main(["load", str(model), "--device", "cpu", "--verify"]) == 1
+    assert "no digest is known" in capsys.readouterr().err
+    assert main(["digest", str(model)]) == 0
+    assert f"wrote {model / 'streamload.digests.json'}: 2 files" in capsys.readouterr().out
+    assert main(["load", str(model), "--device", "cpu", "--verify"]) == 0
+    total = sum(t.nbytes for t in streamload.inspect(model).tensors.values())
+    assert f"verified: {total / 1e9:.2f} GB matched their digests" in capsys.readouterr().out
+    assert main(["inspect", str(model), "--json"]) == 0
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert all(f["digest"]["per_tensor"]["block_bytes"] == 1 << 20 for f in files)
+    assert all(len(f["digest"]["whole_file"]["hex"]) == 64 for f in files)
+    assert main(["inspect", str(small_model)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no digest known for 2 files: `streamload digest" in out and "| none" not in out
+
+
+def test_sizes_take_units_and_bad_numbers_say_what_is_wrong(
+    small_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamload.cli import _size
+
+    assert [_size(s) for s in ("4096", "4MiB", "4M", "4MB", "1.5GiB", "512 KiB")] == [
+        4096, 4 << 20, 4 << 20, 4_000_000, 3 << 29, 512 << 10]  # fmt: skip
+    assert main(["load", str(small_model), "--device", "cpu", "--chunk-bytes", "64KiB", "--ring-bytes", "1MiB"]) == 0
+    capsys.readouterr()
+    for flag, value, says in (("--chunk-bytes", "4XB", "'4XB' is not a size"), ("--threads", "two", "not a whole")):
+        with pytest.raises(SystemExit) as info:
+            main(["load", str(small_model), flag, value])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and says in err and "_positive" not in err and "_size" not in err
+    with pytest.raises(SystemExit):
+        main(["load", "--help"])
+    assert "4MiB" in capsys.readouterr().out
+
+
+def test_non_tty_progress_counts_what_was_handed_out(small_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["load", str(small_model), "--device", "cpu", "--reader", "posix", "--ring-bytes", "64KiB"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "%" in line]
+    last = lines[-1].split()
+    assert last[0] == "100%" and last[-2] == "39/39"  # the percentage is of tensors handed out, not bytes read ahead
+
+
+def test_inspect_json_into_a_closed_pipe_is_quiet(small_model: Path) -> None:
+    # `streamload inspect --json | head -1`: the reader leaves early; no BrokenPipeError traceback
+    proc = subprocess.run(
+        f"{sys.executable} -m streamload inspect --json {small_model} | head -c 10", shell=True,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.stdout == '{\n  "files"'[:10] and proc.stderr == ""
+
+
+def test_ctrl_c_while_torch_is_importing_is_one_line(small_model: Path) -> None:
+    import signal
+
+    # torch's import is made slow, so the signal lands inside it (as it does on a cold start)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, builtins\n"
+         "real = builtins.__import__\n"
+         "def slow(name, *a, **k):\n"
+         "    if name == 'torch' and 'torch' not in sys.modules:\n"
+         "        print('importing', flush=True); time.sleep(30)\n"
+         "    return real(name, *a, **k)\n"
+         "builtins.__import__ = slow\n"
+         "from streamload.cli import main\n"
+         f"sys.exit(main(['load', {str(small_model)!r}, '--device', 'cpu']))"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "importing"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and err.strip() == "streamload: interrupted"
