@@ -47,6 +47,8 @@ LOADERS = [
     Loader("streamload-mmap", None, ("cpu",)),
     Loader("streamload-posix", None, ("cpu", "cuda")),
     Loader("streamload-direct", None, ("cpu", "cuda")),
+    Loader("streamload-mmap+verify", None, ("cpu",)),  # verify=True: the digests known for the files
+    Loader("streamload-posix+verify", None, ("cpu", "cuda")),
     Loader("streamload-kvikio", "kvikio", ("cuda",), "pip install 'streamload[cu12]' or 'streamload[cu13]'"),
     Loader("safetensors-load_file", "safetensors", ("cpu", "cuda")),
     Loader("safetensors-safe_open", "safetensors", ("cpu", "cuda")),
@@ -106,8 +108,9 @@ def _tensors(loader: str, files: list[str], device: str, options: dict[str, int]
     if loader.startswith("streamload-"):
         import streamload
 
-        reader = loader.removeprefix("streamload-")
-        yield from streamload.iter(files, device=device, reader=reader, **options)  # type: ignore[arg-type]
+        reader, _, verify = loader.removeprefix("streamload-").partition("+")
+        stream = streamload.iter(files, device=device, reader=reader, verify=verify == "verify", **options)  # type: ignore[arg-type]
+        yield from stream
     elif loader == "safetensors-load_file":
         from safetensors.torch import load_file
 
@@ -225,7 +228,9 @@ _MODULES = {
 }
 
 
-def child(loader: str, files: list[str], device: str, options: dict[str, int] | None = None) -> Run:
+def child(loader: str, files: list[str], device: str, options: dict[str, int] | None = None, keep: bool = True) -> Run:
+    """One timed load. `keep`: hold every tensor to the end (as `load_file`'s dict does); else drop each
+    once touched, as a server that copies each weight into its own buffers does."""
     import torch
 
     cuda = device.startswith("cuda")
@@ -249,8 +254,10 @@ def child(loader: str, files: list[str], device: str, options: dict[str, int] | 
     pending = set(layer0)
     for name, t in _tensors(loader, files, device, options or {}):
         _touch(t)
-        kept.append(t)
         done += t.numel() * t.element_size()
+        if keep:
+            kept.append(t)
+        del t
         now = time.perf_counter() - start
         arrivals.append((now, done))
         pending.discard(name)
@@ -326,9 +333,17 @@ def available(loaders: Iterable[str], device: str, scheme: str = "file") -> tupl
     return ok, notes
 
 
-def run_child(loader: str, files: list[str], device: str, options: dict[str, int] | None = None) -> Run:
-    cmd = [sys.executable, "-m", "streamload.bench", "--child", loader, device, json.dumps(options or {}), *files]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+def run_child(
+    loader: str, files: list[str], device: str, options: dict[str, int] | None = None, keep: bool = True
+) -> Run:
+    """`child` in a fresh interpreter that imports this very streamload: it starts in the folder that
+    holds the package, since `-m` puts the working directory first on the path (a clone's `streamload/`
+    folder there would shadow the installed package)."""
+    files = [f if "://" in f else os.path.abspath(f) for f in files]
+    cmd = [sys.executable, "-m", "streamload.bench", "--child", loader, device, json.dumps(options or {}),
+           "keep" if keep else "drop", *files]  # fmt: skip
+    home = Path(__file__).resolve().parent.parent
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=home)
     if out.returncode:
         raise RuntimeError(f"{loader} failed: {failure_line(out.stderr)}")
     return Run(**json.loads(out.stdout))
@@ -352,8 +367,10 @@ def bench(
     runs: int = 5,
     loaders: Iterable[str] | None = None,
     log: Callable[[str], None] = print,
+    keep: bool = True,
 ) -> list[Summary]:
     """Run every available loader `runs` times per mode, alternating; returns the raw runs.
+    `keep=False`: each tensor is dropped once touched (see `child`).
 
     >>> summaries = bench("model/", device="cpu", modes=("cold", "warm"), runs=5)  # doctest: +SKIP
     """
@@ -364,7 +381,8 @@ def bench(
         device = "cuda:0"  # the peers need an indexed device; this is the one "cuda" means
     scheme = scheme_of(files)
     everything = loaders is None
-    names, notes = available(loaders or [ld.name for ld in LOADERS if scheme in ld.schemes], device, scheme)
+    default = [ld.name for ld in LOADERS if scheme in ld.schemes and "+verify" not in ld.name]
+    names, notes = available(loaders or default, device, scheme)
     for note in notes if not everything else [n for n in notes if "does not read" not in n]:
         log(note)
     if scheme != "file":
@@ -378,7 +396,7 @@ def bench(
                 elif mode == "warm":  # (re)fill the page cache: a loader may have evicted what it read
                     parallel_read(files, direct=False, pinned=False)()
                 try:
-                    run = run_child(name, files, device)
+                    run = run_child(name, files, device, keep=keep)
                 except RuntimeError as exc:
                     log(f"{mode} run {r + 1}/{runs} {exc}")
                     results[(mode, name)].failures.append(str(exc))
@@ -553,11 +571,32 @@ def plot(summaries: list[Summary], rows: list[dict[str, Any]], total: int, path:
     plt.close(fig)
 
 
+def hash_rates(nbytes: int = 256 << 20) -> dict[str, float]:
+    """GB/s of one core for each digest verify= checks, on `nbytes` already in memory."""
+    import hashlib
+
+    from .verify import block_digest
+
+    data = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
+    rates = {}
+    for name, digest in (("sha256", lambda d: hashlib.sha256(d).digest()), ("md5", lambda d: hashlib.md5(d).digest()),
+                         ("xxh3-64 (per-tensor blocks)", block_digest)):  # fmt: skip
+        best = min(_timed(lambda d=digest: d(data)) for _ in range(3))
+        rates[name] = nbytes / best / 1e9
+    return rates
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--child"]:
-        loader, device, options, *files = args[1:]
-        print(json.dumps(asdict(child(loader, files, device, json.loads(options)))))
+        loader, device, options, pattern, *files = args[1:]
+        print(json.dumps(asdict(child(loader, files, device, json.loads(options), keep=pattern == "keep"))))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -83,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, default=None, help="write rows and raw runs here (default: none)")
     bench.add_argument("--plot", type=Path, default=None, help="write the arrival-curve PNG here (default: none)")
     bench.add_argument("--markdown", type=Path, default=None, help="write the tables here (default: none)")
+    bench.add_argument("--verify", action="store_true",
+                       help="time streamload with and without verify=True (the digests known for the files) and "
+                       "print each digest's speed on one core (default: off)")  # fmt: skip
+    bench.add_argument("--drop", action="store_true",
+                       help="drop each tensor once its pages are touched, as a server copying weights into its own "
+                       "buffers does (default: keep all, as load_file's dict)")  # fmt: skip
     bench.add_argument("--sweep", action="store_true",
                        help="time streamload alone on a grid of threads x request size x ring around its defaults, "
                             "and print the best setting as options to pass")  # fmt: skip
@@ -300,10 +307,20 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.sweep:
         return _sweep(args, bench)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the runs, not after them
+        print("streamload: error: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+        return 1
     total = open_checkpoint(args.path).nbytes
     modes = tuple(m for m, on in (("cold", args.cold), ("warm", args.warm or not args.cold)) if on)
-    summaries = bench.bench(args.path, device=args.device, modes=modes, runs=args.runs or 5, loaders=args.loaders,
-                            log=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+    loaders = args.loaders
+    if args.verify:
+        if loaders is None:
+            readers = ("mmap", "posix") if args.device == "cpu" else ("posix",)
+            loaders = [f"streamload-{r}{v}" for r in readers for v in ("", "+verify")]
+        for name, rate in bench.hash_rates().items():
+            print(f"{name}: {rate:.2f} GB/s on one core", file=sys.stderr, flush=True)
+    summaries = bench.bench(args.path, device=args.device, modes=modes, runs=args.runs or 5, loaders=loaders,
+                            log=lambda line: print(line, file=sys.stderr, flush=True), keep=not args.drop)  # fmt: skip
     rows = bench.report(summaries, total)
     text = bench.table(rows, total)
     print(text)

@@ -206,10 +206,10 @@ def test_bench_failures_are_one_line_and_fail_the_command(
 
     real = bench.run_child
 
-    def flaky(loader: str, files: list[str], device: str) -> bench.Run:
+    def flaky(loader: str, files: list[str], device: str, **kw: object) -> bench.Run:
         if loader == "safetensors-load_file":
             raise RuntimeError(f"{loader} failed: {bench.failure_line(dump)}")
-        return real(loader, files, device)
+        return real(loader, files, device, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(bench, "run_child", flaky)
     argv = ["bench", str(small_model), "--runs", "2", "--loaders", "streamload-mmap", "safetensors-load_file"]
@@ -337,3 +337,45 @@ def test_ctrl_c_while_torch_is_importing_is_one_line(small_model: Path) -> None:
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and err.strip() == "streamload: interrupted"
+
+
+def test_bench_from_a_folder_holding_a_streamload_folder(
+    small_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A clone's parent: `streamload/` there is not the installed package and must not be imported by the runs.
+    (tmp_path / "streamload").mkdir()
+    (tmp_path / "streamload" / "__init__.py").write_text("")
+    (tmp_path / "model").symlink_to(small_model)
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "model", "--runs", "1", "--loaders", "streamload-mmap", "streamload-posix"]) == 0
+    out = capsys.readouterr()
+    assert "| streamload-mmap |" in out.out and "failed" not in out.err
+
+
+def test_bench_plot_without_matplotlib_fails_before_running(
+    small_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    from streamload import bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(bench, "run_child", lambda *a, **k: pytest.fail("ran a load before checking --plot"))
+    assert main(["bench", str(small_model), "--plot", str(tmp_path / "p.png")]) == 1
+    assert capsys.readouterr().err.strip() == "streamload: error: --plot needs matplotlib: pip install matplotlib"
+
+
+def test_bench_verify_and_drop(small_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(small_model, model)
+    assert main(["digest", str(model)]) == 0
+    argv = ["bench", str(model), "--runs", "1", "--verify", "--drop", "--json", str(tmp_path / "v.json")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "sha256: " in err and "xxh3-64 (per-tensor blocks): " in err and "GB/s on one core" in err
+    rows = {r["loader"] for r in json.loads((tmp_path / "v.json").read_text())["rows"]}
+    assert rows == {"streamload-mmap", "streamload-mmap+verify", "streamload-posix", "streamload-posix+verify"}
