@@ -110,6 +110,8 @@ def test_hub_cache_blob_names_verify_whole_files_in_file_order(tmp_path: Path) -
     model = make_model(tmp_path / "m")
     ref = reference(model)
     snapshot = hub_cache(model, tmp_path / "models--org--name")
+    weight_map = {t.name: t.path.name for t in streamload.inspect(snapshot).tensors.values()}
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))  # as the hub has
     with streamload.iter(snapshot, device="cpu", verify=True, **SMALL_RING) as stream:
         names = [n for n, _ in stream]
     ckpt = streamload.inspect(snapshot)

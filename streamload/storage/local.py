@@ -78,10 +78,11 @@ def _from_index(index: Path) -> Listing:
         raise SourceError(f"{index}: cannot read the index: {exc}") from None
     listing = parse_index(index, text)
     root = index.parent.resolve()
+    blobs = root.parent.parent / "blobs"  # a Hugging Face cache: snapshots/<rev>/<file> -> ../../blobs/<sha256>
     for shard in listing.files:
         if not Path(shard).is_file():
             raise MissingFileError(f"{index}: shard {shard.name} is missing")
-        if Path(shard).resolve().parent != root:  # a symlink pointing out of the checkpoint
+        if Path(shard).resolve().parent not in (root, blobs):  # a symlink pointing out of the checkpoint
             raise SourceError(f"{index}: shard {shard.name} links outside the checkpoint's directory")
     return listing
 
