@@ -4,7 +4,7 @@ The model loads in the background with `aload_into`; each layer is warmed up in 
 later layers still load. `GET /health` reports per-layer readiness from the first millisecond;
 `GET /generate` waits for the model to be complete, then runs it. With `--self-test` (the default
 when run as a script) the example starts the server on 127.0.0.1, polls it as a client would, sends
-one request, prints the timeline and stops.
+one request, prints the timeline (every event in time order) and stops.
 
     python examples/server_warmup.py
 """
@@ -56,6 +56,10 @@ class Server:
         self.started = time.perf_counter()
         self.ready_layers: dict[str, float] = {}
         self.complete = anyio.Event()
+        self.timeline: list[tuple[float, str]] = []  # (ms since start, what happened), printed sorted
+
+    def log(self, what: str) -> None:
+        self.timeline.append((1e3 * (time.perf_counter() - self.started), what))
 
     async def load(self) -> None:
         def warm(key: str, layer: nn.Module | None) -> None:
@@ -63,6 +67,7 @@ class Server:
             with torch.no_grad():
                 layer(torch.zeros(1, 16, 512))  # first-call costs paid now, not on the first request
             self.ready_layers[key] = time.perf_counter() - self.started
+            self.log(f"{key} loaded and warmed up")
 
         await streamload.aload_into(self.model, self.checkpoint, device="cpu", on_layer=warm)
         self.complete.set()
@@ -106,18 +111,17 @@ async def self_test(checkpoint: Path) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, server.handle)
         tg.start_soon(server.load)
-        first = await get(port, "/health")
-        print(f"{1e3 * (time.perf_counter() - server.started):7.1f} ms  health: {first}")
+        server.log(f"health: {await get(port, '/health')}")
         for _ in range(2000):  # bounded polling, as a load balancer would
             health = await get(port, "/health")
             if health["ready"]:
+                server.log(f"health: {health}")
                 break
             await anyio.sleep(0.005)
-        answer = await get(port, "/generate")
-        print(f"{1e3 * (time.perf_counter() - server.started):7.1f} ms  first request served: {answer}")
-        for key, at in server.ready_layers.items():
-            print(f"{1e3 * at:7.1f} ms  {key} loaded and warmed up")
+        server.log(f"first request served: {await get(port, '/generate')}")
         tg.cancel_scope.cancel()
+    for at, what in sorted(server.timeline):
+        print(f"{at:7.1f} ms  {what}")
 
 
 def main() -> None:

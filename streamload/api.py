@@ -120,7 +120,10 @@ def iter(
             raise UnsupportedError("verify= and cooperative loading together are not supported yet")
         chosen = choose(checkpoint, verify)
         if needs_file_order(chosen):
-            order = "file"  # a whole-file digest is hashed in file order
+            # A whole-file digest is hashed front to back. File by file, one core hashes while the other
+            # serves the reads: measured (docs/benchmarks.md), cold, this kept verification within 4% where
+            # hashing files side by side on both cores cost 33%.
+            order = "file"
     plan = make_plan(
         checkpoint,
         slot_bytes=tuning.slot_bytes,
@@ -133,6 +136,13 @@ def iter(
         into=into,
     )
     _check_into_device(plan, dev)
+    if cache_dir is not None and checkpoint.storage.kind == "object" and (in_part := plan.read_in_part()):
+        first, why = next(entry for entry in in_part.items())  # (`iter` is this function)
+        log.warning(
+            "streamload: cache_dir keeps whole files only, and this load reads %d of %d files in part (%s: %s): "
+            "they are not cached and a later load reads them remotely again; load once without include=, "
+            "exclude= or shard= to cache them", len(in_part), len(plan.files), first, why,
+        )  # fmt: skip
     check = None
     if chosen is not None:
         from .verify import Verifier

@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 import torch
 
+from .errors import UnsupportedError
+
 
 class DType(NamedTuple):
     """One safetensors dtype: its width and, if this torch has one, its torch dtype."""
@@ -70,3 +72,16 @@ def torch_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...] | None:
     if not shape or shape[-1] % k:
         return None
     return (*shape[:-1], shape[-1] // k)
+
+
+def as_torch_dtype(value: torch.dtype | str) -> torch.dtype:
+    """A torch dtype, or its name ("float16", "torch.bfloat16"), as the command line takes it."""
+    if isinstance(value, torch.dtype):
+        return value
+    found = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else None
+    if not isinstance(found, torch.dtype):
+        raise UnsupportedError(
+            f"dtype={value!r} is not a torch dtype: pass one (torch.float16) or its name ('float16', 'bfloat16', "
+            "'float32')"
+        )
+    return found

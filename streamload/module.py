@@ -215,6 +215,12 @@ def _short(names: list[str], most: int = 20) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
+def _filler(module: nn.Module, in_place: bool, caller: str) -> _Filler | _InPlaceFiller:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{caller} fills a torch.nn.Module, not {type(module).__name__}: build the model first")
+    return _InPlaceFiller(module) if in_place else _Filler(module)
+
+
 def load_into(
     module: nn.Module,
     source: Source,
@@ -254,7 +260,7 @@ def load_into(
         ...     model = MyModel(config)
         >>> streamload.load_into(model, "model/", device="cuda", on_layer=lambda k, m: warm_up(m))  # doctest: +SKIP
     """
-    filler = _InPlaceFiller(module) if in_place else _Filler(module)
+    filler = _filler(module, in_place, "load_into")
     with layers(source, **filler.destinations(options)) as groups:
         filler.start(groups, strict)
         for key, tensors in groups:
@@ -273,7 +279,7 @@ async def aload_into(
     **options: Unpack[Options],
 ) -> LoadResult:
     """`load_into` for async code; `on_layer` may be a coroutine function."""
-    filler = _InPlaceFiller(module) if in_place else _Filler(module)
+    filler = _filler(module, in_place, "aload_into")
     async with layers(source, **filler.destinations(options)) as groups:
         filler.start(groups, strict)
         async for key, tensors in groups:

@@ -372,6 +372,8 @@ def offload(
         >>> with streamload.offload(model, "llama/", device="cuda", budget_bytes=8 << 30):  # doctest: +SKIP
         ...     model.generate(ids, max_new_tokens=32)
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload runs a torch.nn.Module, not {type(model).__name__}: build the model first")
     dev = _device(device)
     if ahead < 0:
         raise ValueError(f"ahead must be 0 or more, not {ahead}")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
-from .dtypes import torch_shape
+from .dtypes import as_torch_dtype, torch_shape
 from .errors import UnsupportedError
 from .format import FileHeader, TensorInfo
 from .layer_keys import layer_rank
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .shard import ShardSpec, Slice
 
 Patterns = str | Sequence[str] | Callable[[str], bool] | None
-DTypeOption = torch.dtype | Mapping[str, torch.dtype | None] | None
+DTypeOption = torch.dtype | str | Mapping[str, torch.dtype | str | None] | None  # a name: "float16"
 Order = Literal["layer", "file"]
 Share = Callable[[Sequence["Item"]], Collection[str]]  # which of these whole-tensor reads all ranks share
 MIN_STRIDED_READ = 1 << 20  # strided slices with smaller blocks are read as whole tensors
@@ -97,6 +97,21 @@ class Plan(NamedTuple):
     def nbytes(self) -> int:
         return sum(i.nbytes for i in self.items)
 
+    def read_in_part(self) -> dict[Path, str]:
+        """The files this plan does not read every byte of (their data), each with a reason."""
+        out: dict[Path, str] = {}
+        by_file: dict[Path, list[Item]] = {}
+        for item in self.items:
+            by_file.setdefault(item.info.path, []).append(item)  # type: ignore[arg-type]
+        for path, header in self.files.items():
+            items = by_file.get(path, [])
+            cut = next((i.name for i in items if i.ranges != ((i.info.begin, i.info.nbytes),)), None)
+            if len(items) < len(header.tensors):
+                out[path] = f"{len(header.tensors) - len(items)} of its tensors are left out"
+            elif cut is not None:
+                out[path] = f"tensor {cut!r} is read in part"
+        return out
+
 
 def _matcher(patterns: Patterns) -> Callable[[str], bool] | None:
     if patterns is None:
@@ -119,11 +134,11 @@ def out_dtype(info: TensorInfo, stored: torch.dtype, dtype: DTypeOption) -> torc
     """The dtype to hand out: `dtype` applies to floating-point tensors only (not fp8, ints, bool)."""
     if dtype is None or not info.dtype.floating:
         return stored
-    if isinstance(dtype, torch.dtype):
-        target: torch.dtype | None = dtype
+    if isinstance(dtype, (torch.dtype, str)):
+        target: torch.dtype | str | None = dtype
     else:
         target = next((d for pat, d in dtype.items() if fnmatch.fnmatchcase(info.name, pat)), None)
-    return stored if target is None else target
+    return stored if target is None else as_torch_dtype(target)
 
 
 def make_plan(
@@ -179,9 +194,11 @@ def make_plan(
 
 def _check_dtype_option(dtype: DTypeOption) -> None:
     """`dtype=` converts floating-point tensors; to an integer or bool dtype that would truncate them."""
-    targets = [dtype] if isinstance(dtype, torch.dtype) else list((dtype or {}).values())
-    for target in targets:
-        if target is not None and not (target.is_floating_point or target.is_complex):
+    if dtype is not None and not isinstance(dtype, (torch.dtype, str, Mapping)):
+        raise UnsupportedError(f"dtype={dtype!r}: pass a torch dtype, its name ('float16'), or {{name pattern: dtype}}")
+    targets = [dtype] if isinstance(dtype, (torch.dtype, str)) else list((dtype or {}).values())
+    for target in (as_torch_dtype(t) for t in targets if t is not None):
+        if not (target.is_floating_point or target.is_complex):
             raise UnsupportedError(
                 f"dtype={target} would truncate floating-point weights: `dtype=` converts floating-point "
                 "tensors to another floating-point dtype (float16, bfloat16, float32, ...); to get integers, "

@@ -227,7 +227,7 @@ class Blocks:
         self.partial.clear()
 
 
-def _check_for(header: FileHeader, known: Known, items: list[Item]) -> FileCheck:
+def _check_for(header: FileHeader, known: Known, items: list[Item], in_part: Mapping[PurePath, str]) -> FileCheck:
     if known.blocks is not None:
         for item in items:
             blocks = known.blocks.get(item.name)
@@ -240,10 +240,8 @@ def _check_for(header: FileHeader, known: Known, items: list[Item]) -> FileCheck
                 )
         return Blocks(header, known)
     assert known.whole is not None
-    partial = [i.name for i in items if i.ranges != ((i.info.begin, i.info.nbytes),)]
-    left_out = len(header.tensors) - len(items)
-    if partial or left_out or len(header.prefix) != header.data_start:
-        what = f"{left_out} of its tensors are left out" if left_out else f"tensor {partial[0]!r} is read in part"
+    what = in_part.get(header.path) or ("its header was not kept" if len(header.prefix) != header.data_start else "")
+    if what:
         raise IntegrityError(
             f"{header.path}: only a whole-file digest is known ({known.whole.origin}), and this load does not read "
             f"the whole file ({what}): bytes never read cannot be checked against it. Write per-tensor digests "
@@ -332,7 +330,10 @@ class Verifier:
         by_file: dict[PurePath, list[Item]] = {}
         for item in plan.items:
             by_file.setdefault(item.info.path, []).append(item)
-        checks = {p: _check_for(plan.files[p], chosen[p], items) for p, items in by_file.items() if p in chosen}
+        in_part = plan.read_in_part()
+        checks = {
+            p: _check_for(plan.files[p], chosen[p], items, in_part) for p, items in by_file.items() if p in chosen
+        }
         self._executor = ThreadPoolExecutor(threads or min(4, os.cpu_count() or 1), "streamload-verify")
         self._files = {p: _Serial(self._executor, c) for p, c in checks.items()}
 

@@ -318,3 +318,87 @@ def test_s3_credentials_from_a_named_profile(checkpoint: Path, monkeypatch: pyte
         monkeypatch.delenv("AWS_ACCESS_KEY_ID")
         monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
         assert_same(streamload.load("s3://models/llama/", device="cpu"), reference(checkpoint))
+
+
+# -- verify=, from_pretrained, and what a new user meets ------------------------------------------------------
+def test_s3_etag_md5_verifies_whole_objects(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    shards = sorted(checkpoint.glob("*.safetensors"))
+    with s3_server(monkeypatch) as s3:
+        upload(s3, "models", "llama/", checkpoint)
+        ckpt = streamload.inspect("s3://models/llama/")
+        known = streamload.verify.known_digests(ckpt)
+        assert [k.whole.hex for k in known.values()] == [hashlib.md5(f.read_bytes()).hexdigest() for f in shards]
+        with streamload.iter("s3://models/llama/", device="cpu", verify=True) as stream:
+            got = dict(stream)
+        assert_same(got, reference(checkpoint))
+        assert stream.stats.bytes_verified == sum(f.stat().st_size for f in shards)
+        wrong = {shards[1].name: "0" * 32}  # an MD5 the object does not have
+        with pytest.raises(streamload.IntegrityError, match=rf"{shards[1].name}: the file's MD5 is [0-9a-f]{{32}}"):
+            streamload.load("s3://models/llama/", device="cpu", verify=wrong)
+
+
+def test_http_digest_file_next_to_the_objects(checkpoint: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from streamload.verify import write_digests
+
+    served = tmp_path / "www"
+    shutil.copytree(checkpoint, served / "model")
+    write_digests(streamload.inspect(served / "model"))
+    server = RangeServer(served)
+    try:
+        with streamload.iter(f"{server.url}/model/", device="cpu", verify=True) as stream:
+            got = dict(stream)
+        assert_same(got, reference(checkpoint))
+        assert stream.stats.bytes_verified == stream.stats.bytes_read
+        info = streamload.inspect(served / "model").tensors["model.layers.1.q_proj.weight"]
+        with open(info.path, "r+b") as f:  # damaged on the server, same size (its ETag changes with its mtime)
+            f.seek(info.begin + 100)
+            f.write(b"\x00\x01")
+        with pytest.raises(streamload.IntegrityError, match="'model.layers.1.q_proj.weight': bytes 0..131072"):
+            streamload.load(f"{server.url}/model/", device="cpu", verify=True)
+    finally:
+        server.close()
+
+
+def test_from_pretrained_from_s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=64)  # fmt: skip
+    local = tmp_path / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(local, max_shard_size="100KB")
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(1))
+    want = streamload.from_pretrained(local, device="cpu")(ids).logits
+    with s3_server(monkeypatch) as s3:
+        upload(s3, "models", "llama/", local)
+        model = streamload.from_pretrained("s3://models/llama/", device="cpu", dtype="float32")
+        assert torch.equal(model(ids).logits, want)
+        with pytest.raises(streamload.UnsupportedError, match="s3://models/nothing/config.json: no such object"):
+            streamload.from_pretrained("s3://models/nothing/", device="cpu")
+
+
+def test_cache_dir_says_a_partial_load_is_not_cached(
+    checkpoint: Path, http: RangeServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="streamload"):
+        streamload.load(f"{http.url}/model/", device="cpu", cache_dir=tmp_path / "c", exclude="*norm*")
+    assert "cache_dir keeps whole files only" in caplog.text and "of its tensors are left out" in caplog.text
+
+
+def test_s3_without_credentials_names_them() -> None:
+    from streamload.storage.remote import ObjectPath, _named, _transient
+
+    # What an S3 client reports off EC2 with no keys: the instance metadata service's answer.
+    exc = RuntimeError(
+        "Generic S3 error: Error performing PUT http://169.254.169.254/latest/api/token in 6ms - "
+        "Server returned non-2xx status code: 403 Forbidden: resolve_deny: denied destination"
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("AWS_ACCESS_KEY_ID", raising=False)
+        message = str(_named(exc, ObjectPath("s3://b/m/model.safetensors"), None))
+        assert not _transient(exc)
+    assert message.startswith("s3://b/m/model.safetensors: no AWS credentials: set AWS_ACCESS_KEY_ID and")
+    assert "AWS_PROFILE" in message and "instance metadata service" in message

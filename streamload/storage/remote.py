@@ -340,7 +340,18 @@ def _transient(exc: BaseException) -> bool:
                         ox.UnauthenticatedError, ox.InvalidPathError, FileNotFoundError)):  # fmt: skip
         return False
     text = str(exc)
+    if _no_credentials(exc):
+        return False
     return not any(f"status: {code}" in text or f"HTTP status {code}" in text for code in (400, 401, 403, 404, 412))
+
+
+_METADATA_SERVICE = "169.254.169.254"  # where an S3 client asks for an instance role's keys when given none
+
+
+def _no_credentials(exc: BaseException) -> bool:
+    """S3 with no keys in the environment: the client fell back to the instance metadata service, which
+    is absent or refused (off EC2), and reports that service's answer, not the missing keys."""
+    return _METADATA_SERVICE in str(exc) and not os.environ.get("AWS_ACCESS_KEY_ID")
 
 
 def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> BaseException:
@@ -348,6 +359,12 @@ def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> 
 
     if isinstance(exc, (ox.NotFoundError, FileNotFoundError)):
         return MissingFileError(f"{path}: no such object")
+    if _no_credentials(exc):
+        return ReadError(
+            f"{path}: no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN "
+            "for temporary keys), or AWS_PROFILE for a named profile (with boto3 installed); on EC2 or EKS an "
+            f"instance or pod role provides them, but the instance metadata service did not ({_short(exc)})"
+        )
     if isinstance(exc, ox.PreconditionError):
         return ReadError(f"{path}: object changed after its header was read (its ETag no longer matches)")
     if isinstance(exc, ox.NotSupportedError) and "Range" in str(exc):
