@@ -58,6 +58,11 @@ class LayerWarmer:
         # specialise on it and compile every layer from scratch. Dynamic, layers 1..N reuse layer 0's code.
         torch._dynamo.config.allow_unspec_int_on_nn_module = True
         config = model.config
+        # Still, the KV cache guards on its layer's entry (`cache.layers[i].is_initialized`), so each
+        # layer compiles a graph of its own, as in generate's own first pass: past dynamo's recompile
+        # limit (8) the later layers would silently run uncompiled. Room for every layer (set in the
+        # thread that compiles: dynamo's config, set on another thread, is not seen there).
+        self.recompile_limit = config.num_hidden_layers + 8
         rotary = copy.deepcopy(model.model.rotary_emb).to(device)  # the model's own stays on the CPU until loaded
         hidden = torch.zeros(1, prompt_tokens, config.hidden_size, dtype=model.dtype, device=device)
         positions = torch.arange(prompt_tokens, device=device)[None]
@@ -74,6 +79,10 @@ class LayerWarmer:
 
     @torch.no_grad()
     def __call__(self, layer: nn.Module) -> None:
+        import torch._dynamo
+
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), self.recompile_limit))
         layer.eval()  # generate runs in eval mode; a warm-up in train mode would compile another graph
         layer.compile(backend=self.backend)
         layer(self.hidden, **self.kwargs)
