@@ -29,4 +29,11 @@ class ReadError(StreamloadError, OSError):
 
 class IntegrityError(StreamloadError):
     """Bytes read do not match the checkpoint's known digest (a damaged or changed file), or a load
-    asked to be verified has no digest to check against."""
+    asked to be verified has no digest to check against. `path`: the damaged file; `handed_out`: the
+    tensors of it that `iter` had handed out before the mismatch was found (a file checked as a whole
+    is judged at its end)."""
+
+    def __init__(self, message: str, path: object = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.handed_out: list[str] = []

@@ -20,7 +20,7 @@ import torch
 
 from .defaults import Tuning
 from .device import Delivered, Device
-from .errors import StreamloadError
+from .errors import IntegrityError, StreamloadError
 from .limits import Staging, shared_limits
 from .plan import Batch, Plan
 from .read import Reader
@@ -34,6 +34,7 @@ class _Filling(NamedTuple):
     batch: Batch
     slot: torch.Tensor | None
     reads: Reads
+    hashing: Hashing  # starts as soon as the reads are done, before the consumer reaches the batch
 
 
 class Stopped(StreamloadError):
@@ -66,6 +67,7 @@ class Pipeline:
         self._stop = threading.Event()
         self._busy = threading.Lock()  # held by next_batch; close waits for it
         self._started = self._closed = self._ended = False
+        self._delivered = 0
 
     # -- the consumer's side ------------------------------------------------------------------------
     def next_batch(self) -> list[Delivered] | None:
@@ -86,11 +88,11 @@ class Pipeline:
                 filling.reads.wait()
                 if self._stop.is_set():
                     raise Stopped("the stream was closed")
-                hashing = self.check.start(filling.batch, filling.slot, self._files)
                 made = self._instantiate(filling)
-                if hashing.before_delivery:  # tensors checked by their own digests are handed out checked
-                    hashing.wait()
-                self._hashing.append((hashing, filling.slot))
+                self._delivered = filling.batch.index + 1  # batches whose tensors went out (after a verdict)
+                if filling.hashing.before_delivery:  # tensors checked by their own digests are handed out checked
+                    self._verdict(filling.hashing)
+                self._hashing.append((filling.hashing, filling.slot))
                 self._settle()
                 return made
             except Stopped:
@@ -150,7 +152,7 @@ class Pipeline:
                 return
             slot = self._free.pop()
             reads = self._pool.submit(self.reader.jobs(batch, slot, self._files))
-            self._filling.append(_Filling(batch, slot, reads))
+            self._filling.append(_Filling(batch, slot, reads, self.check.start(batch, slot, self._files, reads)))
 
     def _settle(self) -> None:
         """Slots whose bytes are hashed go back to the ring (in plan order) and the next reads start;
@@ -159,7 +161,7 @@ class Pipeline:
             hashing, slot = self._hashing[0]
             if not hashing.done() and (self._filling or self._free):
                 break
-            hashing.wait()  # raises a mismatch it found
+            self._verdict(hashing)  # raises a mismatch it found
             self._hashing.popleft()
             self._free.append(slot)
             self._fill()
@@ -170,11 +172,28 @@ class Pipeline:
         if self._ended:
             return
         while self._hashing:
-            self._hashing[0][0].wait()
+            self._verdict(self._hashing[0][0])
             self._hashing.popleft()
         self.check.finish(self.stats)
         self._ended = True
         self.stats.finish()
+
+    def _verdict(self, hashing: Hashing) -> None:
+        """Wait for a batch's hashing; a mismatch in a file checked as a whole also names the tensors of
+        it that were handed out before its verdict (they must not be used)."""
+        try:
+            hashing.wait()
+        except IntegrityError as exc:
+            if exc.path is not None and not exc.handed_out:
+                done = self.plan.batches[: self._delivered]
+                exc.handed_out = [
+                    p.item.name for b in done for p in b.pieces if p.last and p.item.info.path == exc.path
+                ]
+                if exc.handed_out:
+                    shown = ", ".join(repr(n) for n in exc.handed_out[:5])
+                    more = f" and {len(exc.handed_out) - 5} more" if len(exc.handed_out) > 5 else ""
+                    exc.args = (f"{exc.args[0]}; handed out already: {shown}{more}",)
+            raise
 
     def _instantiate(self, filling: _Filling) -> list[Delivered]:
         assert self._files is not None

@@ -170,8 +170,8 @@ class WholeFile:
             if got != self.digest.hex:
                 raise IntegrityError(
                     f"{self.header.path}: the file's {self.digest.algorithm.upper()} is {got}, not {self.digest.hex} "
-                    f"as {self.digest.origin} says: the file is damaged or was changed (tensors of it that "
-                    "iter() handed out already must not be used)"
+                    f"as {self.digest.origin} says: the file is damaged or was changed",
+                    self.header.path,
                 )
             self.verified = self.header.size
 
@@ -217,7 +217,8 @@ class Blocks:
         if got != want:
             raise IntegrityError(
                 f"{self.path}: tensor {name!r}: bytes {lo}..{hi} of it (block {j + 1} of {n}) do not match "
-                f"{self.origin}: the file is damaged or was changed"
+                f"{self.origin}: the file is damaged or was changed",
+                self.path,
             )
         self.verified += hi - lo
 
@@ -293,6 +294,10 @@ class _Serial:
             done.cancel()
 
 
+class Waitable(Protocol):
+    def wait(self) -> None: ...
+
+
 class Hashing:
     """A batch's hashing: `done`, and `wait` (which raises what it found)."""
 
@@ -313,7 +318,7 @@ NOTHING = Hashing([], before_delivery=False)
 class NoCheck:
     """What a load that verifies nothing does."""
 
-    def start(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> Hashing:
+    def start(self, batch: Batch, slot: torch.Tensor | None, files: Any, reads: Waitable) -> Hashing:
         return NOTHING
 
     def finish(self, stats: Stats) -> None:
@@ -337,7 +342,10 @@ class Verifier:
         self._executor = ThreadPoolExecutor(threads or min(4, os.cpu_count() or 1), "streamload-verify")
         self._files = {p: _Serial(self._executor, c) for p, c in checks.items()}
 
-    def start(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> Hashing:
+    def start(self, batch: Batch, slot: torch.Tensor | None, files: Any, reads: Waitable) -> Hashing:
+        """Queue the hashing of `batch` (called in plan order, as its reads are handed out): each of its
+        files' parts waits for `reads` on a verifier thread, then is hashed, while the consumer is
+        still on earlier batches."""
         if slot is not None and slot.device.type != "cpu":
             raise UnsupportedError("verify hashes bytes in host memory: this reader put them on the device")
         view = _host_bytes(slot) if slot is not None else None
@@ -353,6 +361,7 @@ class Verifier:
 
             def task(check: FileCheck = serial.check, mine: list[Piece] = mine, source: memoryview = source,
                      at: Callable[[Piece], int] = at) -> None:  # fmt: skip
+                reads.wait()  # a read error is the consumer's to raise; here it only stops the hashing
                 for p in mine:
                     check.feed(p, source[at(p) : at(p) + p.length])
 

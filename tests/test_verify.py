@@ -127,6 +127,15 @@ def test_hub_cache_blob_names_verify_whole_files_in_file_order(tmp_path: Path) -
     with pytest.raises(IntegrityError, match=rf"{second.path}: the file's SHA256 is [0-9a-f]{{64}}, not") as caught:
         streamload.load(snapshot, device="cpu", verify=True)
     assert "Hugging Face cache" in str(caught.value)
+    # iter judges a whole file at its end: the error names what it had handed out of it by then
+    handed: list[str] = []
+    with pytest.raises(IntegrityError) as caught:
+        for name, _ in streamload.iter(snapshot, device="cpu", verify=True, **SMALL_RING):
+            handed.append(name)
+    mine = [t.name for t in second.tensors]
+    assert caught.value.path == second.path and caught.value.handed_out
+    assert set(caught.value.handed_out) <= set(mine) & set(handed)
+    assert f"handed out already: {caught.value.handed_out[0]!r}" in str(caught.value)
 
 
 def test_the_callers_sha256_is_checked(tmp_path: Path) -> None:
