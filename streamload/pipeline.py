@@ -89,11 +89,11 @@ class Pipeline:
                 if self._stop.is_set():
                     raise Stopped("the stream was closed")
                 made = self._instantiate(filling)
-                self._delivered = filling.batch.index + 1  # batches whose tensors went out (after a verdict)
                 if filling.hashing.before_delivery:  # tensors checked by their own digests are handed out checked
                     self._verdict(filling.hashing)
                 self._hashing.append((filling.hashing, filling.slot))
                 self._settle()
+                self._delivered = filling.batch.index + 1  # batches whose tensors went out
                 return made
             except Stopped:
                 raise
