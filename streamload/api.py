@@ -18,7 +18,6 @@ from .routes import Into, ReaderName, route
 from .source import Checkpoint, PathLike, Source, open_checkpoint
 from .stats import Stats
 from .stream import TensorStream
-from .verify import Verify
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -26,6 +25,7 @@ if TYPE_CHECKING:
 
     from .exchange import Exchange
     from .shard import ShardSpec
+    from .verify import Verify
 
 log = logging.getLogger("streamload")
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import NamedTuple
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -27,7 +28,50 @@ from .read import Reader
 from .read.pool import ReaderPool, Reads
 from .stats import Stats
 from .storage import Files, Storage
-from .verify import Hashing, NoCheck, Verifier
+
+if TYPE_CHECKING:  # protocols cost import time to define, and only a type checker reads them
+
+    class Waitable(Protocol):
+        def wait(self) -> None: ...
+
+    class Check(Protocol):
+        """What checks a load's bytes as they arrive (verify.Verifier), or NoCheck."""
+
+        def start(self, batch: Batch, slot: torch.Tensor | None, files: Any, reads: Waitable) -> Hashing: ...
+
+        def finish(self, stats: Stats) -> None: ...
+
+        def close(self) -> None: ...
+
+
+class Hashing:
+    """A batch's hashing: `done`, and `wait` (which raises what it found)."""
+
+    def __init__(self, futures: list[Future[None]], before_delivery: bool) -> None:
+        self.futures, self.before_delivery = futures, before_delivery
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def wait(self) -> None:
+        for f in self.futures:
+            f.result()
+
+
+NOTHING = Hashing([], before_delivery=False)
+
+
+class NoCheck:
+    """What a load that verifies nothing does."""
+
+    def start(self, batch: Batch, slot: torch.Tensor | None, files: Any, reads: Waitable) -> Hashing:
+        return NOTHING
+
+    def finish(self, stats: Stats) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class _Filling(NamedTuple):
@@ -52,7 +96,7 @@ class Pipeline:
         device: Device,
         tuning: Tuning,
         stats: Stats,
-        check: Verifier | NoCheck | None = None,
+        check: Check | None = None,
     ) -> None:
         self.plan, self.storage, self.reader, self.device, self.tuning = plan, storage, reader, device, tuning
         self.stats = stats

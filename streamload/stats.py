@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 
-@dataclass
 class Stats:
-    """What a progress bar or a benchmark wants to know about a stream."""
+    """What a progress bar or a benchmark wants to know about a stream.
 
-    bytes_total: int = 0
-    tensors_total: int = 0
-    reader: str = ""
-    device: str = ""
-    bytes_read: int = 0
-    tensors_done: int = 0
-    time_to_first_tensor: float | None = None
-    staging_bytes: int = 0  # staging memory the stream held from the process-wide budget (set at its end)
-    bytes_verified: int = 0  # checked against a digest (verify=; set at the stream's end)
-    bytes_unverified: int = 0  # read with verify= but covered by no digest (the cut edges of rank slices)
-    started: float | None = field(default=None, repr=False)
-    finished: float | None = field(default=None, repr=False)
+    A plain class, not a dataclass: defining one costs ~2.5 ms of `import`, on every load's clock.
+    """
+
+    __slots__ = ("bytes_read", "bytes_total", "bytes_unverified", "bytes_verified", "device", "finished", "reader",
+                 "staging_bytes", "started", "tensors_done", "tensors_total", "time_to_first_tensor")  # fmt: skip
+
+    def __init__(self, bytes_total: int = 0, tensors_total: int = 0, reader: str = "", device: str = "") -> None:
+        self.bytes_total, self.tensors_total, self.reader, self.device = bytes_total, tensors_total, reader, device
+        self.bytes_read = 0
+        self.tensors_done = 0
+        self.time_to_first_tensor: float | None = None
+        self.staging_bytes = 0  # staging memory the stream held from the process-wide budget (set at its end)
+        self.bytes_verified = 0  # checked against a digest (verify=; set at the stream's end)
+        self.bytes_unverified = 0  # read with verify= but covered by no digest (the cut edges of rank slices)
+        self.started: float | None = None
+        self.finished: float | None = None
 
     @property
     def elapsed(self) -> float:

@@ -28,12 +28,13 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import PurePath
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
 from .errors import IntegrityError, UnsupportedError
 from .format import FileHeader
+from .pipeline import Hashing
 from .plan import Batch, Item, Piece, Plan
 from .source import Checkpoint
 from .stats import Stats
@@ -43,6 +44,8 @@ DIGEST_FILE = "streamload.digests.json"
 FORMAT = "streamload-digests/1"
 BLOCK_BYTES = 1 << 20  # a rank's slice is verified block by block: the edges of a slice that cut a block are not
 Verify = bool | Mapping[str, str]
+if TYPE_CHECKING:
+    from .pipeline import Waitable
 log = logging.getLogger("streamload")
 
 
@@ -292,40 +295,6 @@ class _Serial:
             queue, self._queue = self._queue, deque()
         for _, done in queue:
             done.cancel()
-
-
-class Waitable(Protocol):
-    def wait(self) -> None: ...
-
-
-class Hashing:
-    """A batch's hashing: `done`, and `wait` (which raises what it found)."""
-
-    def __init__(self, futures: list[Future[None]], before_delivery: bool) -> None:
-        self.futures, self.before_delivery = futures, before_delivery
-
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures)
-
-    def wait(self) -> None:
-        for f in self.futures:
-            f.result()
-
-
-NOTHING = Hashing([], before_delivery=False)
-
-
-class NoCheck:
-    """What a load that verifies nothing does."""
-
-    def start(self, batch: Batch, slot: torch.Tensor | None, files: Any, reads: Waitable) -> Hashing:
-        return NOTHING
-
-    def finish(self, stats: Stats) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class Verifier:
