@@ -310,6 +310,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the runs, not after them
         print("streamload: error: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 1
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        print("streamload: note: PYTHONDONTWRITEBYTECODE is set: a loader installed without bytecode caches "
+              "(an editable install) compiles its sources in every run, inside the clock", file=sys.stderr)  # fmt: skip
     total = open_checkpoint(args.path).nbytes
     modes = tuple(m for m, on in (("cold", args.cold), ("warm", args.warm or not args.cold)) if on)
     loaders = args.loaders
