@@ -379,3 +379,12 @@ def test_bench_verify_and_drop(small_model: Path, tmp_path: Path, capsys: pytest
     assert "sha256: " in err and "xxh3-64 (per-tensor blocks): " in err and "GB/s on one core" in err
     rows = {r["loader"] for r in json.loads((tmp_path / "v.json").read_text())["rows"]}
     assert rows == {"streamload-mmap", "streamload-mmap+verify", "streamload-posix", "streamload-posix+verify"}
+
+
+def test_server_warmup_example_prints_its_timeline_in_time_order() -> None:
+    example = Path(__file__).parent.parent / "examples" / "server_warmup.py"
+    out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300, check=True)
+    lines = [line for line in out.stdout.splitlines() if " ms  " in line]
+    times = [float(line.split(" ms", 1)[0]) for line in lines]
+    assert times == sorted(times) and len(lines) >= 14
+    assert "first request served" in lines[-1] and sum("loaded and warmed up" in line for line in lines) == 12

@@ -220,3 +220,66 @@ def test_ring_reuse_random_checkpoints(
     for name, t in state.items():
         floating = t.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
         assert same_bits(got[name], t.to(torch.float32) if convert and floating else t), name
+
+
+def test_dtype_names_are_accepted_and_bad_ones_named(tmp_path: Path) -> None:
+    save_file({"a.w": torch.randn(4, 4), "b.i": torch.arange(3)}, tmp_path / "m.safetensors")
+    assert streamload.load(tmp_path, device="cpu", dtype="float16")["a.w"].dtype == torch.float16
+    got = streamload.load(tmp_path, device="cpu", dtype={"a.*": "torch.bfloat16"})
+    assert got["a.w"].dtype == torch.bfloat16 and got["b.i"].dtype == torch.int64
+    with pytest.raises(streamload.UnsupportedError, match="dtype='float17' is not a torch dtype"):
+        streamload.load(tmp_path, device="cpu", dtype="float17")
+    with pytest.raises(streamload.UnsupportedError, match=r"dtype=3: pass a torch dtype"):
+        streamload.load(tmp_path, device="cpu", dtype=3)  # type: ignore[arg-type]
+
+
+def test_filling_something_that_is_not_a_module_is_a_clear_error(tmp_path: Path) -> None:
+    save_file({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    with pytest.raises(TypeError, match="load_into fills a torch.nn.Module, not object"):
+        streamload.load_into(object(), tmp_path)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="offload runs a torch.nn.Module, not dict"):
+        streamload.offload({}, tmp_path, budget_bytes=1 << 20)  # type: ignore[arg-type]
+
+
+def test_the_package_shows_only_its_public_names() -> None:
+    import subprocess
+    import sys
+
+    names = dir(streamload)
+    assert "Any" not in names and "TYPE_CHECKING" not in names and "iter" in names and "IntegrityError" in names
+    assert set(streamload.__all__) <= set(names)
+    # `import streamload` imports nothing heavy until a name is used
+    out = subprocess.run([sys.executable, "-c", "import sys, streamload; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.strip() == "False"
+
+
+def test_every_face_verifies(tmp_path: Path) -> None:
+    from torch import nn
+
+    from streamload.verify import write_digests
+
+    state = {"layers.0.w": torch.randn(8, 8), "layers.1.w": torch.randn(8, 8)}
+    save_file(state, tmp_path / "m.safetensors")
+    write_digests(streamload.inspect(tmp_path))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Module() for _ in range(2))
+            for m in self.layers:
+                m.register_parameter("w", nn.Parameter(torch.empty(8, 8)))
+
+    net = Net()
+    streamload.load_into(net, tmp_path, device="cpu", verify=True)
+    assert torch.equal(net.layers[1].w, state["layers.1.w"])
+    assert [k for k, _ in streamload.layers(tmp_path, device="cpu", verify=True)] == ["layers.0", "layers.1"]
+    info = streamload.inspect(tmp_path).tensors["layers.1.w"]
+    with open(info.path, "r+b") as f:
+        f.seek(info.begin)
+        f.write(b"\xff\xff")
+    fresh = Net()
+    with pytest.raises(streamload.IntegrityError, match="'layers.1.w'"):
+        streamload.load_into(fresh, tmp_path, device="cpu", verify=True)
+    with pytest.raises(streamload.IntegrityError):
+        streamload.load(tmp_path, device="cpu", verify=True)
