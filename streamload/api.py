@@ -113,7 +113,7 @@ def iter(
         read, make = cooperative_pair(read, make, exchange)
         share = functools.partial(exchange.agree, checkpoint, layout=f"{tuning.slot_bytes}/{order}")
     chosen = None
-    if verify is not False:
+    if verify:  # True, or a non-empty mapping (False, None, {}: nothing to verify)
         from .verify import choose, needs_file_order
 
         if exchange is not None:
@@ -247,7 +247,7 @@ def _lands(exchange: Exchange | None, verify: Verify) -> tuple[tuple[Into, ...],
     """Where the bytes must land for this load, and why."""
     if exchange is not None and not exchange.on_device:
         return ("host",), "cooperative loading over a host-memory process group reads into host staging slots"
-    if verify is not False:
+    if verify:
         return ("host", "mapped"), "verify= hashes the bytes in host memory"
     return ("host", "mapped", "device"), ""
 

@@ -157,7 +157,7 @@ def _inspect(path: str, as_json: bool) -> None:
     from .verify import known_digests
 
     ckpt = inspect(path)
-    digests = known_digests(ckpt)
+    digests = known_digests(ckpt, strict=False)  # a broken digest file is shown, not raised
     tensors = list(ckpt.tensors.values())
     in_order = sorted(tensors, key=lambda t: (layer_rank(t.name), t.name))  # layers 0, 1, 2, ..., 10
     layers = Counter(layer.name for t in in_order if (layer := layer_of(t.name)))
@@ -223,7 +223,7 @@ def _digest_text(row: dict[str, Any]) -> str:
         origin = row["whole_file"]["from"]
         parts.append(row["whole_file"]["algorithm"] + (" (hub cache)" if "Hugging Face" in origin else ""))
     if row["stale"]:
-        parts.append("stale digest file")
+        parts.append("unusable digest file")
     return " + ".join(parts) or "none"
 
 

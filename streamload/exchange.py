@@ -65,16 +65,17 @@ def group_timeout(group: ProcessGroup | None, device: torch.device) -> timedelta
             return timeout
     except (AttributeError, RuntimeError):
         pass
-    return dist.default_pg_timeout
+    nccl = getattr(dist, "default_pg_nccl_timeout", None)  # NCCL's is shorter (its watchdog acts on it)
+    return nccl if device.type == "cuda" and isinstance(nccl, timedelta) else dist.default_pg_timeout
 
 
 def wait(work: Work, deadline: float, abort: Any) -> None:
-    """Block until `work` completes; past `deadline` (a `time.monotonic()` value) call `abort()` and
+    """Block until `work` completes; past `deadline` (a `time.monotonic()` value) call `abort(work)` and
     raise TimeoutError. The backend's own error, if the collective failed, is raised as it is."""
     pause = 50e-6
     while not work.is_completed():
         if time.monotonic() > deadline:
-            abort()
+            abort(work)
             raise TimeoutError("no answer from the other ranks in time")
         time.sleep(pause)
         pause = min(pause * 2, 2e-3)  # quick collectives are seen quickly, long ones cost no CPU
@@ -110,15 +111,22 @@ class Exchange:
         self._buffer: torch.Tensor | None = None
         self._pg = group if group is not None else dist.group.WORLD
         self.timeout = group_timeout(group, device if self.on_device else torch.device("cpu"))
+        self.aborted = False
 
     def _collective(self, output: torch.Tensor, part: torch.Tensor) -> None:
         """All-gather `part` into `output`, waited for with a deadline (see the module's docstring)."""
         work = all_gather(output, part, self.group)
         wait(work, time.monotonic() + self.timeout.total_seconds() * DEADLINE_SHARE, self._abort)
 
-    def _abort(self) -> None:
-        if self.on_device:  # NCCL: a collective that never ends; gloo's own timeout frees its thread
+    def _abort(self, work: Work) -> None:
+        if self.on_device:  # NCCL: a collective that would spin on the GPU until the watchdog ends the process
             self._pg.abort()
+            self.aborted = True
+            return
+        # gloo: its thread may still write into the slot until gloo's own timeout (the other 20%); the
+        # slot is given back (to later loads) only once it no longer can.
+        with contextlib.suppress(Exception):
+            work.wait()
 
     @property
     def buffers(self) -> int:
@@ -203,7 +211,7 @@ class Exchange:
             f"{', '.join(paths)}: rank {self.rank} of {self.world}: exchanging tensors {shown} with the other "
             f"ranks failed; a rank failed, stopped early, or did not answer within "
             f"{self.timeout.total_seconds() * DEADLINE_SHARE:.3g} s ({DEADLINE_SHARE:.0%} of the process "
-            f"group's timeout){'; the process group was aborted' if self.on_device else ''}: {exc}"
+            f"group's timeout){'; the process group was aborted' if self.aborted else ''}: {exc}"
         )
 
     def close(self) -> None:

@@ -69,31 +69,40 @@ class Known(NamedTuple):
     block_bytes: int = BLOCK_BYTES
     origin: str = ""  # of the blocks
     stale: str | None = None  # why the digest file's entry does not describe this file
+    header_sha256: str | None = None  # of the bytes before the data (length word, header): with blocks,
+    # a header changed to another dtype or shape of the same size is caught too
 
 
-def known_digests(checkpoint: Checkpoint) -> dict[PurePath, Known]:
-    """Every file's digests that can be had without reading tensor data: the storage's own (hub cache
-    blob names, S3 ETags) and the digest file next to the checkpoint."""
+def known_digests(checkpoint: Checkpoint, strict: bool = True) -> dict[PurePath, Known]:
+    """Every file's digests that can be had without reading tensor data: the digest file next to the
+    checkpoint, and the storage's own (hub cache blob names, S3 ETags). `strict=False` (for `inspect`):
+    a digest file that cannot be read is reported in `stale` instead of raised."""
     sidecars: dict[str, dict[str, Any] | None] = {}
+    broken: dict[str, str] = {}
     out: dict[PurePath, Known] = {}
     for header in checkpoint.files:
         folder = str(header.path.parent)
         if folder not in sidecars:
-            sidecars[folder] = _digest_file(checkpoint, header.path)
-        entry = ((sidecars[folder] or {}).get("files") or {}).get(header.path.name)
-        whole = checkpoint.storage.digest(header) if header.prefix else None
-        if not isinstance(entry, dict):
-            out[header.path] = Known(whole)
-            continue
+            try:
+                sidecars[folder] = _digest_file(checkpoint, header.path)
+            except IntegrityError as exc:
+                if strict:
+                    raise
+                sidecars[folder], broken[folder] = None, str(exc)
+        doc = sidecars[folder] or {}
+        entry = doc.get("files", {}).get(header.path.name)
+        own = checkpoint.storage.digest(header) if header.prefix else None
         origin = str(PurePath(folder) / DIGEST_FILE)
-        if entry.get("size") != header.size:
-            out[header.path] = Known(whole, stale=f"{origin} was made for a file of {entry.get('size')} bytes, "
-                                     f"this one has {header.size}")  # fmt: skip
+        if not isinstance(entry, dict) or entry.get("size") != header.size:
+            stale = broken.get(folder) or (
+                None if not isinstance(entry, dict)
+                else f"{origin} was made for a file of {entry.get('size')} bytes, this one has {header.size}"
+            )  # fmt: skip
+            out[header.path] = Known(own, stale=stale)
             continue
-        if whole is None and isinstance(entry.get("sha256"), str):
-            whole = Digest("sha256", entry["sha256"], origin)
-        block = (sidecars[folder] or {}).get("block_bytes", BLOCK_BYTES)
-        out[header.path] = Known(whole, entry.get("tensors"), block, origin)
+        mine = Digest("sha256", entry["sha256"], origin) if isinstance(entry.get("sha256"), str) else None
+        out[header.path] = Known(mine or own, entry.get("tensors"), doc["block_bytes"], origin,
+                                 header_sha256=entry.get("header_sha256"))  # fmt: skip
     return out
 
 
@@ -108,6 +117,9 @@ def _digest_file(checkpoint: Checkpoint, near: PurePath) -> dict[str, Any] | Non
         raise IntegrityError(f"{where}: not a digest file (invalid JSON: {exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("files"), dict):
         raise IntegrityError(f"{where}: not a digest file of format {FORMAT!r}; write it anew with `streamload digest`")
+    block = doc.setdefault("block_bytes", BLOCK_BYTES)
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise IntegrityError(f"{where}: block_bytes must be a positive integer, not {block!r}")
     return doc
 
 
@@ -169,17 +181,26 @@ class WholeFile:
         self.hash.update(data)
         self.at += len(data)
         if self.at == self.header.size:
-            got = self.hash.hexdigest()
-            if got != self.digest.hex:
-                raise IntegrityError(
-                    f"{self.header.path}: the file's {self.digest.algorithm.upper()} is {got}, not {self.digest.hex} "
-                    f"as {self.digest.origin} says: the file is damaged or was changed",
-                    self.header.path,
-                )
-            self.verified = self.header.size
+            self._compare()
+
+    def _compare(self) -> None:
+        got = self.hash.hexdigest()
+        if got != self.digest.hex:
+            maybe = (
+                " (or the ETag is not an MD5: objects encrypted with SSE-KMS or SSE-C have other ETags; "
+                "`streamload digest` writes a digest file to check instead)" if "ETag" in self.digest.origin else ""
+            )  # fmt: skip
+            raise IntegrityError(
+                f"{self.header.path}: the file's {self.digest.algorithm.upper()} is {got}, not {self.digest.hex} "
+                f"as {self.digest.origin} says: the file is damaged or was changed{maybe}",
+                self.header.path,
+            )
+        self.verified = self.header.size
 
     def end(self) -> None:
         assert self.at == self.header.size, f"{self.header.path}: the stream ended before the file's end"
+        if self.header.data_start == self.header.size:  # no tensor bytes: nothing was fed
+            self._compare()
 
 
 class Blocks:
@@ -201,6 +222,9 @@ class Blocks:
             upto = min(end, hi)
             chunk = data[pos - rel : upto - rel]
             state = self.partial.pop(info.name, None)
+            if state is not None and not (state[0] == j and state[1] == pos):  # a slice's tail, not continued
+                self.unverified += state[1] - state[0] * self.block
+                state = None
             if pos == lo and upto == hi:  # a whole block in one piece: the common case
                 self._compare(info.name, j, len(want), lo, hi, block_digest(chunk), want[j])
             elif pos == lo or (state is not None and state[0] == j and state[1] == pos):
@@ -211,8 +235,6 @@ class Blocks:
                 else:
                     self.partial[info.name] = (j, upto, h)
             else:  # a slice that starts inside a block: its head cannot be checked
-                if state is not None:
-                    self.unverified += state[1] - state[0] * self.block
                 self.unverified += upto - pos
             pos = upto
 
@@ -233,6 +255,12 @@ class Blocks:
 
 def _check_for(header: FileHeader, known: Known, items: list[Item], in_part: Mapping[PurePath, str]) -> FileCheck:
     if known.blocks is not None:
+        if known.header_sha256 is not None and hashlib.sha256(header.prefix).hexdigest() != known.header_sha256:
+            raise IntegrityError(
+                f"{header.path}: its header (dtypes, shapes, offsets, metadata) differs from the one {known.origin} "
+                "was made for: the file is damaged or was changed",
+                header.path,
+            )
         for item in items:
             blocks = known.blocks.get(item.name)
             count = -(-item.info.nbytes // known.block_bytes)
@@ -335,7 +363,9 @@ class Verifier:
                     check.feed(p, source[at(p) : at(p) + p.length])
 
             futures.append(serial.submit(task))
-            before = before or isinstance(serial.check, Blocks)
+            # Handed out only once hashed: per-tensor digests promise it; and a mapped tensor shares its
+            # pages with what is hashed, so a caller writing into it must not race the hash.
+            before = before or isinstance(serial.check, Blocks) or view is None
         return Hashing(futures, before)
 
     def finish(self, stats: Stats) -> None:
@@ -426,4 +456,5 @@ def _digest_of(header: FileHeader) -> dict[str, Any]:
             offset += n
     finally:
         os.close(fd)
-    return {"size": header.size, "sha256": whole.hexdigest(), "tensors": blocks}
+    head = hashlib.sha256(header.prefix).hexdigest()
+    return {"size": header.size, "sha256": whole.hexdigest(), "header_sha256": head, "tensors": blocks}

@@ -192,11 +192,14 @@ def test_the_device_gives_its_slots_back_when_closing_the_files_fails(tmp_path: 
 class NeverDone:
     """A collective whose peers never answer (a rank that failed or hangs)."""
 
+    waited = False
+
     def is_completed(self) -> bool:
         return False
 
     def wait(self) -> None:
-        raise AssertionError("waited on a collective that never ends")
+        self.waited = True  # as gloo's own timeout ends the wait
+        raise RuntimeError("Timed out waiting for send operation to complete")
 
 
 class Aborts:
@@ -221,7 +224,9 @@ def exchange(monkeypatch: pytest.MonkeyPatch) -> Any:
         ex = exchange_module.Exchange(None, torch.device("cpu"))
         assert ex.timeout == dist.default_pg_timeout  # the group's own timeout, read from its backend
         ex.timeout = timedelta(seconds=0.2)
-        monkeypatch.setattr(exchange_module, "all_gather", lambda *args: NeverDone())
+        never = NeverDone()
+        monkeypatch.setattr(exchange_module, "all_gather", lambda *args: never)
+        ex.never = never
         yield ex
     finally:
         dist.destroy_process_group()
@@ -251,9 +256,10 @@ def test_a_collective_past_its_deadline_is_an_error_naming_the_tensors_and_abort
     message = str(caught.value)
     assert "model.safetensors" in message and "'layers.0.w'" in message and "rank 0 of 1" in message
     assert "did not answer within 0.16 s" in message and "aborted" not in message
-    assert exchange._pg.calls == 0
+    assert exchange._pg.calls == 0 and exchange.never.waited  # gloo's thread was done with the slot first
 
     exchange.on_device = True  # NCCL: a collective that only an abort of the communicators ends
+    assert "aborted" not in str(exchange._failed(batch, RuntimeError("NCCL error")))  # nothing aborted yet
     with pytest.raises(TimeoutError):
         exchange._collective(slot, slot)
     assert exchange._pg.calls == 1

@@ -353,6 +353,12 @@ def test_http_digest_file_next_to_the_objects(checkpoint: Path, tmp_path: Path) 
             got = dict(stream)
         assert_same(got, reference(checkpoint))
         assert stream.stats.bytes_verified == stream.stats.bytes_read
+        cache = tmp_path / "cache"
+        streamload.load(f"{server.url}/model/", device="cpu", verify=True, cache_dir=cache)  # kept, digests too
+        with streamload.iter(f"{server.url}/model/", device="cpu", verify=True, cache_dir=cache) as stream:
+            assert stream.stats.reader == "mmap"  # the local copy, still checked against the digest file
+            dict(stream)
+        assert stream.stats.bytes_verified == stream.stats.bytes_read > 0
         info = streamload.inspect(served / "model").tensors["model.layers.1.q_proj.weight"]
         with open(info.path, "r+b") as f:  # damaged on the server, same size (its ETag changes with its mtime)
             f.seek(info.begin + 100)
@@ -402,3 +408,25 @@ def test_s3_without_credentials_names_them() -> None:
         assert not _transient(exc)
     assert message.startswith("s3://b/m/model.safetensors: no AWS credentials: set AWS_ACCESS_KEY_ID and")
     assert "AWS_PROFILE" in message and "instance metadata service" in message
+
+
+def test_a_refused_digest_file_counts_as_absent(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # S3 answers 403, not 404, for a missing key to a caller without ListBucket: the ETag still serves.
+    from streamload.storage.remote import ObjectStorage
+
+    real = ObjectStorage.call
+
+    def refuse_digests(self: ObjectStorage, request: object, path: object, *args: object, **kw: object) -> object:
+        if str(path).endswith("streamload.digests.json"):
+            raise streamload.ReadError(f"{path}: access denied: check the credentials (403 Forbidden)")
+        return real(self, request, path, *args, **kw)  # type: ignore[arg-type]
+
+    with s3_server(monkeypatch) as s3:
+        upload(s3, "models", "llama/", checkpoint)
+        monkeypatch.setattr(ObjectStorage, "call", refuse_digests)
+        with caplog.at_level("WARNING", logger="streamload"):
+            with streamload.iter("s3://models/llama/", device="cpu", verify=True) as stream:
+                dict(stream)
+        assert stream.stats.bytes_verified > 0 and "streamload.digests.json: taken as absent" in caplog.text

@@ -236,3 +236,66 @@ async def test_the_async_face_verifies(tmp_path: Path) -> None:
     async with streamload.iter(model, device="cpu", verify=True, **SMALL_RING) as stream:
         got = {n: t async for n, t in stream}
     assert set(got) == set(reference(model)) and stream.stats.bytes_verified == stream.stats.bytes_read
+
+
+def test_a_request_the_pool_cannot_run_finishes_its_batch_with_the_error() -> None:
+    # At interpreter shutdown the thread pool refuses new work: the batch must end (with that error),
+    # or whoever waits for its reads (the consumer, a verifier thread) would wait forever.
+    from streamload.read.pool import ReaderPool
+
+    pool = ReaderPool(2, lambda n: None)
+
+    class Refusing:
+        def submit(self, *args: object) -> None:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    pool._executor = Refusing()  # type: ignore[assignment]
+    reads = pool.submit([lambda: 1, lambda: 2])
+    with pytest.raises(RuntimeError, match="interpreter shutdown"):
+        reads.wait()
+    pool.close()
+
+
+def test_a_changed_header_of_the_same_size_is_caught(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    save_file({"w": random_tensor(torch.float16, (64, 64))}, model / "model.safetensors")
+    write_digests(streamload.inspect(model))
+    raw = (model / "model.safetensors").read_bytes()
+    assert raw.count(b'"F16"') == 1
+    (model / "model.safetensors").write_bytes(raw.replace(b'"F16"', b'"I16"'))
+    with pytest.raises(IntegrityError, match="its header .* differs from the one"):
+        streamload.iter(model, device="cpu", verify=True)
+
+
+def test_slices_left_unchecked_are_all_counted(tmp_path: Path) -> None:
+    # Rows of 3 MiB, a rank's half of each: ranges of 1.5 MiB at 0 and at 3 MiB. Of each, one whole
+    # block is checked and half a block is not (the second range starts a new block).
+    model = tmp_path / "m"
+    model.mkdir()
+    save_file({"w": random_tensor(torch.float32, (2, 3 * BLOCK_BYTES // 4))}, model / "model.safetensors")
+    write_digests(streamload.inspect(model))
+    with streamload.iter(model, device="cpu", verify=True, shard=ShardSpec({"w": 1}, 0, 2)) as stream:
+        got = dict(stream)
+    assert same_bits(got["w"], load_file(model / "model.safetensors")["w"].chunk(2, 1)[0].contiguous())
+    assert stream.stats.bytes_read == 3 * BLOCK_BYTES
+    assert stream.stats.bytes_verified == 2 * BLOCK_BYTES and stream.stats.bytes_unverified == BLOCK_BYTES
+
+
+def test_verify_none_or_empty_verifies_nothing(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m")  # no digests known: verify=True would refuse
+    for nothing in (None, False, {}):
+        with streamload.iter(model, device="cpu", verify=nothing) as stream:  # type: ignore[arg-type]
+            dict(stream)
+        assert stream.stats.reader == "mmap" and stream.stats.bytes_verified == 0
+
+
+def test_inspect_shows_an_unusable_digest_file_instead_of_failing(tmp_path: Path) -> None:
+    from streamload.verify import known_digests
+
+    model = make_model(tmp_path / "m")
+    (model / DIGEST_FILE).write_text("{broken")
+    known = known_digests(streamload.inspect(model), strict=False)
+    assert all(k.stale and "not a digest file" in k.stale for k in known.values())
+    with pytest.raises(IntegrityError, match="not a digest file"):
+        known_digests(streamload.inspect(model))

@@ -69,9 +69,14 @@ class ReaderPool:
                 # batches': the consumer meets the failed batch first and never makes a skipped one.
                 reads._finished(None)
                 continue
+            try:
+                self._executor.submit(self._one, job, reads)
+            except RuntimeError as exc:  # the interpreter is shutting down: no thread will run it
+                self._stop = True
+                reads._finished(exc)
+                continue
             self._turns -= 1
             self._running += 1
-            self._executor.submit(self._one, job, reads)
 
     def _one(self, job: Job, reads: Reads) -> None:
         error: BaseException | None = None

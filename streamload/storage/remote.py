@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import random
 import threading
@@ -53,6 +54,9 @@ class ObjectPath(PurePosixPath):
     @property
     def key(self) -> str:
         return "/".join(self.parts[2:])
+
+
+log = logging.getLogger("streamload")
 
 
 def is_url(source: object) -> bool:
@@ -159,12 +163,23 @@ class ObjectStorage:
         return None
 
     def sidecar(self, near: PurePath, name: str) -> bytes | None:
+        """The object `name` beside `near`; None if it is absent, or refused (S3 answers 403 for a missing
+        key to a caller without ListBucket). Kept in the cache, where there is one, beside the copies."""
         assert isinstance(near, ObjectPath)
         path = ObjectPath(str(near.parent) + "/" + name) if near.parent != near else near
         try:
             data, _ = self.call(lambda: _get(self.store, path.key, None, None), path)
         except MissingFileError:
             return None
+        except ReadError as exc:
+            log.warning("streamload: %s: taken as absent: %s", path, exc)
+            return None
+        if self.cache_dir is not None:
+            from .cache import cache_path
+
+            local = cache_path(self.cache_dir, path)
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(bytes(data))
         return bytes(data)
 
     def _path(self, url: str) -> ObjectPath:
@@ -346,12 +361,15 @@ def _transient(exc: BaseException) -> bool:
 
 
 _METADATA_SERVICE = "169.254.169.254"  # where an S3 client asks for an instance role's keys when given none
+_REFUSED = ("403", "401", "denied", "refused", "unreachable", "No route")  # not a passing timeout or 429
 
 
 def _no_credentials(exc: BaseException) -> bool:
     """S3 with no keys in the environment: the client fell back to the instance metadata service, which
     is absent or refused (off EC2), and reports that service's answer, not the missing keys."""
-    return _METADATA_SERVICE in str(exc) and not os.environ.get("AWS_ACCESS_KEY_ID")
+    text = str(exc)
+    refused = any(word in text for word in _REFUSED)
+    return _METADATA_SERVICE in text and refused and not os.environ.get("AWS_ACCESS_KEY_ID")
 
 
 def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> BaseException:
