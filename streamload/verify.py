@@ -326,7 +326,12 @@ class _Serial:
 
 
 class Verifier:
-    """Checks the files of a plan against `chosen` digests (see the module's docstring)."""
+    """Checks the files of a plan against `chosen` digests (see the module's docstring).
+
+    With the mapped reader a tensor is a view of its file's pages, the very bytes a whole-file hash
+    reads until the file's end: writing into such a tensor before its file's verdict (`iter`) makes the
+    verdict a mismatch (a false alarm, never a false pass). Tensors checked by per-tensor digests are
+    hashed before they are handed out."""
 
     def __init__(self, plan: Plan, chosen: Mapping[PurePath, Known], threads: int | None = None) -> None:
         by_file: dict[PurePath, list[Item]] = {}
@@ -363,9 +368,10 @@ class Verifier:
                     check.feed(p, source[at(p) : at(p) + p.length])
 
             futures.append(serial.submit(task))
-            # Handed out only once hashed: per-tensor digests promise it; and a mapped tensor shares its
-            # pages with what is hashed, so a caller writing into it must not race the hash.
-            before = before or isinstance(serial.check, Blocks) or view is None
+            # Per-tensor digests: a tensor is handed out only once hashed. A whole file's verdict comes at
+            # its end; waiting for each batch's hash there was measured 1.57x cold against 1.15x (mapped
+            # reader). Mapped tensors share their pages with what is hashed: see `Verifier`'s note.
+            before = before or isinstance(serial.check, Blocks)
         return Hashing(futures, before)
 
     def finish(self, stats: Stats) -> None:
