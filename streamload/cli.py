@@ -265,16 +265,10 @@ def _load(
     cache_dir: str | None,
     verify: bool = False,
 ) -> None:
-    import torch
-
     from .api import iter as stream_iter
 
-    torch_dtype = None
-    if dtype is not None:
-        torch_dtype = getattr(torch, dtype, None)
-        if not isinstance(torch_dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r}; use a torch name such as float16 or bfloat16")
-    stream = stream_iter(path, device=device, dtype=torch_dtype, reader=reader, cache_dir=cache_dir, verify=verify,
+    # A dtype's name is resolved (and an unknown one refused) by the API, as for any caller.
+    stream = stream_iter(path, device=device, dtype=dtype, reader=reader, cache_dir=cache_dir, verify=verify,
                          **tuning)  # type: ignore[arg-type]  # fmt: skip
     s = stream.stats
     sizes = {i.name: i.nbytes for i in stream.plan.items}

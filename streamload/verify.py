@@ -18,7 +18,6 @@ are hashed; tensors checked by blocks are handed out only once their blocks matc
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -36,9 +35,10 @@ from .errors import IntegrityError, UnsupportedError
 from .format import FileHeader
 from .pipeline import Hashing
 from .plan import Batch, Item, Piece, Plan
+from .read.base import writable_bytes
 from .source import Checkpoint
 from .stats import Stats
-from .storage import Digest
+from .storage import Digest, is_hex
 
 DIGEST_FILE = "streamload.digests.json"
 FORMAT = "streamload-digests/1"
@@ -133,7 +133,7 @@ def choose(checkpoint: Checkpoint, verify: Verify) -> dict[PurePath, Known]:
             if name not in by_name:
                 raise ValueError(f"verify: {name!r} is not a file of this checkpoint ({', '.join(sorted(by_name))})")
             algorithm = {64: "sha256", 32: "md5"}.get(len(hexdigest))
-            if algorithm is None or any(c not in "0123456789abcdefABCDEF" for c in hexdigest):
+            if algorithm is None or not is_hex(hexdigest.lower()):
                 raise ValueError(f"verify: {name!r}: {hexdigest!r} is not a SHA-256 (64 hex digits) or MD5 (32)")
             chosen[by_name[name]] = Known(Digest(algorithm, hexdigest.lower(), "verify="))
         return chosen
@@ -227,7 +227,7 @@ class Blocks:
                 state = None
             if pos == lo and upto == hi:  # a whole block in one piece: the common case
                 self._compare(info.name, j, len(want), lo, hi, block_digest(chunk), want[j])
-            elif pos == lo or (state is not None and state[0] == j and state[1] == pos):
+            elif pos == lo or state is not None:  # a block begun here, or continued from the last piece
                 h = block_hasher() if pos == lo else state[2]  # type: ignore[index]
                 h.update(chunk)
                 if upto == hi:
@@ -350,7 +350,7 @@ class Verifier:
         still on earlier batches."""
         if slot is not None and slot.device.type != "cpu":
             raise UnsupportedError("verify hashes bytes in host memory: this reader put them on the device")
-        view = _host_bytes(slot) if slot is not None else None
+        view = writable_bytes(slot) if slot is not None else None
         pieces: dict[PurePath, list[Piece]] = {}
         for p in batch.pieces:
             if p.item.info.path in self._files and p.length:
@@ -358,7 +358,11 @@ class Verifier:
         futures, before = [], False
         for path, mine in pieces.items():
             serial = self._files[path]
-            source = view if view is not None else _host_bytes(files.mapping(path))
+            source = (
+                view
+                if view is not None
+                else writable_bytes(torch.empty(0, dtype=torch.uint8).set_(files.mapping(path)))
+            )
             at = (lambda p: p.slot_offset) if view is not None else (lambda p: p.file_offset)
 
             def task(check: FileCheck = serial.check, mine: list[Piece] = mine, source: memoryview = source,
@@ -391,11 +395,6 @@ class Verifier:
         for serial in self._files.values():
             serial.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)
-
-
-def _host_bytes(t: torch.Tensor | torch.UntypedStorage) -> memoryview:
-    n = t.nbytes() if isinstance(t, torch.UntypedStorage) else t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 # -- writing a digest file -------------------------------------------------------------------------

@@ -123,22 +123,29 @@ def test_unknown_device_and_integer_dtype_are_one_line_errors(
     assert "dtype=torch.int8 would truncate floating-point weights" in err[1]
 
 
-def test_ctrl_c_during_load_is_one_line_and_exit_130(small_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _interrupted(script: str, ready: str, settle: float = 0.0) -> tuple[int, str]:
+    """Run `script` in a fresh interpreter, Ctrl-C it once it printed `ready` (and `settle` seconds
+    passed); its exit code and stderr."""
     import signal
 
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time, streamload.cli as c, streamload.stream as s\n"
-         "real = s.TensorStream.__next__\n"
-         "def slow(self):\n    time.sleep(0.2)\n    return real(self)\n"
-         "s.TensorStream.__next__ = slow\n"
-         f"print('ready', flush=True)\nsys.exit(c.main(['load', {str(small_model)!r}, '--device', 'cpu']))"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    time.sleep(0.5)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == ready
+    time.sleep(settle)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and err.strip() == "streamload: interrupted"
+    return proc.returncode, err
+
+
+def test_ctrl_c_during_load_is_one_line_and_exit_130(small_model: Path) -> None:
+    code, err = _interrupted(
+        "import sys, time, streamload.cli as c, streamload.stream as s\n"
+        "real = s.TensorStream.__next__\n"
+        "def slow(self):\n    time.sleep(0.2)\n    return real(self)\n"
+        "s.TensorStream.__next__ = slow\n"
+        f"print('ready', flush=True)\nsys.exit(c.main(['load', {str(small_model)!r}, '--device', 'cpu']))",
+        "ready", settle=0.5,
+    )  # fmt: skip
+    assert code == 130 and err.strip() == "streamload: interrupted"
 
 
 def test_inspect_table(small_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -318,25 +325,20 @@ def test_inspect_json_into_a_closed_pipe_is_quiet(small_model: Path) -> None:
 
 
 def test_ctrl_c_while_torch_is_importing_is_one_line(small_model: Path) -> None:
-    import signal
-
     # torch's import is made slow, so the signal lands inside it (as it does on a cold start)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time, builtins\n"
-         "real = builtins.__import__\n"
-         "def slow(name, *a, **k):\n"
-         "    if name == 'torch' and 'torch' not in sys.modules:\n"
-         "        print('importing', flush=True); time.sleep(30)\n"
-         "    return real(name, *a, **k)\n"
-         "builtins.__import__ = slow\n"
-         "from streamload.cli import main\n"
-         f"sys.exit(main(['load', {str(small_model)!r}, '--device', 'cpu']))"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    code, err = _interrupted(
+        "import sys, time, builtins\n"
+        "real = builtins.__import__\n"
+        "def slow(name, *a, **k):\n"
+        "    if name == 'torch' and 'torch' not in sys.modules:\n"
+        "        print('importing', flush=True); time.sleep(30)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = slow\n"
+        "from streamload.cli import main\n"
+        f"sys.exit(main(['load', {str(small_model)!r}, '--device', 'cpu']))",
+        "importing",
     )  # fmt: skip
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "importing"
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and err.strip() == "streamload: interrupted"
+    assert code == 130 and err.strip() == "streamload: interrupted"
 
 
 def test_bench_from_a_folder_holding_a_streamload_folder(

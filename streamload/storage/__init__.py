@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .base import INDEX_NAME, Digest, Files, Listing, PathLike, Source, Storage
+from .base import INDEX_NAME, Digest, Files, Listing, PathLike, Source, Storage, is_hex
 from .local import LocalFiles, LocalStorage
 
 
@@ -37,4 +37,4 @@ def storage_for(source: Source, cache_dir: PathLike | None = None) -> Storage:
 
 
 __all__ = ["INDEX_NAME", "STORAGES", "Digest", "Files", "Listing", "LocalFiles", "LocalStorage", "PathLike", "Source",
-           "Storage", "storage_for"]  # fmt: skip
+           "Storage", "is_hex", "storage_for"]  # fmt: skip

@@ -71,6 +71,11 @@ class Storage(Protocol):
         ...
 
 
+def is_hex(text: str) -> bool:
+    """Lower-case hexadecimal digits only (as digests are written)."""
+    return bool(text) and all(c in "0123456789abcdef" for c in text)
+
+
 class Digest(NamedTuple):
     """A whole file's digest: the hashlib algorithm, the hex digest, and where it was learnt."""
 

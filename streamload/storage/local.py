@@ -11,7 +11,7 @@ import torch
 
 from ..errors import HeaderError, MissingFileError, ReadError, SourceError
 from ..format import FIRST_READ, FileHeader, header_from
-from .base import INDEX_NAME, Digest, Listing, Source, file_list, parse_index
+from .base import INDEX_NAME, Digest, Listing, Source, file_list, is_hex, parse_index
 
 
 class LocalStorage:
@@ -58,7 +58,7 @@ class LocalStorage:
         """In a Hugging Face hub cache, `snapshots/<rev>/<file>` links to `blobs/<sha256 of the file>`."""
         target = Path(os.path.realpath(header.path))
         name = target.name
-        if target.parent.name == "blobs" and len(name) == 64 and all(c in "0123456789abcdef" for c in name):
+        if target.parent.name == "blobs" and len(name) == 64 and is_hex(name):
             return Digest("sha256", name, f"the Hugging Face cache's blob name ({target})")
         return None
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import MissingFileError, ReadError, SourceError, UnsupportedError
 from ..format import FIRST_READ, FileHeader, header_from
-from .base import INDEX_NAME, Digest, Listing, Source, file_list, parse_index
+from .base import INDEX_NAME, Digest, Listing, Source, file_list, is_hex, parse_index
 
 if TYPE_CHECKING:
     from .cache import CacheWriter
@@ -157,9 +157,8 @@ class ObjectStorage:
         with KMS; an HTTP server's ETag is opaque, so only s3:// is trusted."""
         kind, tag = (*header.identity, None, None, None)[1:3]
         etag = str(tag or "").strip('"').lower()
-        if self.root.startswith("s3://") and kind == "etag" and len(etag) == 32:
-            if all(c in "0123456789abcdef" for c in etag):
-                return Digest("md5", etag, "the object's ETag")
+        if self.root.startswith("s3://") and kind == "etag" and len(etag) == 32 and is_hex(etag):
+            return Digest("md5", etag, "the object's ETag")
         return None
 
     def sidecar(self, near: PurePath, name: str) -> bytes | None:
