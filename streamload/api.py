@@ -121,8 +121,8 @@ def iter(
         chosen = choose(checkpoint, verify)
         if needs_file_order(chosen):
             # A whole-file digest is hashed front to back. File by file, one core hashes while the other
-            # serves the reads: measured (docs/benchmarks.md), cold, this kept verification within 4% where
-            # hashing files side by side on both cores cost 33%.
+            # serves the reads: measured cold (docs/benchmarks.md), 1.04x-1.19x the unverified load on
+            # 2 cores, where hashing files side by side on both cost 1.33x-1.64x.
             order = "file"
     plan = make_plan(
         checkpoint,
@@ -137,11 +137,11 @@ def iter(
     )
     _check_into_device(plan, dev)
     if cache_dir is not None and checkpoint.storage.kind == "object" and (in_part := plan.read_in_part()):
-        first, why = next(entry for entry in in_part.items())  # (`iter` is this function)
+        cut, reason = next(entry for entry in in_part.items())  # (`iter` is this function)
         log.warning(
             "streamload: cache_dir keeps whole files only, and this load reads %d of %d files in part (%s: %s): "
             "they are not cached and a later load reads them remotely again; load once without include=, "
-            "exclude= or shard= to cache them", len(in_part), len(plan.files), first, why,
+            "exclude= or shard= to cache them", len(in_part), len(plan.files), cut, reason,
         )  # fmt: skip
     check = None
     if chosen is not None:

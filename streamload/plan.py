@@ -97,12 +97,17 @@ class Plan(NamedTuple):
     def nbytes(self) -> int:
         return sum(i.nbytes for i in self.items)
 
-    def read_in_part(self) -> dict[Path, str]:
-        """The files this plan does not read every byte of (their data), each with a reason."""
-        out: dict[Path, str] = {}
+    def items_by_file(self) -> dict[Path, list[Item]]:
+        """The plan's items of each file it reads, in plan order."""
         by_file: dict[Path, list[Item]] = {}
         for item in self.items:
             by_file.setdefault(item.info.path, []).append(item)  # type: ignore[arg-type]
+        return by_file
+
+    def read_in_part(self) -> dict[Path, str]:
+        """The files this plan does not read every byte of (their data), each with a reason."""
+        out: dict[Path, str] = {}
+        by_file = self.items_by_file()
         for path, header in self.files.items():
             items = by_file.get(path, [])
             cut = next((i.name for i in items if i.ranges != ((i.info.begin, i.info.nbytes),)), None)

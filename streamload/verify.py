@@ -334,9 +334,7 @@ class Verifier:
     hashed before they are handed out."""
 
     def __init__(self, plan: Plan, chosen: Mapping[PurePath, Known], threads: int | None = None) -> None:
-        by_file: dict[PurePath, list[Item]] = {}
-        for item in plan.items:
-            by_file.setdefault(item.info.path, []).append(item)
+        by_file = plan.items_by_file()
         in_part = plan.read_in_part()
         checks = {
             p: _check_for(plan.files[p], chosen[p], items, in_part) for p, items in by_file.items() if p in chosen
