@@ -170,16 +170,7 @@ def make_plan(
     _check_dtype_option(dtype)
     if slot_bytes < SLOT_ALIGN or slot_bytes % SLOT_ALIGN:
         raise ValueError(f"slot size must be a positive multiple of {SLOT_ALIGN} bytes, not {slot_bytes}")
-    file_rank = {f.path: i for i, f in enumerate(checkpoint.files)}
-    infos = [checkpoint.tensors[n] for n in select(checkpoint.tensors, include, exclude)]
-
-    def by_file(t: TensorInfo) -> tuple[int, int]:
-        return (file_rank[t.path], t.begin)
-
-    if order == "layer":
-        infos.sort(key=lambda t: (layer_rank(t.name), by_file(t)))
-    else:
-        infos.sort(key=by_file)
+    infos = ordered(checkpoint, select(checkpoint.tensors, include, exclude), order)
     spec = shard.resolved() if shard is not None else None  # (shard.py is imported only by those who shard)
     items = tuple(item for t in infos if (item := _item(t, dtype, spec)) is not None)
     if into:
@@ -195,6 +186,18 @@ def make_plan(
     position = {item.name: k for k, item in enumerate(items)}
     merged = sorted(shared + local, key=lambda b: position[b.pieces[0].item.name])
     return Plan(items, tuple(Batch(k, b.pieces, b.shared) for k, b in enumerate(merged)), files)
+
+
+def ordered(checkpoint: Checkpoint, names: Iterable[str], order: Order = "layer") -> list[TensorInfo]:
+    """The tensors `names` of `checkpoint` in the order a plan delivers them (of one kind of batch)."""
+    file_rank = {f.path: i for i, f in enumerate(checkpoint.files)}
+
+    def by_file(t: TensorInfo) -> tuple[int, int]:
+        return (file_rank[t.path], t.begin)
+
+    infos = [checkpoint.tensors[n] for n in names]
+    infos.sort(key=(lambda t: (layer_rank(t.name), by_file(t))) if order == "layer" else by_file)
+    return infos
 
 
 def _check_dtype_option(dtype: DTypeOption) -> None:
