@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,12 +32,16 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.model_loader.weight_utils import (
+    filter_safetensors_files_by_weight_name,
+    pt_weights_iterator,
+)
 
 from . import api
-from .dryrun import Learned, dry_run
+from .dryrun import Diverged, Learned, Replay, dry_run, replay
 from .dtypes import torch_shape
-from .errors import StreamloadError
-from .plan import converts
+from .errors import StreamloadError, UnsupportedError
+from .plan import converts, ordered
 from .shard import SKIP, ShardSpec, Slice
 from .source import Checkpoint, open_checkpoint
 
@@ -56,6 +61,7 @@ class Report:
     unused: int = 0  # tensors the model does not use: never read
     bytes_fair: int = 0  # 1/world of each tensor the ranks split plus every other tensor read: the goal
     why_whole: dict[str, str] = field(default_factory=dict)  # a few unpredicted tensors, and why
+    diverged: dict[str, str] = field(default_factory=dict)  # what the real call did unlike its dry run (then redone)
 
 
 last_load = Report()
@@ -82,6 +88,9 @@ def register() -> None:
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(FORMAT) is not StreamloadModelLoader:
         register_model_loader(FORMAT)(StreamloadModelLoader)
+    from . import vllm_check
+
+    vllm_check.install()  # only under `streamload vllm-check`
 
 
 def check_options(extra: Any) -> dict[str, Any]:
@@ -110,6 +119,12 @@ class StreamloadModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
         self.options = check_options(load_config.model_loader_extra_config)
+        self._streams: list[Any] = []
+        # vLLM's default loader in its "auto" format, asked only which files it would read.
+        files_config = LoadConfig(
+            load_format="hf", download_dir=load_config.download_dir, ignore_patterns=load_config.ignore_patterns
+        )
+        self._files = DefaultModelLoader(files_config)
 
     def download_model(self, model_config: ModelConfig) -> None:
         self.source(model_config, first=True)
@@ -138,14 +153,93 @@ class StreamloadModelLoader(BaseModelLoader):
         options: dict[str, Any] = {k: self.options[k] for k in _STREAM if k in self.options}
         return {"device": _device_of(model), **options}
 
+    def _parts(self, model_config: ModelConfig, model: nn.Module, first: bool) -> list[_Part]:
+        """Every place the model's weights come from, as vLLM's `DefaultModelLoader.get_all_weights`
+        finds them: the model path (the model's `allow_patterns_overrides`, `fall_back_to_pt_during_load`
+        and `is_unused_checkpoint_weight` applied) and then each of its `secondary_weights`."""
+        primary = DefaultModelLoader.Source(
+            self.source(model_config, first),
+            model_config.revision,
+            fall_back_to_pt=getattr(model, "fall_back_to_pt_during_load", True),
+            allow_patterns_overrides=getattr(model, "allow_patterns_overrides", None),
+            is_unused_weight=getattr(model, "is_unused_checkpoint_weight", None),
+        )
+        sources = [primary, *getattr(model, "secondary_weights", ())]
+        return [self._part(source, primary=k == 0) for k, source in enumerate(sources)]
+
+    def _part(self, source: Any, primary: bool) -> _Part:
+        where = str(source.model_or_path)
+        if "://" in where:  # object storage: the files are what streamload lists there
+            if not primary or source.allow_patterns_overrides is not None:
+                what = (
+                    "secondary weights"
+                    if not primary
+                    else f"allow_patterns_overrides {source.allow_patterns_overrides}"
+                )
+                raise UnsupportedError(
+                    f"streamload: the model's {what} cannot be honoured for weights in object storage ({where}): "
+                    "give vLLM a local directory or hub id"
+                )
+            return _Part("", open_checkpoint(where, self.options.get("cache_dir")), [])
+        # vLLM's own file selection (its "auto" format): the same files as its default loader reads.
+        folder, files, _, _ = self._files._prepare_weights(
+            where, source.subfolder, source.revision, source.fall_back_to_pt, source.allow_patterns_overrides
+        )
+        streamed = [f for f in files if f.endswith(".safetensors")]
+        filtered = False
+        if source.is_unused_weight is not None and streamed:
+            kept = filter_safetensors_files_by_weight_name(streamed, source.is_unused_weight)
+            filtered, streamed = len(kept) < len(streamed), kept
+        others = [f for f in files if not f.endswith(".safetensors")]
+        if primary and not streamed:
+            raise UnsupportedError(
+                f"streamload streams safetensors; {folder} has {', '.join(sorted({Path(f).suffix for f in others}))} "
+                "weights only: use vLLM's load_format='auto' for them"
+            )
+        # The folder itself where vLLM takes the whole folder: its index is checked, a missing shard named.
+        whole = source.allow_patterns_overrides is None and not filtered
+        checkpoint = open_checkpoint(folder if whole else streamed, self.options.get("cache_dir")) if streamed else None
+        # .pt/.bin (small heads, as BGE-M3's): read whole, once, with vLLM's own reader and map_location.
+        pairs = pt_weights_iterator(others, False, self.load_config.pt_load_map_location) if others else ()
+        return _Part(source.prefix, checkpoint, [(source.prefix + n, t) for n, t in pairs])
+
+    def _feed(
+        self, parts: list[_Part], options: dict[str, Any], learned: Learned | None = None, run: Replay | None = None
+    ) -> Generator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every part in turn, as `load_weights` gets them. With `learned` (a dry run's
+        prediction, replayed as `run`), only each rank's part of the placed tensors is read, straight into
+        place, and they are handed on as their stand-ins, as are the tensors the dry run left unused."""
+        for part in parts:
+            if part.checkpoint is not None:
+                placed: dict[str, Any] = {}
+                if learned is not None:
+                    rank, world = _tp_rank_world()
+                    placed["shard"] = ShardSpec(_rule(learned, part.prefix), rank=rank, world_size=world)
+                    placed["into"] = {
+                        n[len(part.prefix) :]: learned.copies[n].dest for n in part.names if n in learned.copies
+                    }
+                with api.iter(part.checkpoint, **options, **placed) as stream:
+                    yield from _tensors(stream, part, learned, run)
+                self._streams.append(stream)
+            yield from part.others
+
+    def _drained(self, feed: Generator[tuple[str, torch.Tensor]]) -> None:
+        """Whatever the model left unread, read: cooperative ranks stay in step, placed tensors land."""
+        try:
+            for _ in feed:
+                pass
+        finally:
+            feed.close()
+
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
         """(name, whole tensor) in layer order: what vLLM's `reload_weights` feeds `load_weights`."""
-        yield from self._whole(self.source(model_config), model)
-
-    def _whole(self, source: str | Checkpoint, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
-        with api.iter(source, **self._stream_options(model)) as stream:
-            yield from stream
-        _report(stream, None, 1)
+        parts, self._streams = self._parts(model_config, model, first=False), []
+        feed = self._feed(parts, self._stream_options(model))
+        try:
+            yield from feed
+        finally:
+            feed.close()
+        _report(parts, self._streams, None, 1)
 
     def load_model(self, vllm_config: Any, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         # A speculative drafter shares this load config; the `source` option is the main model's.
@@ -154,37 +248,42 @@ class StreamloadModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         start = time.perf_counter()
-        # The headers, read once for the dry run and the stream (a Checkpoint is its own source).
-        source = open_checkpoint(
-            self.source(model_config, first=getattr(self, "_main", True)), self.options.get("cache_dir")
-        )
-        options = self._stream_options(model)
-        learned, loaded = (
-            self._learn(model, source, options["device"]) if self.options.get("direct", True) else (None, None)
-        )
+        parts = self._parts(model_config, model, first=getattr(self, "_main", True))  # headers read once
+        options, shapes, self._streams = self._stream_options(model), _shapes(parts), []
+        targets = [*model.parameters(), *model.buffers()]
+        direct = self.options.get("direct", True)
+        learned = self._learn(model, parts, shapes, targets, options["device"]) if direct else None
         last_load.plan_seconds = time.perf_counter() - start
-        rank, world = _tp_rank_world()
-        if self.options.get("cooperative") and world > 1:
+        last_load.diverged = {}
+        world = _tp_rank_world()[1]
+        cooperative = bool(self.options.get("cooperative")) and world > 1
+        if cooperative:
             if not _every_rank(learned is not None):  # the ranks exchange only if they all read alike
-                learned, loaded = None, None
+                learned = None
             options["cooperative"] = _tp_group(options["device"])
+        result: Any = None
+        if learned is not None:
+            try:  # the real call, watched: every name as in the dry run, placed tensors as their stand-ins
+                with replay(learned, shapes, targets) as run:
+                    feed = self._feed(parts, options, learned, run)
+                    result = model.load_weights(feed)
+                    self._drained(feed)
+            except Diverged as exc:
+                last_load.diverged = exc.names
+                self._drained(feed)
+            if not (_every_rank(not last_load.diverged) if cooperative else not last_load.diverged):
+                log.warning(
+                    "streamload: %s.load_weights did not do what its dry run predicted (%s); every tensor is "
+                    "read again, whole, and given to load_weights",
+                    type(model).__name__,
+                    Diverged(last_load.diverged) if last_load.diverged else "on another rank",
+                )
+                learned = None
         if learned is None:
-            with api.iter(source, **options) as stream:
-                feed = (pair for pair in stream)
-                result = model.load_weights(feed)
-                for _ in feed:  # what the model left unread: read, so that cooperative ranks stay in step
-                    pass
-            loaded = _union(set(), result)
-        else:
-            spec = ShardSpec(_rule(learned), rank=rank, world_size=world)
-            into = {name: copy.dest for name, copy in learned.copies.items()}
-            with api.iter(source, shard=spec, into=into, **options) as stream:
-                feed = _unpredicted(stream, learned)
-                result = model.load_weights(feed)
-                for _ in feed:  # the model stopped early: its dry run still placed the rest
-                    pass
-            loaded = _union(loaded, result)
-        _report(stream, learned, world)
+            feed = self._feed(parts, options)
+            result = model.load_weights(feed)
+            self._drained(feed)
+        _report(parts, self._streams, learned, world)
         last_load.seconds = time.perf_counter() - start
         log.info(
             "streamload: %d tensors straight into their parameters, %d through load_weights%s, %d unused; "
@@ -197,35 +296,63 @@ class StreamloadModelLoader(BaseModelLoader):
             last_load.bytes_total / 1e6,
         )
         log.info("Loading weights took %.2f seconds", last_load.seconds)
-        if model_config.quantization is None and loaded is not None:  # None: the model does not track
-            DefaultModelLoader.track_weights_loading(self, model, loaded)  # type: ignore[arg-type]
+        if model_config.quantization is None and result is not None:  # None: the model does not track
+            DefaultModelLoader.track_weights_loading(self, model, set(result))  # type: ignore[arg-type]
 
     def _learn(
-        self, model: nn.Module, checkpoint: Checkpoint, device: torch.device
-    ) -> tuple[Learned | None, set[str] | None]:
+        self,
+        model: nn.Module,
+        parts: list[_Part],
+        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        targets: list[torch.Tensor],
+        device: torch.device,
+    ) -> Learned | None:
         if _quantized_while_loading(model):  # its loaders record what they get for later: no stand-ins
-            return None, None
-        tensors = {}
-        for name, info in checkpoint.tensors.items():
-            shape, dtype = torch_shape(info.dtype, info.shape), info.dtype.torch_dtype
-            if shape is not None and dtype is not None:
-                tensors[name] = (shape, dtype)
+            return None
         try:
-            learned, loaded = dry_run(model.load_weights, tensors)
+            learned, _ = dry_run(model.load_weights, shapes, targets)
         except Exception as exc:  # the real run gives the model's own error, if it is one
             log.warning(
                 "streamload: the dry run of %s.load_weights failed (%s); loading whole tensors",
                 type(model).__name__,
                 exc,
             )
-            return None, None
-        learned.whole.update(dict.fromkeys(set(checkpoint.tensors) - set(tensors), "no torch dtype"))
+            return None
+        for part in parts:
+            learned.whole.update(dict.fromkeys(part.names.keys() - shapes.keys(), "no torch dtype"))
+            for name, _ in part.others:
+                learned.copies.pop(name, None)
+                learned.unused.discard(name)
+                learned.whole[name] = "a .pt/.bin file, read whole as vLLM reads it"
         for name, copy in list(learned.copies.items()):  # what the stream cannot write in place, the model does
-            why = _cannot_write(copy.dest, tensors[name][1], device)
+            why = _cannot_write(copy.dest, shapes[name][1], device)
             if why:
                 del learned.copies[name]
                 learned.whole[name] = why
-        return learned, None if loaded is None else set(loaded)
+        return learned
+
+
+class _Part:
+    """One place the model's weights come from (the model path, or one of its `secondary_weights`): its
+    safetensors files, streamed, and the tensors of its .pt/.bin files, read as vLLM reads them; every
+    name prefixed by `prefix`."""
+
+    def __init__(self, prefix: str, checkpoint: Checkpoint | None, others: list[tuple[str, torch.Tensor]]) -> None:
+        self.prefix, self.checkpoint, self.others = prefix, checkpoint, others
+        order = ordered(checkpoint, checkpoint.tensors) if checkpoint is not None else []
+        self.names = {prefix + t.name: t for t in order}  # in the order the stream hands them out
+
+
+def _shapes(parts: list[_Part]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (shape, dtype)} of every tensor `load_weights` gets, in the order it gets them."""
+    shapes = {}
+    for part in parts:
+        for name, info in part.names.items():
+            shape, dtype = torch_shape(info.dtype, info.shape), info.dtype.torch_dtype
+            if shape is not None and dtype is not None:
+                shapes[name] = (shape, dtype)
+        shapes.update((name, (tuple(t.shape), t.dtype)) for name, t in part.others)
+    return shapes
 
 
 def _cannot_write(dest: torch.Tensor, stored: torch.dtype, device: torch.device) -> str:
@@ -259,35 +386,57 @@ def _every_rank(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def _report(stream: Any, learned: Learned | None, world: int) -> None:
-    stats, tensors = stream.stats, stream.checkpoint.tensors
-    last_load.bytes_read, last_load.bytes_total = stats.bytes_read, stream.checkpoint.nbytes
+def _report(parts: list[_Part], streams: list[Any], learned: Learned | None, world: int) -> None:
+    """`last_load`, from the streams of this load (a load that diverged and was redone: both)."""
+    last_load.bytes_read = sum(stream.stats.bytes_read for stream in streams)
+    last_load.bytes_total = sum(part.checkpoint.nbytes for part in parts if part.checkpoint is not None)
+    every = [name for part in parts for name in (*part.names, *(n for n, _ in part.others))]
     last_load.direct = len(learned.copies) if learned else 0
     last_load.unused = len(learned.unused) if learned else 0
-    last_load.through_model = stats.tensors_total - last_load.direct
+    last_load.through_model = len(every) - last_load.direct - last_load.unused
     split = {n for n, c in learned.copies.items() if c.part is not None} if learned else set()
     unused = learned.unused if learned else set()
     last_load.bytes_fair = sum(
-        t.nbytes // world if n in split else t.nbytes for n, t in tensors.items() if n not in unused
+        t.nbytes // world if n in split else t.nbytes for p in parts for n, t in p.names.items() if n not in unused
     )
     last_load.why_whole = dict(list(learned.whole.items())[:3]) if learned else {}
 
 
-def _rule(learned: Learned) -> Any:
+def _rule(learned: Learned, prefix: str) -> Any:
+    """A `ShardSpec` rule for one part's stream: each placed tensor's predicted part, SKIP for unused."""
+
     def rule(name: str, shape: tuple[int, ...]) -> Slice | str | None:
-        copy = learned.copies.get(name)
+        copy = learned.copies.get(prefix + name)
         if copy is not None:
             return copy.part
-        return SKIP if name in learned.unused else None
+        return SKIP if prefix + name in learned.unused else None
 
     return rule
 
 
-def _unpredicted(stream: Any, learned: Learned) -> Iterator[tuple[str, torch.Tensor]]:
-    """The stream's tensors that the dry run could not place; the others are in place already."""
-    for name, t in stream:
-        if name not in learned.copies:
-            yield name, t
+def _tensors(
+    stream: Any, part: _Part, learned: Learned | None, run: Replay | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A part's stream as `load_weights` gets it: every name, prefixed; with a replay, placed and unused
+    tensors as their stand-ins (the unused ones, never read, where the dry run had them)."""
+    if learned is None or run is None:
+        yield from ((part.prefix + name, t) for name, t in stream)
+        return
+    pending = iter(part.names)
+    arrived = iter(stream)
+    while True:
+        with run.paused():  # the stream's own writes into place are not the loader's
+            item = next(arrived, None)
+        if item is None:
+            break
+        name = part.prefix + item[0]
+        for before in pending:
+            if before == name:
+                break
+            if before in learned.unused:
+                yield before, run.stand_in(before)
+        yield name, run.stand_in(name) if name in learned.copies else item[1]
+    yield from ((n, run.stand_in(n)) for n in pending if n in learned.unused)
 
 
 def _device_of(model: nn.Module) -> torch.device:
