@@ -93,6 +93,19 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", action="store_true",
                        help="time streamload alone on a grid of threads x request size x ring around its defaults, "
                             "and print the best setting as options to pass")  # fmt: skip
+    check = sub.add_parser("vllm-check", help="load a model through vLLM's default loader and through streamload, "
+                           "and compare every parameter", description="Load MODEL twice in real vLLM engines, with "
+                           "vLLM's default loader and with load_format='streamload', and compare every parameter "
+                           "and buffer on every rank byte for byte right after load_weights (before vLLM "
+                           "post-processes them). Exit status 0: identical; 1: the first differences are "
+                           "printed.")  # fmt: skip
+    check.add_argument("model", help="a local model directory or a hub id, as for `vllm serve`")
+    check.add_argument("--tp", type=_positive, default=1, help="tensor-parallel ranks (default: 1)")
+    check.add_argument("--dtype", default="auto", help="vLLM's --dtype (default: auto)")
+    check.add_argument("--extra-config", type=json.loads, default=None, metavar="JSON",
+                       help="streamload's model_loader_extra_config, e.g. '{\"cooperative\": true}'")  # fmt: skip
+    check.add_argument("--engine", type=json.loads, default=None, metavar="JSON",
+                       help="more vllm.LLM arguments, e.g. '{\"runner\": \"pooling\"}'")  # fmt: skip
     return parser
 
 
@@ -138,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             _load(args.path, args.device, args.dtype, args.reader, tuning, args.cache_dir, args.verify)
         elif args.command == "bench":
             return _bench(args)
+        elif args.command == "vllm-check":
+            return _vllm_check(args)
     except (StreamloadError, ValueError) as exc:
         print(f"streamload: error: {exc}", file=sys.stderr)
         return 1
@@ -149,6 +164,17 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's own flush at exit stays quiet
         return 141
     return 0
+
+
+def _vllm_check(args: argparse.Namespace) -> int:
+    try:
+        from .vllm_check import check
+    except ImportError as exc:
+        raise StreamloadError(f"vllm-check needs vLLM: pip install 'streamload[vllm]' ({exc})") from None
+    engine = {"dtype": args.dtype, **(args.engine or {})}
+    report = check(args.model, tp=args.tp, model_loader_extra_config=args.extra_config, **engine)
+    print(report)
+    return 0 if report.ok else 1
 
 
 def _inspect(path: str, as_json: bool) -> None:

@@ -1,0 +1,164 @@
+"""Check the "streamload" load format on your own architecture: `streamload vllm-check MODEL [--tp N]`.
+
+The model is loaded twice by real vLLM engines, once with vLLM's default loader and once with
+streamload, and every parameter and buffer is compared byte for byte on every tensor-parallel rank
+right after `load_weights`, before vLLM post-processes the weights (on CPU its linear layers hand their
+weights to oneDNN and leave the parameters empty). Run it before trusting the format with a new or
+custom architecture:
+
+    >>> from streamload.vllm_check import check                       # doctest: +SKIP
+    >>> report = check("path/to/model", tp=2)                          # doctest: +SKIP
+    >>> print(report)                                                  # doctest: +SKIP
+    streamload and vLLM's default loader agree: 2 ranks, 389 tensors each, byte for byte
+
+How the tensors are seen: `STREAMLOAD_VLLM_CHECK=DIR` in a vLLM process makes streamload's plugin wrap
+vLLM's `process_weights_after_loading`, writing each rank's tensors' digests to DIR first.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ENV = "STREAMLOAD_VLLM_CHECK"
+FORMATS = ("auto", "streamload")  # vLLM's default loader (its default format), then ours
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def install() -> None:
+    """Wrap vLLM's `process_weights_after_loading` (where `BaseModelLoader.load_model` calls it) so that
+    each rank writes its tensors' digests to `$STREAMLOAD_VLLM_CHECK` first; nothing when it is unset."""
+    if not os.environ.get(ENV):
+        return
+    from vllm.model_executor.model_loader import base_loader
+
+    original = base_loader.process_weights_after_loading
+    if getattr(original, "streamload_check", False):
+        return
+
+    def process_weights_after_loading(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        _write(model, Path(os.environ[ENV]))
+        return original(model, *args, **kwargs)
+
+    process_weights_after_loading.streamload_check = True  # type: ignore[attr-defined]
+    base_loader.process_weights_after_loading = process_weights_after_loading
+
+
+def _write(model: torch.nn.Module, out: Path) -> None:
+    tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps({name: _describe(t) for name, t in tensors.items()}))
+
+
+def _describe(t: torch.Tensor) -> dict[str, Any]:
+    """A tensor's digest, and enough of its values to say how two of them differ."""
+    if t.is_meta:
+        return {"shape": list(t.shape), "dtype": str(t.dtype), "sha256": "meta"}
+    data = t.detach().cpu().contiguous()
+    flat = data.reshape(-1)
+    digest = hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
+    values = (flat.abs() if data.dtype.is_complex else flat).double()
+    return {
+        "shape": list(t.shape),
+        "dtype": str(t.dtype),
+        "sha256": digest,
+        "sum": float(values.sum()) if values.numel() else 0.0,
+        "first": [float(v) for v in values[:4]],
+    }
+
+
+@dataclass
+class Report:
+    """What `check` found: per rank, the tensors of the two loads that differ (empty: identical)."""
+
+    model: str
+    tp: int
+    tensors: int = 0  # per rank
+    differences: list[str] = field(default_factory=list)  # one line each, first difference first
+    streamload: dict[str, Any] = field(default_factory=dict)  # what streamload's load reported (rank 0)
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences
+
+    def __str__(self) -> str:
+        if self.ok:
+            return (
+                f"streamload and vLLM's default loader agree: {self.tp} rank{'s' if self.tp > 1 else ''}, "
+                f"{self.tensors} tensors each, byte for byte"
+            )
+        head = f"streamload differs from vLLM's default loader in {len(self.differences)} tensor(s); first: "
+        return head + self.differences[0] + "".join(f"\n  {d}" for d in self.differences[1:10])
+
+
+def check(model: str, tp: int = 1, **engine: Any) -> Report:
+    """Load `model` with vLLM's default loader and with streamload (each in a real engine, `tp` ranks)
+    and compare every tensor on every rank right after `load_weights`. `engine`: more `vllm.LLM`
+    arguments (`dtype`, `model_loader_extra_config` for streamload's options, `runner`, ...)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process where one rank
+    extra = engine.pop("model_loader_extra_config", None) or {}
+    seen: dict[str, list[dict[str, Any]]] = {}
+    report = Report(model, tp)
+    with tempfile.TemporaryDirectory(prefix="streamload-check-") as tmp:
+        for fmt in FORMATS:
+            out = Path(tmp) / fmt
+            os.environ[ENV] = str(out)
+            install()  # in this process too (its plugins may have loaded before)
+            try:
+                state = _run(
+                    model, fmt, tp, {"model_loader_extra_config": extra} if fmt == "streamload" else {}, engine
+                )
+            finally:
+                os.environ.pop(ENV, None)
+            if fmt == "streamload":
+                report.streamload = state
+            seen[fmt] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp)]
+    for rank, (theirs, ours) in enumerate(zip(seen["auto"], seen["streamload"], strict=True)):
+        report.tensors = len(theirs)
+        where = f"rank {rank}: " if tp > 1 else ""
+        for name in theirs.keys() | ours.keys():
+            a, b = theirs.get(name), ours.get(name)
+            if a is None or b is None:
+                report.differences.append(f"{where}{name!r} only in {'streamload' if a is None else 'vLLM'}'s model")
+            elif a != b:
+                report.differences.append(f"{where}{name!r} {_what(a, b)}")
+    report.differences.sort()
+    return report
+
+
+def _what(a: dict[str, Any], b: dict[str, Any]) -> str:
+    if (a["shape"], a["dtype"]) != (b["shape"], b["dtype"]):
+        return f"is {b['dtype']}{b['shape']} through streamload, {a['dtype']}{a['shape']} through vLLM"
+    return (
+        f"{a['dtype']}{a['shape']}: sum {b.get('sum')} through streamload, {a.get('sum')} through vLLM; "
+        f"first values {b.get('first')} against {a.get('first')}"
+    )
+
+
+def _run(model: str, fmt: str, tp: int, loader: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM
+
+    no_tokenizer = Path(model).is_dir() and not any((Path(model) / f).exists() for f in _TOKENIZER_FILES)
+    kwargs: dict[str, Any] = {"skip_tokenizer_init": no_tokenizer, "enforce_eager": True, "max_model_len": 256, **engine}
+    if tp > 1:
+        kwargs.setdefault("distributed_executor_backend", "mp")
+    llm = LLM(model=model, load_format=fmt, tensor_parallel_size=tp, **loader, **kwargs)
+    try:
+        import streamload.vllm
+
+        return dict(vars(streamload.vllm.last_load)) if tp == 1 else {}
+    finally:
+        shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        del llm
+        gc.collect()
