@@ -67,6 +67,69 @@ def make_models(root: Path) -> dict[str, Path]:
     return paths
 
 
+def make_checked_models(root: Path) -> dict[str, Path]:
+    """Models whose every parameter `streamload.vllm_check` compares with vLLM's own loader: the two that
+    were silently wrong (BGE-M3's .pt secondary heads, an untied BERT masked-LM decoder vLLM ties when it
+    is not among the names its loader gets), an MLA + MoE model, fused checkpoint tensors, Conv1D."""
+    import transformers
+
+    def bge_m3() -> Any:
+        config = transformers.XLMRobertaConfig(**{**SMALL, "max_position_embeddings": 260}, pad_token_id=1)
+        return transformers.XLMRobertaModel(config, add_pooling_layer=False)
+
+    deepseek = transformers.DeepseekV2Config(**{**SMALL, "intermediate_size": 128}, q_lora_rank=64, kv_lora_rank=32,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        tie_word_embeddings=False)  # fmt: skip
+    builds: dict[str, Callable[[], Any]] = {
+        "bert-mlm": lambda: transformers.BertForMaskedLM(transformers.BertConfig(**SMALL, tie_word_embeddings=False)),
+        "bge-m3": bge_m3,
+        "deepseek-v2": lambda: transformers.DeepseekV2ForCausalLM(deepseek),
+        "phi3": lambda: transformers.Phi3ForCausalLM(
+            transformers.Phi3Config(**SMALL, tie_word_embeddings=False, pad_token_id=0)
+        ),
+        "gpt2": lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=300, n_positions=256)
+        ),
+    }
+    paths = {}
+    for seed, (name, build) in enumerate(builds.items(), start=10):
+        torch.manual_seed(seed)
+        model = build()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.2)
+        paths[name] = root / name
+        model.save_pretrained(paths[name], max_shard_size="300KB")
+    bge = paths["bge-m3"]  # vLLM's BgeM3EmbeddingModel: its sparse and colbert heads in .pt files beside
+    config = json.loads((bge / "config.json").read_text())
+    config.update(architectures=["BgeM3EmbeddingModel"], position_embedding_type="absolute")
+    (bge / "config.json").write_text(json.dumps(config))
+    torch.save({"weight": torch.randn(1, 128), "bias": torch.randn(1)}, bge / "sparse_linear.pt")
+    torch.save({"weight": torch.randn(128, 128) * 0.1, "bias": torch.randn(128)}, bge / "colbert_linear.pt")
+    _word_tokenizer().save_pretrained(bge)  # its pooling tasks need one
+    return paths
+
+
+def _word_tokenizer() -> Any:
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(4, 300)} | {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>", "cls_token": "<s>",
+                "sep_token": "</s>", "mask_token": "<unk>"}  # fmt: skip
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, **specials)
+
+
+def checked(path: Path, tp: int = 1, **engine: Any) -> dict[str, Any]:
+    from streamload.vllm_check import check
+
+    report = check(str(path), tp=tp, dtype="float32", **engine)
+    return {"ok": report.ok, "differences": report.differences, "tensors": report.tensors, "report": report.streamload}
+
+
 def engine(path: Path, load_format: str, **kwargs: Any) -> Any:
     from vllm import LLM
 
@@ -167,6 +230,11 @@ def run(root: Path) -> dict[str, Any]:
     shard = sorted(broken.glob("*.safetensors"))[1]
     shard.unlink()
     out["missing-shard"] = {"error": error_of(lambda: engine(broken, "streamload")), "file": shard.name}
+
+    for name, path in make_checked_models(root).items():
+        out[f"check/{name}"] = checked(path)
+    cooperative = {"model_loader_extra_config": {"cooperative": True}}
+    out["check/deepseek-v2/tp2"] = checked(root / "deepseek-v2", tp=2, **cooperative)
 
     tp = {"safetensors": {}, "streamload": {}, "streamload-cooperative": {"cooperative": True}}
     for name in ("llama", "qwen2-moe"):  # tensor parallel: two ranks, a core each
