@@ -122,17 +122,23 @@ def check(model: str, tp: int = 1, **engine: Any) -> Report:
             if fmt == "streamload":
                 report.streamload = state
             seen[fmt] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp)]
-    for rank, (theirs, ours) in enumerate(zip(seen["auto"], seen["streamload"], strict=True)):
-        report.tensors = len(theirs)
-        where = f"rank {rank}: " if tp > 1 else ""
-        for name in theirs.keys() | ours.keys():
-            a, b = theirs.get(name), ours.get(name)
-            if a is None or b is None:
-                report.differences.append(f"{where}{name!r} only in {'streamload' if a is None else 'vLLM'}'s model")
-            elif a != b:
-                report.differences.append(f"{where}{name!r} {_what(a, b)}")
-    report.differences.sort()
+    report.tensors = len(seen["auto"][0])
+    report.differences = compare(seen["auto"], seen["streamload"])
     return report
+
+
+def compare(theirs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> list[str]:
+    """One line per tensor that differs between vLLM's load (`theirs`, rank by rank) and streamload's."""
+    differences = []
+    for rank, (a_rank, b_rank) in enumerate(zip(theirs, ours, strict=True)):
+        where = f"rank {rank}: " if len(theirs) > 1 else ""
+        for name in sorted(a_rank.keys() | b_rank.keys()):
+            a, b = a_rank.get(name), b_rank.get(name)
+            if a is None or b is None:
+                differences.append(f"{where}{name!r} only in {'streamload' if a is None else 'vLLM'}'s model")
+            elif a != b:
+                differences.append(f"{where}{name!r} {_what(a, b)}")
+    return differences
 
 
 def _what(a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -148,7 +154,12 @@ def _run(model: str, fmt: str, tp: int, loader: dict[str, Any], engine: dict[str
     from vllm import LLM
 
     no_tokenizer = Path(model).is_dir() and not any((Path(model) / f).exists() for f in _TOKENIZER_FILES)
-    kwargs: dict[str, Any] = {"skip_tokenizer_init": no_tokenizer, "enforce_eager": True, "max_model_len": 256, **engine}
+    kwargs: dict[str, Any] = {
+        "skip_tokenizer_init": no_tokenizer,
+        "enforce_eager": True,
+        "max_model_len": 256,
+        **engine,
+    }
     if tp > 1:
         kwargs.setdefault("distributed_executor_backend", "mp")
     llm = LLM(model=model, load_format=fmt, tensor_parallel_size=tp, **loader, **kwargs)

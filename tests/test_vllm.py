@@ -125,6 +125,16 @@ def test_every_parameter_equals_vllms_own_loader_right_after_load_weights(engine
         assert report["through_model"] == 4 and "sparse_linear.weight" in report["why_whole"]
 
 
+def test_the_check_from_the_command_line(engines: dict[str, Any]) -> None:
+    run = engines["check/cli"]
+    assert run["status"] == 0
+    assert (
+        run["printed"]
+        .strip()
+        .endswith("streamload and vLLM's default loader agree: 1 rank, 36 tensors each, byte for byte")
+    )
+
+
 @pytest.mark.parametrize("model", ["llama", "qwen2-moe"])
 def test_tensor_parallel_ranks_read_their_part(engines: dict[str, Any], model: str) -> None:
     reference = engines[f"{model}/tp2/safetensors"]

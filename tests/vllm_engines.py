@@ -130,6 +130,19 @@ def checked(path: Path, tp: int = 1, **engine: Any) -> dict[str, Any]:
     return {"ok": report.ok, "differences": report.differences, "tensors": report.tensors, "report": report.streamload}
 
 
+def command(argv: list[str]) -> dict[str, Any]:
+    """`streamload ARGV` in this process: its exit status and what it printed."""
+    import contextlib
+    import io
+
+    from streamload.cli import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = main(argv)
+    return {"status": status, "printed": printed.getvalue()}
+
+
 def engine(path: Path, load_format: str, **kwargs: Any) -> Any:
     from vllm import LLM
 
@@ -231,8 +244,10 @@ def run(root: Path) -> dict[str, Any]:
     shard.unlink()
     out["missing-shard"] = {"error": error_of(lambda: engine(broken, "streamload")), "file": shard.name}
 
-    for name, path in make_checked_models(root).items():
+    checked_models = make_checked_models(root)
+    for name, path in checked_models.items():
         out[f"check/{name}"] = checked(path)
+    out["check/cli"] = command(["vllm-check", str(checked_models["gpt2"]), "--dtype", "float32"])
     cooperative = {"model_loader_extra_config": {"cooperative": True}}
     out["check/deepseek-v2/tp2"] = checked(root / "deepseek-v2", tp=2, **cooperative)
 
