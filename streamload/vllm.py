@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Generator, Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,14 +224,6 @@ class StreamloadModelLoader(BaseModelLoader):
                 self._streams.append(stream)
             yield from part.others
 
-    def _drained(self, feed: Generator[tuple[str, torch.Tensor]]) -> None:
-        """Whatever the model left unread, read: cooperative ranks stay in step, placed tensors land."""
-        try:
-            for _ in feed:
-                pass
-        finally:
-            feed.close()
-
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
         """(name, whole tensor) in layer order: what vLLM's `reload_weights` feeds `load_weights`."""
         parts, self._streams = self._parts(model_config, model, first=False), []
@@ -265,12 +258,9 @@ class StreamloadModelLoader(BaseModelLoader):
         if learned is not None:
             try:  # the real call, watched: every name as in the dry run, placed tensors as their stand-ins
                 with replay(learned, shapes, targets) as run:
-                    feed = self._feed(parts, options, learned, run)
-                    result = model.load_weights(feed)
-                    self._drained(feed)
+                    result = _given(model, self._feed(parts, options, learned, run))
             except Diverged as exc:
                 last_load.diverged = exc.names
-                self._drained(feed)
             if not (_every_rank(not last_load.diverged) if cooperative else not last_load.diverged):
                 log.warning(
                     "streamload: %s.load_weights did not do what its dry run predicted (%s); every tensor is "
@@ -280,9 +270,7 @@ class StreamloadModelLoader(BaseModelLoader):
                 )
                 learned = None
         if learned is None:
-            feed = self._feed(parts, options)
-            result = model.load_weights(feed)
-            self._drained(feed)
+            result = _given(model, self._feed(parts, options))
         _report(parts, self._streams, learned, world)
         last_load.seconds = time.perf_counter() - start
         log.info(
@@ -353,6 +341,22 @@ def _shapes(parts: list[_Part]) -> dict[str, tuple[tuple[int, ...], torch.dtype]
                 shapes[name] = (shape, dtype)
         shapes.update((name, (tuple(t.shape), t.dtype)) for name, t in part.others)
     return shapes
+
+
+def _given(model: nn.Module, feed: Generator[tuple[str, torch.Tensor]]) -> Any:
+    """`model.load_weights(feed)`; then whatever it left unread is read, so that cooperative ranks stay
+    in step (also when the call diverged from its dry run) and placed tensors land; the feed (its
+    stream) is closed on every way out."""
+    with closing(feed):
+        try:
+            result = model.load_weights(feed)
+        except Diverged:
+            for _ in feed:
+                pass
+            raise
+        for _ in feed:
+            pass
+        return result
 
 
 def _cannot_write(dest: torch.Tensor, stored: torch.dtype, device: torch.device) -> str:
