@@ -176,7 +176,7 @@ class _Recorder:
                 return (
                     "its parameter is written again after the copy"
                     if at > when
-                    else ("its parameter is written before the copy (the stream may fill it first)")
+                    else "its parameter is written before the copy (the stream may fill it first)"
                 )
         return ""
 
@@ -442,8 +442,8 @@ class Replay:
     """The real call, watched (`replay`): `stand_in(name)` is what to give it for a placed or unused
     tensor; `paused()` around the stream's own work in this thread."""
 
-    def __init__(self, learned: Learned, tensors: Shapes, watch: _WriteWatch) -> None:
-        self._learned, self._tensors, self._watch = learned, tensors, watch
+    def __init__(self, tensors: Shapes, watch: _WriteWatch) -> None:
+        self._tensors, self._watch = tensors, watch
 
     def stand_in(self, name: str) -> torch.Tensor:
         shape, dtype = self._tensors[name]
@@ -482,7 +482,7 @@ def replay(learned: Learned, tensors: Shapes, params: Iterable[torch.Tensor]) ->
     """
     rec = _Recorder(params, expected=learned)
     with _watching(rec) as watch:
-        yield Replay(learned, tensors, watch)
+        yield Replay(tensors, watch)
     for name in learned.copies:
         if rec.placed.get(name, 0) != 1:
             rec.diverged.setdefault(name, f"copied {rec.placed.get(name, 0)} times, its dry run once")
