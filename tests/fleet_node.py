@@ -1,0 +1,51 @@
+"""One node of a simulated fleet (tests/netsim.py): loads a checkpoint URL, alone or cooperatively with
+the other nodes (a gloo group over their own links), and prints one JSON line: each tensor's digest,
+when the first tensor and the whole load were done, and the bytes this node read from storage.
+
+    python -m tests.fleet_node URL [--rank R --world W --master ADDR:PORT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from datetime import timedelta
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("url", nargs="+")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--master", default="")
+    args = parser.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    import streamload
+
+    options: dict[str, object] = {"device": "cpu"}
+    if args.world > 1:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
+            timeout=timedelta(seconds=60),
+        )  # fmt: skip
+        options["cooperative"] = True
+    start = time.perf_counter()
+    first = None
+    digests = {}
+    with streamload.iter(args.url if len(args.url) > 1 else args.url[0], **options) as stream:
+        for name, t in stream:
+            first = first if first is not None else time.perf_counter() - start
+            digests[name] = hashlib.sha256(t.contiguous().view(torch.uint8).reshape(-1).numpy()).hexdigest()
+    seconds = time.perf_counter() - start
+    print(json.dumps({"digests": digests, "first": first, "seconds": seconds, "read": stream.stats.bytes_read}))
+    if args.world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
