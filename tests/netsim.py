@@ -4,7 +4,8 @@ network), one storage host serving a directory over HTTP like an object store, a
 
 The store is nginx (Debian's `nginx-light` and `libnginx-mod-http-echo`): HTTP Range, a first-byte
 latency per request (`echo_sleep` before the body: this kernel has no `netem`), a rate cap per
-connection (`limit_rate`); the storage host's egress is capped with `tc` (htb), as is every node's
+connection (`limit_rate`), a share of requests answered `503` as a throttling object store does
+(`split_clients`); the storage host's egress is capped with `tc` (htb), as is every node's
 link where asked (a straggler: one node's link slower). Needs root, `ip`, `tc` and nginx with the echo
 module: `Net.missing()` says what is not there. Everything made is removed on leaving the `with`
 block — on success, failure or Ctrl-C — and every command runs under a deadline.
@@ -44,9 +45,11 @@ class Net:
         connection_mbps: float | None = None,
         first_byte_ms: float = 0.0,
         node_mbit: float | dict[int, float] | None = None,
+        slow_down_percent: float = 0.0,
     ) -> None:
         self.root, self.nodes = Path(root).resolve(), nodes
         self.storage_mbit, self.connection_mbps, self.first_byte_ms = storage_mbit, connection_mbps, first_byte_ms
+        self.slow_down_percent = slow_down_percent  # of data requests answered 503 SlowDown, as S3 throttles
         self.node_mbit = node_mbit if isinstance(node_mbit, dict) else dict.fromkeys(range(nodes), node_mbit)
         tag = f"{os.getpid() % 4096:03x}{random.randrange(16):x}"
         self.prefix = f"sl{tag}"
@@ -141,14 +144,16 @@ class Net:
         tmp = Path(self._tmp.name)
         delay = f"echo_sleep {self.first_byte_ms / 1000:.3f}; " if self.first_byte_ms else ""
         limit = f"limit_rate {int(self.connection_mbps * 1e6)};" if self.connection_mbps else ""
+        throttle = f"{self.slow_down_percent}% 1; " if self.slow_down_percent else ""
         temp = " ".join(f"{k}_temp_path {tmp};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
         (tmp / "nginx.conf").write_text(
             f"load_module {ECHO_MODULE};\nuser root;\npid {tmp}/nginx.pid;\nerror_log {tmp}/error.log;\ndaemon off;\n"
             "worker_processes 2;\nevents { worker_connections 4096; }\n"
             f"http {{ log_format body '$body_bytes_sent'; access_log {tmp}/served.log body; {temp}\n"
             "  keepalive_requests 100000;\n"
+            f"  split_clients $request_id $slow_down {{ {throttle}* 0; }}\n"
             f"  server {{ listen {self.storage_ip}:80;\n"
-            f"    location / {{ {delay}echo_exec @file; }}\n"
+            f"    location / {{ if ($slow_down) {{ return 503; }} {delay}echo_exec @file; }}\n"
             f"    location @file {{ root {self.root}; {limit} }} }} }}\n"
         )
         self._procs.append(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -102,3 +103,21 @@ def _header_bytes(store: Path) -> int:
         with f.open("rb") as fh:
             total += 8 + int.from_bytes(fh.read(8), "little")
     return total
+
+
+def test_a_throttling_store_under_load_is_retried_past_and_a_failing_one_named(store: Path) -> None:
+    """A fifth of the data requests answered 503 (S3's SlowDown) while the link is capped: the load
+    retries them with backoff and is exact; a store that refuses every request is a `ReadError` naming
+    the object and the byte range."""
+    with Net(store, nodes=1, storage_mbit=400, first_byte_ms=20, connection_mbps=20, slow_down_percent=20) as net:
+        result = _result(_node(net, 0, _urls(net)))
+    assert result["digests"] == _expected(store)
+    with Net(store, nodes=1, slow_down_percent=100) as net:
+        env = {**os.environ, "STREAMLOAD_RETRIES": "2", "STREAMLOAD_TIMEOUT": "2"}
+        done = net.run_on(
+            "n0", [sys.executable, "-m", "tests.fleet_node", _urls(net)[0]], timeout=60, cwd=ROOT, env=env
+        )
+    assert done.returncode != 0
+    assert re.search(rf"ReadError: {re.escape(_urls(net)[0])}: .*(503|Service Unavailable)", done.stderr), done.stderr[
+        -2000:
+    ]
