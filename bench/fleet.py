@@ -1,0 +1,79 @@
+"""A fleet over a simulated network (tests/netsim.py): N nodes, each wanting the whole checkpoint, load it
+from one capped, latent store — independently, and cooperatively (a gloo group over the nodes' own
+links: each reads a share, the rest comes from the others). Prints, per N, the slowest node's load, its
+first tensor, and the bytes the store served per checkpoint byte. Needs root and nginx.
+
+    python bench/fleet.py DIR --nodes 1 2 4 --storage-mbit 200 --node-mbit 1000 --first-byte-ms 30 --connection-mbps 10
+
+Each node is a fresh process (`python -m tests.fleet_node`); its clock starts after imports and, for a
+cooperative load, after the group formed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent)]
+
+from tests.netsim import Net  # noqa: E402
+
+
+def run(net: Net, files: list[str], nodes: int, cooperative: bool) -> list[dict[str, float]]:
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}
+    procs = []
+    for i in range(nodes):
+        extra = ["--rank", str(i), "--world", str(nodes), "--master", f"{net.node_ips[0]}:29517"] if cooperative else []
+        argv = [sys.executable, "-m", "tests.fleet_node", *files, *extra]
+        procs.append(net.start(i, argv, cwd=ROOT, env=env, stdout=-1, stderr=-1))
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        if proc.returncode:
+            raise RuntimeError(err[-2000:])
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--storage-mbit", type=float, default=200)
+    parser.add_argument("--node-mbit", type=float, default=None, help="each node's link, both ways (default: uncapped)")
+    parser.add_argument("--first-byte-ms", type=float, default=30)
+    parser.add_argument("--connection-mbps", type=float, default=10)
+    args = parser.parse_args()
+    if why := Net.missing():
+        sys.exit(f"cannot simulate a network here: {why}")
+    names = sorted(p.name for p in args.dir.glob("*.safetensors"))
+    nbytes = sum((args.dir / n).stat().st_size for n in names)
+    links = f"{args.node_mbit} Mbit/s" if args.node_mbit else "uncapped"
+    print(f"store: {args.storage_mbit} Mbit/s, {args.first_byte_ms} ms first byte, {args.connection_mbps} MB/s per "
+          f"connection; nodes' links: {links}; checkpoint {nbytes / 1e6:.1f} MB")  # fmt: skip
+    print("| nodes | how | slowest node (s) | first tensor, slowest (s) | served / checkpoint | x independent |")
+    print("|---|---|---|---|---|---|")
+    for n in args.nodes:
+        alone = None
+        for cooperative in (False, True):
+            with Net(args.dir, nodes=n, storage_mbit=args.storage_mbit, first_byte_ms=args.first_byte_ms,
+                     connection_mbps=args.connection_mbps, node_mbit=args.node_mbit) as net:  # fmt: skip
+                files = [net.url + name for name in names]
+                before = net.served()
+                results = run(net, files, n, cooperative and n > 1)
+                served = net.served() - before
+            slowest = max(r["seconds"] for r in results)
+            alone = alone or slowest
+            how = "cooperative" if cooperative else "independent"
+            print(f"| {n} | {how} | {slowest:.2f} | {max(r['first'] for r in results):.2f} | {served / nbytes:.2f} | "
+                  f"{slowest / alone:.2f}x |")  # fmt: skip
+            if n == 1:
+                break
+
+
+if __name__ == "__main__":
+    main()
