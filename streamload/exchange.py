@@ -15,13 +15,20 @@ A rank that fails, stops early or hangs must be an error on the others, not a ha
 waited for with a deadline a little shorter than the process group's own timeout. An NCCL collective
 that misses it would otherwise spin on the GPU until NCCL's watchdog ends the whole process; the
 exchange aborts the group's communicators instead (the group is unusable afterwards, as after any NCCL
-timeout) and raises a `StreamloadError`.
+timeout).
+
+A lost rank costs the others time, not the load: once an exchange fails (a rank died, its link broke,
+or it did not answer in time), each surviving rank says so once, reads what the others would have
+shared from storage itself — the rest of the batch at hand and of every batch already read in part —
+and reads every later batch whole, without the group. Only when storage cannot serve those bytes
+either is the load an error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -37,6 +44,8 @@ from .source import Checkpoint
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Work
+
+log = logging.getLogger("streamload")
 
 # The share of the process group's timeout the exchange waits for a collective: it must act before
 # NCCL's watchdog (which checks the same timeout) tears the process down.
@@ -112,6 +121,7 @@ class Exchange:
         self._pg = group if group is not None else dist.group.WORLD
         self.timeout = group_timeout(group, device if self.on_device else torch.device("cpu"))
         self.aborted = False
+        self.lost: str = ""  # why the group is no longer used (a rank lost): every rank then reads alone
 
     def _collective(self, output: torch.Tensor, part: torch.Tensor) -> None:
         """All-gather `part` into `output`, waited for with a deadline (see the module's docstring)."""
@@ -219,24 +229,38 @@ class Exchange:
 
 
 class CooperativeReader:
-    """A reader that reads only this rank's part of each shared batch (the others read the rest)."""
+    """A reader that reads only this rank's part of each shared batch (the others read the rest), and
+    the whole batch once the group is lost."""
 
     def __init__(self, reader: Reader, exchange: Exchange) -> None:
         self.reader, self.exchange = reader, exchange
         self.name = reader.name
+        self.partial: set[int] = set()  # shared batches read in part: the rest comes from the others
 
     def jobs(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> list[Job]:
-        return self.reader.jobs(self.exchange.own_part(batch) if batch.shared else batch, slot, files)
+        if batch.shared and not self.exchange.lost:
+            self.partial.add(batch.index)
+            return self.reader.jobs(self.exchange.own_part(batch), slot, files)
+        return self.reader.jobs(batch, slot, files)
+
+    def rest(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> None:
+        """Blocking: the parts of `batch` the other ranks would have shared, read here."""
+        lo, size = self.exchange._part(batch)
+        for window in (batch.window(0, lo), batch.window(lo + size, batch.extent)):
+            if window.pieces:
+                for job in self.reader.jobs(window, slot, files):
+                    job()
 
     def close(self) -> None:
         self.reader.close()
 
 
 class CooperativeDevice:
-    """A device whose shared batches are first completed by all-gather from the other ranks' parts."""
+    """A device whose shared batches are first completed by all-gather from the other ranks' parts (or,
+    once the group is lost, by reading those parts: `reader`)."""
 
-    def __init__(self, device: Device, exchange: Exchange) -> None:
-        self.device, self.exchange = device, exchange
+    def __init__(self, device: Device, exchange: Exchange, reader: CooperativeReader) -> None:
+        self.device, self.exchange, self.reader = device, exchange, reader
         self.name, self.staged = device.name, device.staged
         self.buffers = device.buffers + exchange.buffers
         self.padding = exchange.padding  # the last rank's part is rounded up
@@ -245,8 +269,15 @@ class CooperativeDevice:
         return self.device.new_slot(nbytes)
 
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> list[Delivered]:
-        if batch.shared and slot is not None:
-            slot = self.exchange.gather(batch, slot)  # a collective: in plan order on every rank
+        if batch.shared and slot is not None and batch.index in self.reader.partial:
+            if not self.exchange.lost:
+                try:
+                    slot = self.exchange.gather(batch, slot)  # a collective: in plan order on every rank
+                except StreamloadError as exc:
+                    self.exchange.lost = str(exc)
+                    log.warning("streamload: %s; this rank reads the rest from storage itself", exc)
+            if self.exchange.lost:
+                self.reader.rest(batch, slot, files)
         return self.device.instantiate(batch, slot, files)
 
     def close(self) -> None:
@@ -258,4 +289,5 @@ class CooperativeDevice:
 
 def cooperative(reader: Reader, device: Device, exchange: Exchange) -> tuple[Reader, Device]:
     """The reader/device pair of a cooperative load: the pipeline runs it like any other."""
-    return CooperativeReader(reader, exchange), CooperativeDevice(device, exchange)
+    cooperative_reader = CooperativeReader(reader, exchange)
+    return cooperative_reader, CooperativeDevice(device, exchange, cooperative_reader)

@@ -2,7 +2,7 @@
 the other nodes (a gloo group over their own links), and prints one JSON line: each tensor's digest,
 when the first tensor and the whole load were done, and the bytes this node read from storage.
 
-    python -m tests.fleet_node URL [--rank R --world W --master ADDR:PORT]
+    python -m tests.fleet_node URL [--rank R --world W --master ADDR:PORT] [--die-after N] [--options JSON]
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import time
 from datetime import timedelta
 
@@ -20,6 +21,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--master", default="")
+    parser.add_argument("--die-after", type=int, default=None, help="end this process after so many tensors")
+    parser.add_argument("--options", default="{}", help="more streamload.iter options, as JSON")
     args = parser.parse_args()
 
     import torch
@@ -27,7 +30,7 @@ def main() -> None:
 
     import streamload
 
-    options: dict[str, object] = {"device": "cpu"}
+    options: dict[str, object] = {"device": "cpu", **json.loads(args.options)}
     if args.world > 1:
         dist.init_process_group(
             "gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
@@ -41,6 +44,8 @@ def main() -> None:
         for name, t in stream:
             first = first if first is not None else time.perf_counter() - start
             digests[name] = hashlib.sha256(t.contiguous().view(torch.uint8).reshape(-1).numpy()).hexdigest()
+            if args.die_after is not None and len(digests) >= args.die_after:
+                os._exit(3)  # as a node that dies: no goodbye to the group
     seconds = time.perf_counter() - start
     print(json.dumps({"digests": digests, "first": first, "seconds": seconds, "read": stream.stats.bytes_read}))
     if args.world > 1:

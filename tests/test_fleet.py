@@ -105,6 +105,29 @@ def _header_bytes(store: Path) -> int:
     return total
 
 
+def test_a_node_that_dies_mid_load_costs_the_others_only_time(store: Path) -> None:
+    """Node 1 of three dies after its first tensors (1 MiB slots: many exchanges still to come): the
+    other two warn, read what it would have shared from storage themselves, and end with exact tensors
+    (no hang, no error)."""
+    with Net(store, nodes=3, storage_mbit=400, first_byte_ms=30, connection_mbps=20) as net:
+        master = f"{net.node_ips[0]}:29517"
+        procs = [
+            _node(net, i, _urls(net), "--rank", str(i), "--world", "3", "--master", master, "--options",
+                  json.dumps({"ring_bytes": 4 << 20, "slots": 4}), *(["--die-after", "2"] if i == 1 else []))
+            for i in range(3)
+        ]  # fmt: skip
+        survivors = {}
+        for i in (0, 2):
+            out, err = procs[i].communicate(timeout=90)
+            assert procs[i].returncode == 0, err[-3000:]
+            assert "this rank reads the rest from storage itself" in err
+            survivors[i] = json.loads(out.strip().splitlines()[-1])
+        procs[1].communicate(timeout=30)
+        assert procs[1].returncode == 3
+    expected = _expected(store)
+    assert all(r["digests"] == expected for r in survivors.values())
+
+
 def test_a_throttling_store_under_load_is_retried_past_and_a_failing_one_named(store: Path) -> None:
     """A fifth of the data requests answered 503 (S3's SlowDown) while the link is capped: the load
     retries them with backoff and is exact; a store that refuses every request is a `ReadError` naming

@@ -204,13 +204,15 @@ def test_cooperative_mismatched_calls_are_a_clear_error(model: Path, tmp_path: P
         assert "ranks [1] load a different checkpoint (or ring layout" in r["error"]
 
 
-def test_a_rank_leaving_a_cooperative_load_fails_the_others(model: Path, tmp_path: Path) -> None:
-    results = run_ranks(model, tmp_path, 2, cooperative=True, ring_bytes=8192, slots=2, chunk_bytes=4096,
-                        fail_after={"1": 2})  # fmt: skip
-    assert results[1]["ok"]  # what it took before leaving is right
-    error = results[0]["error"]
-    assert "rank 0 of 2: exchanging tensors" in error and "model.safetensors" in error
-    assert results[0]["seconds"] < 20  # the process group's timeout, not a hang
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_leaving_a_cooperative_load_costs_the_others_only_time(model: Path, tmp_path: Path, world: int) -> None:
+    """Rank 1 stops taking part (alive, but gone from the load): once an exchange misses its deadline,
+    the others read what it would have shared from storage themselves and end with exact tensors."""
+    results = run_ranks(model, tmp_path, world, cooperative=True, ring_bytes=8192, slots=2, chunk_bytes=4096,
+                        fail_after={"1": 2}, split=world == 2)  # fmt: skip
+    assert all(r.get("ok") for r in results), results  # rank 1: what it took before leaving is right
+    for survivor in (r for k, r in enumerate(results) if k != 1):
+        assert survivor["seconds"] < 20  # the process group's timeout, not a hang
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -234,13 +236,12 @@ def test_cooperative_to_one_gpu_over_gloo(model: Path, tmp_path: Path, world: in
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_a_rank_leaving_an_nccl_cooperative_load_is_an_error_not_the_watchdog(model: Path, tmp_path: Path) -> None:
+def test_a_rank_leaving_an_nccl_cooperative_load_is_survived_not_the_watchdog(model: Path, tmp_path: Path) -> None:
     # NCCL would spin on the GPU until its watchdog ends the process: the exchange's deadline aborts the
-    # group instead, so rank 0 lives to write its error.
+    # group instead, so rank 0 lives on and reads the rest from storage itself.
     results = run_ranks(model, tmp_path, 2, device="cuda:{rank}", backend="nccl", cooperative=True,
                         ring_bytes=8192, slots=2, chunk_bytes=4096, fail_after={"1": 2})  # fmt: skip
-    assert results[1]["ok"]
-    assert "rank 0 of 2: exchanging tensors" in results[0]["error"] and "aborted" in results[0]["error"]
+    assert results[0].get("ok") and results[1].get("ok"), results  # rank 0 read rank 1's shares itself
     assert results[0]["seconds"] < 20
 
 
