@@ -23,16 +23,21 @@ sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != P
 from tests.netsim import Net  # noqa: E402
 
 
-def run(net: Net, files: list[str], nodes: int, cooperative: bool) -> list[dict[str, float]]:
+def run(net: Net, files: list[str], nodes: int, cooperative: bool, lose_after: int | None = None) -> list[dict]:
+    """Every node's result; with `lose_after`, node 1 dies after so many tensors (the survivors' results)."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}
     procs = []
     for i in range(nodes):
         extra = ["--rank", str(i), "--world", str(nodes), "--master", f"{net.node_ips[0]}:29517"] if cooperative else []
+        if lose_after is not None and i == 1:
+            extra += ["--die-after", str(lose_after)]
         argv = [sys.executable, "-m", "tests.fleet_node", *files, *extra]
         procs.append(net.start(i, argv, cwd=ROOT, env=env, stdout=-1, stderr=-1))
     results = []
-    for proc in procs:
+    for i, proc in enumerate(procs):
         out, err = proc.communicate(timeout=900)
+        if lose_after is not None and i == 1:
+            continue
         if proc.returncode:
             raise RuntimeError(err[-2000:])
         results.append(json.loads(out.strip().splitlines()[-1]))
@@ -47,6 +52,8 @@ def main() -> None:
     parser.add_argument("--node-mbit", type=float, default=None, help="each node's link, both ways (default: uncapped)")
     parser.add_argument("--first-byte-ms", type=float, default=30)
     parser.add_argument("--connection-mbps", type=float, default=10)
+    parser.add_argument("--lose-after", type=int, default=None,
+                        help="also: a cooperative load in which node 1 dies after so many tensors")  # fmt: skip
     args = parser.parse_args()
     if why := Net.missing():
         sys.exit(f"cannot simulate a network here: {why}")
@@ -59,16 +66,18 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for n in args.nodes:
         alone = None
-        for cooperative in (False, True):
+        hows = [(False, None), (True, None)] + ([(True, args.lose_after)] if args.lose_after is not None else [])
+        for cooperative, lose_after in hows:
             with Net(args.dir, nodes=n, storage_mbit=args.storage_mbit, first_byte_ms=args.first_byte_ms,
                      connection_mbps=args.connection_mbps, node_mbit=args.node_mbit) as net:  # fmt: skip
                 files = [net.url + name for name in names]
                 before = net.served()
-                results = run(net, files, n, cooperative and n > 1)
+                results = run(net, files, n, cooperative and n > 1, lose_after if n > 1 else None)
                 served = net.served() - before
             slowest = max(r["seconds"] for r in results)
             alone = alone or slowest
             how = "cooperative" if cooperative else "independent"
+            how += f", node 1 lost after {lose_after} tensors (survivors)" if lose_after is not None else ""
             print(f"| {n} | {how} | {slowest:.2f} | {max(r['first'] for r in results):.2f} | {served / nbytes:.2f} | "
                   f"{slowest / alone:.2f}x |")  # fmt: skip
             if n == 1:
