@@ -200,7 +200,9 @@ _IN_PLACE_OPERATORS = {f"__i{op}__" for op in _OPERATORS} | {"__setitem__"}
 
 
 def _in_place(name: str) -> bool:
-    """`copy_`, `fill_`, `mul_`, `t[i] = x`, `t += x`: calls that write their first argument."""
+    """`copy_`, `fill_`, `mul_`, `t[i] = x`, `t += x`: calls that write their first argument (an aten
+    overload's name, `fill_.Scalar`, without its overload)."""
+    name = name.split(".", 1)[0]
     return name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("__"))
 
 
@@ -307,8 +309,13 @@ class _StandIn(torch.Tensor):
             for a in ins:
                 rec.tainted.setdefault(a.root, why)
             return None if name == "__set__" else args[0]
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+        except Exception as exc:  # in a replay, a stand-in used where its dry run did not: not the model's error
+            if rec.expected is not None:
+                raise Diverged({a.root: f"{name or func} applied to it" for a in ins}) from exc
+            raise
         if not _has_tensor(out):
             return out  # a shape, a dtype, a size: describing is not using
         if len(ins) == 1 and ins[0] is args[0] and (known := ins[0]._follow(name, args, kwargs, out)) is not None:

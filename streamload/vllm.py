@@ -182,6 +182,8 @@ class StreamloadModelLoader(BaseModelLoader):
                     "give vLLM a local directory or hub id"
                 )
             return _Part("", open_checkpoint(where, self.options.get("cache_dir")), [])
+        if primary and os.path.isfile(where):  # `source` naming one file (or an index): nothing to select
+            return _Part("", open_checkpoint(where, self.options.get("cache_dir")), [])
         # vLLM's own file selection (its "auto" format): the same files as its default loader reads.
         folder, files, _, _ = self._files._prepare_weights(
             where, source.subfolder, source.revision, source.fall_back_to_pt, source.allow_patterns_overrides

@@ -45,7 +45,9 @@ def install() -> None:
         return
 
     def process_weights_after_loading(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        _write(model, Path(os.environ[ENV]))
+        out = os.environ.get(ENV)  # unset again after a check: later loads in this process go on as usual
+        if out:
+            _write(model, Path(out))
         return original(model, *args, **kwargs)
 
     process_weights_after_loading.streamload_check = True  # type: ignore[attr-defined]

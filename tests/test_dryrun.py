@@ -307,3 +307,28 @@ def test_a_replay_writing_into_a_filled_region_or_using_a_stand_in_otherwise() -
         p.copy_(run.stand_in("w").reshape(2, 2).t().reshape(4))
     with pytest.raises(Diverged, match=r"'w': tolist\(\) asked of it"), replay(learned, shapes, [p]) as run:
         run.stand_in("w").tolist()
+
+
+def test_a_replay_using_a_stand_in_where_meta_tensors_fail_is_a_divergence_not_a_crash() -> None:
+    """The real call moves a tensor its dry run left alone to the CPU (no data on meta): `Diverged`,
+    so the caller loads whole tensors, not the meta tensor's own error."""
+    p = torch.zeros(4)
+    shapes = {"w": ((4,), torch.float32), "extra": ((2,), torch.float32)}
+    learned, _ = dry_run(lambda pairs: [p.copy_(t) for n, t in pairs if n == "w"], shapes, [p])
+    assert learned.unused == {"extra"}
+    with pytest.raises(Diverged, match="'extra': .* applied to it"), replay(learned, shapes, [p]) as run:
+        p.copy_(run.stand_in("w"))
+        run.stand_in("extra").to("cpu").sum()
+
+
+def test_aten_overloads_count_as_writes() -> None:
+    p = torch.zeros(4)
+    shapes = {"w": ((4,), torch.float32)}
+
+    def load(pairs: Pairs) -> None:
+        for _, t in pairs:
+            p.copy_(t)
+            torch.ops.aten.fill_.Scalar(p, 9.0)  # an overload's name is "fill_.Scalar"
+
+    learned, _ = dry_run(load, shapes, [p])
+    assert learned.whole == {"w": "its parameter is written again after the copy"}

@@ -288,3 +288,22 @@ def test_secondary_weights_overrides_and_unused_shards_as_vllm_selects_them(tmp_
     model.secondary_weights.append(DefaultModelLoader.Source("s3://bucket/heads/", None, prefix="more."))
     with pytest.raises(UnsupportedError, match=r"secondary weights cannot be honoured .*\(s3://bucket/heads/\)"):
         loader.load_weights(model, config)
+
+
+def test_the_check_hook_leaves_later_loads_alone(loader_class: Any, monkeypatch: Any, tmp_path: Path) -> None:
+    """Installed for a check, the hook writes digests only while STREAMLOAD_VLLM_CHECK is set."""
+    import torch
+    from vllm.model_executor.model_loader import base_loader
+
+    from streamload import vllm_check
+
+    calls = []
+    monkeypatch.setattr(base_loader, "process_weights_after_loading", lambda model, *a: calls.append(model))
+    monkeypatch.setenv(vllm_check.ENV, str(tmp_path / "digests"))
+    vllm_check.install()
+    model = torch.nn.Linear(2, 2)
+    base_loader.process_weights_after_loading(model, None, None)
+    assert (tmp_path / "digests" / "rank0.json").exists() and calls == [model]
+    monkeypatch.delenv(vllm_check.ENV)
+    base_loader.process_weights_after_loading(model, None, None)  # no KeyError, no digests
+    assert calls == [model, model]
