@@ -181,8 +181,7 @@ class StreamloadModelLoader(BaseModelLoader):
                     f"streamload: the model's {what} cannot be honoured for weights in object storage ({where}): "
                     "give vLLM a local directory or hub id"
                 )
-            return _Part("", open_checkpoint(where, self.options.get("cache_dir")), [])
-        if primary and os.path.isfile(where):  # `source` naming one file (or an index): nothing to select
+        if "://" in where or (primary and os.path.isfile(where)):  # listed by streamload, or one file: no selection
             return _Part("", open_checkpoint(where, self.options.get("cache_dir")), [])
         # vLLM's own file selection (its "auto" format): the same files as its default loader reads.
         folder, files, _, _ = self._files._prepare_weights(
