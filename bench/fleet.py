@@ -13,26 +13,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent)]
 
+from tests.fleet_node import start  # noqa: E402
 from tests.netsim import Net  # noqa: E402
 
 
 def run(net: Net, files: list[str], nodes: int, cooperative: bool, lose_after: int | None = None) -> list[dict]:
     """Every node's result; with `lose_after`, node 1 dies after so many tensors (the survivors' results)."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}
     procs = []
     for i in range(nodes):
         extra = ["--rank", str(i), "--world", str(nodes), "--master", f"{net.node_ips[0]}:29517"] if cooperative else []
         if lose_after is not None and i == 1:
             extra += ["--die-after", str(lose_after)]
-        argv = [sys.executable, "-m", "tests.fleet_node", *files, *extra]
-        procs.append(net.start(i, argv, cwd=ROOT, env=env, stdout=-1, stderr=-1))
+        procs.append(start(net, i, files, *extra))
     results = []
     for i, proc in enumerate(procs):
         out, err = proc.communicate(timeout=900)

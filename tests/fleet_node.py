@@ -11,8 +11,22 @@ import argparse
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start(net: Any, node: int, urls: list[str], *extra: str) -> subprocess.Popen[str]:
+    """This module run on node `node` of a `tests.netsim.Net`, its output piped back; gloo on the node's
+    own link, not its loopback."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}
+    argv = [sys.executable, "-m", "tests.fleet_node", *urls, *extra]
+    return net.start(node, argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def main() -> None:
