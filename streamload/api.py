@@ -134,6 +134,7 @@ def iter(
         shard=shard,
         share=share,
         into=into,
+        first_batch=checkpoint.storage.first_batch,
     )
     _check_into_device(plan, dev)
     if cache_dir is not None and checkpoint.storage.kind == "object" and (in_part := plan.read_in_part()):

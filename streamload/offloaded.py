@@ -40,6 +40,7 @@ class _KeptOpen:
     from one fetch to the next, where each layer's load would map its shard anew and unmap it after."""
 
     kind = "local"
+    first_batch = 0
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.storage = checkpoint.storage

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 ECHO_MODULE = Path("/usr/lib/nginx/modules/ngx_http_echo_module.so")
+BUCKET = "models"
+SLOW_DOWN = "<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
 
 
 class Net:
@@ -46,6 +48,7 @@ class Net:
         first_byte_ms: float = 0.0,
         node_mbit: float | dict[int, float] | None = None,
         slow_down_percent: float = 0.0,
+        s3: bool = False,
     ) -> None:
         self.root, self.nodes = Path(root).resolve(), nodes
         self.storage_mbit, self.connection_mbps, self.first_byte_ms = storage_mbit, connection_mbps, first_byte_ms
@@ -56,7 +59,8 @@ class Net:
         subnet = f"10.{random.randrange(100, 250)}.{random.randrange(256)}"
         self.storage_ip = f"{subnet}.1"
         self.node_ips = [f"{subnet}.{i + 2}" for i in range(nodes)]
-        self.url = f"http://{self.storage_ip}/"
+        self.s3 = s3
+        self.url = f"s3://{BUCKET}/" if s3 else f"http://{self.storage_ip}/"
         self._made: list[str] = []  # namespaces, removed in reverse
         self._procs: list[subprocess.Popen[Any]] = []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -139,12 +143,28 @@ class Net:
         subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
         self._made.append(name)
 
+    def env(self) -> dict[str, str]:
+        """The environment a node's process needs to reach the store (S3's endpoint and keys)."""
+        if not self.s3:
+            return dict(os.environ)
+        keys = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+        keys |= {"AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+        path_style = {"RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}  # runai's reader, on an endpoint by address
+        return {**os.environ, **keys, **path_style, "AWS_ENDPOINT_URL": f"http://{self.storage_ip}"}
+
     def _start_store(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="streamload-net-")
         tmp = Path(self._tmp.name)
         delay = f"echo_sleep {self.first_byte_ms / 1000:.3f}; " if self.first_byte_ms else ""
         limit = f"limit_rate {int(self.connection_mbps * 1e6)};" if self.connection_mbps else ""
         throttle = f"{self.slow_down_percent}% 1; " if self.slow_down_percent else ""
+        root = self.root
+        if self.s3:  # S3's path-style GET /bucket/key (signed; the signature is not checked): the bucket
+            # is the directory. What a load uses of S3 is there: Range, ETag, If-Match, 503 SlowDown.
+            root = tmp / "s3"
+            root.mkdir()
+            (root / BUCKET).symlink_to(self.root)
+        serve = f"location @file {{ root {root}; {limit} }}"
         temp = " ".join(f"{k}_temp_path {tmp};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
         (tmp / "nginx.conf").write_text(
             f"load_module {ECHO_MODULE};\nuser root;\npid {tmp}/nginx.pid;\nerror_log {tmp}/error.log;\ndaemon off;\n"
@@ -153,8 +173,8 @@ class Net:
             "  keepalive_requests 100000;\n"
             f"  split_clients $request_id $slow_down {{ {throttle}* 0; }}\n"
             f"  server {{ listen {self.storage_ip}:80;\n"
-            f"    location / {{ if ($slow_down) {{ return 503; }} {delay}echo_exec @file; }}\n"
-            f"    location @file {{ root {self.root}; {limit} }} }} }}\n"
+            f"    location / {{ if ($slow_down) {{ return 503 '{SLOW_DOWN}'; }} {delay}echo_exec @file; }}\n"
+            f"    {serve} }} }}\n"
         )
         self._procs.append(
             subprocess.Popen(

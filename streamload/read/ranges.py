@@ -1,4 +1,4 @@
-"""Ranged GETs of objects (S3, HTTP) into host slots: one request per span, run on reader threads."""
+"""Ranged GETs of objects (S3, HTTP) into host slots: a span per reader thread, in ranges paced by the store."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from .base import Job, Span, spans, writable_bytes
 
 
 class RangeReader:
-    """Each span of a batch (contiguous bytes of one object, at most `chunk_bytes`) is one ranged GET
-    whose body is copied to its places in the slot; requests in flight are as many as reader threads."""
+    """Each span of a batch (contiguous bytes of one object, at most `chunk_bytes`) is read by one reader
+    thread as ranged GETs of the store's request size, all at once, whose bodies are copied to their
+    places in the slot; how many requests are in flight is the store's pace (storage/pace.py)."""
 
     name = "range"
 
@@ -30,9 +31,14 @@ class RangeReader:
 
 
 def _get_span(files: ObjectFiles, span: Span, view: memoryview) -> int:
-    data = files.read(span.path, span.file_offset, span.length)
-    at = 0
+    """The span's bytes, which come as consecutive ranges, copied to its places in the slot."""
+    ranges = iter(files.read(span.path, span.file_offset, span.length))
+    data, at = next(ranges), 0
     for slot_offset, n in span.parts:
-        view[slot_offset : slot_offset + n] = data[at : at + n]
-        at += n
+        while n:
+            if at == len(data):
+                data, at = next(ranges), 0
+            k = min(n, len(data) - at)
+            view[slot_offset : slot_offset + k] = data[at : at + k]
+            slot_offset, at, n = slot_offset + k, at + k, n - k
     return span.length

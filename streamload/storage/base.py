@@ -44,6 +44,7 @@ class Files(Protocol):
 
 class Storage(Protocol):
     kind: str  # what readers declare they serve: "local" or "object"
+    first_batch: int  # bytes of a plan's first batch, doubling up to a slot (0: every batch a slot; plan.py)
 
     def locate(self, source: Source) -> Listing:
         """The files of `source`: a file, a directory or prefix (its index when present), a list."""

@@ -18,6 +18,7 @@ class LocalStorage:
     """Files on a local (or locally mounted) file system."""
 
     kind = "local"
+    first_batch = 0  # a slot arrives in milliseconds
 
     def locate(self, source: Source) -> Listing:
         if isinstance(source, (str, os.PathLike)):

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..errors import MissingFileError, ReadError, SourceError, UnsupportedError
 from ..format import FIRST_READ, FileHeader, header_from
 from .base import INDEX_NAME, Digest, Listing, Source, file_list, is_hex, parse_index
+from .pace import SMALLEST, Pace, Timer, pace_of
 
 if TYPE_CHECKING:
     from .cache import CacheWriter
@@ -67,6 +68,7 @@ class ObjectStorage:
     """The objects under one `scheme://bucket` (or `scheme://host`)."""
 
     kind = "object"
+    first_batch = SMALLEST  # a first tensor after its own bytes and a first-byte wait or two, not a slot's
 
     def __init__(self, root: str, cache_dir: Path | None = None) -> None:
         try:
@@ -80,6 +82,7 @@ class ObjectStorage:
         self.cache_dir = cache_dir
         self._heads: dict[PurePath, bytes] = {}  # header bytes, for the cache's copy
         self.retries = int(os.environ.get("STREAMLOAD_RETRIES", "4"))
+        self.pace = pace_of(root)
 
     # -- listing and headers ------------------------------------------------------------------------
     def locate(self, source: Source) -> Listing:
@@ -198,31 +201,57 @@ class ObjectStorage:
         pending: set[concurrent.futures.Future[Any]] | None = None,
         stopped: threading.Event | None = None,
     ) -> T:
-        """Run a request on the loop thread, again after what may pass (timeouts, resets, 5xx, 429)
-        with jittered exponential backoff; an error that will not pass is raised at once, named."""
+        """Run a request on the loop thread, again after what may pass (see `attempts`); blocks."""
+        return self.wait(self.attempts(lambda ticket: request(), path, span, stopped), path, pending, stopped)
+
+    def wait(
+        self,
+        work: Coroutine[Any, Any, T],
+        path: PurePath,
+        pending: set[concurrent.futures.Future[Any]] | None = None,
+        stopped: threading.Event | None = None,
+    ) -> T:
+        """Run `work` on the loop thread and wait for it; `pending` holds it meanwhile, for `cancel`."""
+        if stopped is not None and stopped.is_set():
+            work.close()
+            raise ReadError(f"{path}: the load was stopped")
+        future = asyncio.run_coroutine_threadsafe(work, _loop())
+        if pending is not None:
+            pending.add(future)
+            if stopped is not None and stopped.is_set():  # cancel() ran between the check and add
+                future.cancel()
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            raise ReadError(f"{path}: the load was stopped") from None
+        finally:
+            if pending is not None:
+                pending.discard(future)
+
+    async def attempts(
+        self,
+        request: Callable[[tuple[int, int]], Coroutine[Any, Any, T]],
+        path: PurePath,
+        span: tuple[int, int] | None = None,
+        stopped: threading.Event | None = None,
+    ) -> T:
+        """`request`, again after what may pass (timeouts, resets, 5xx, 429) with jittered exponential
+        backoff, each attempt once the store's pace gives it a connection; an error that will not pass
+        is raised at once, named."""
         last: BaseException | None = None
         for attempt in range(self.retries + 1):
             if stopped is not None and stopped.is_set():
                 raise ReadError(f"{path}: the load was stopped")
-            future = asyncio.run_coroutine_threadsafe(request(), _loop())
-            if pending is not None:
-                pending.add(future)
-                if stopped is not None and stopped.is_set():  # cancel() ran between the check and add
-                    future.cancel()
+            ticket = await self.pace.acquire()
             try:
-                return future.result()
-            except concurrent.futures.CancelledError:
-                raise ReadError(f"{path}: the load was stopped") from None
+                return await request(ticket)
             except Exception as exc:
                 if not _transient(exc):
                     raise _named(exc, path, span) from exc
                 last = exc
             finally:
-                if pending is not None:
-                    pending.discard(future)
-            pause = min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
-            if (stopped or threading.Event()).wait(pause):
-                raise ReadError(f"{path}: the load was stopped")
+                self.pace.release()
+            await asyncio.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
         raise ReadError(f"{path}: {_what(span)} failed after {self.retries + 1} attempts: {_short(last)}") from last
 
 
@@ -234,6 +263,7 @@ class ObjectFiles:
         self._identity = {path: h.identity for path, h in headers.items()}
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._stopped = threading.Event()
+        _loop().call_soon_threadsafe(storage.pace.restart)
         self._copies: dict[PurePath, CacheWriter] = {}
         if storage.cache_dir is not None:
             from .cache import CacheWriter
@@ -241,25 +271,45 @@ class ObjectFiles:
             for path, h in headers.items():
                 self._copies[path] = CacheWriter(storage.cache_dir, h, storage._heads[path])
 
-    def read(self, path: PurePath, offset: int, length: int) -> memoryview:
-        """`length` bytes of the object at `offset`, from the version whose header was read."""
+    def read(self, path: PurePath, offset: int, length: int) -> list[memoryview]:
+        """`length` bytes of the object at `offset`, from the version whose header was read: in ranges of
+        the store's request size (storage/pace.py), fetched at once, returned in order."""
         assert isinstance(path, ObjectPath)
+        size = self.storage.pace.request_bytes()
+        spans = [(at, min(size, offset + length - at)) for at in range(offset, offset + length, size)]
+
+        async def every() -> list[memoryview]:
+            tasks = [asyncio.ensure_future(self._range(path, span)) for span in spans]
+            try:
+                return await asyncio.gather(*tasks)
+            except BaseException:  # one failed or all were cancelled: none is left running
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
+        views = self.storage.wait(every(), path, self._pending, self._stopped)
+        copy = self._copies.get(path)
+        if copy is not None:  # here, not on the loop thread, which serves every request
+            for (at, _), view in zip(spans, views, strict=True):
+                copy.write(at, view)
+        return views
+
+    async def _range(self, path: ObjectPath, span: tuple[int, int]) -> memoryview:
         want = self._identity[path]
-        data, meta = self.storage.call(
-            lambda: _get(self.storage.store, path.key, (offset, offset + length), want),
+        offset, length = span
+        storage = self.storage
+        data, meta = await storage.attempts(
+            lambda ticket: _get(storage.store, path.key, (offset, offset + length), want, (storage.pace, ticket)),
             path,
-            (offset, length),
-            self._pending,
+            span,
             self._stopped,
         )
         if want and _identity(meta) != want:
             raise ReadError(f"{path}: object changed after its header was read (was {want}, now {_identity(meta)})")
         view = memoryview(data)
         if len(view) != length:
-            raise ReadError(f"{path}: {_what((offset, length))}: got {len(view)} bytes (truncated since its header?)")
-        copy = self._copies.get(path)
-        if copy is not None:
-            copy.write(offset, view)
+            raise ReadError(f"{path}: {_what(span)}: got {len(view)} bytes (truncated since its header?)")
         return view
 
     def cancel(self) -> None:
@@ -317,7 +367,13 @@ def _profile() -> dict[str, Any]:
     return {"credential_provider": Boto3CredentialProvider(boto3.Session())}
 
 
-async def _get(store: Any, key: str, span: tuple[int, int] | None, identity: tuple[object, ...] | None) -> Any:
+async def _get(
+    store: Any,
+    key: str,
+    span: tuple[int, int] | None,
+    identity: tuple[object, ...] | None,
+    paced: tuple[Pace, tuple[int, int]] | None = None,  # the store's pace and the request's ticket, to learn
+) -> Any:
     import obstore
 
     options: dict[str, Any] = {}
@@ -325,8 +381,13 @@ async def _get(store: Any, key: str, span: tuple[int, int] | None, identity: tup
         options["range"] = span
     if identity and identity[1] == "etag":  # Last-Modified is compared on the response instead
         options["if_match"] = identity[2]
+    timer = Timer()
     result = await obstore.get_async(store, key, options=options)
-    return await result.bytes_async(), result.meta
+    timer.headers()
+    data = await result.bytes_async()
+    if paced is not None:
+        paced[0].record(timer.sample(len(data), paced[1]))
+    return data, result.meta
 
 
 async def _list(store: Any, prefix: str | None) -> Any:
