@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def start(net: Any, node: int, urls: list[str], *extra: str) -> subprocess.Popen[str]:
     """This module run on node `node` of a `tests.netsim.Net`, its output piped back; gloo on the node's
     own link, not its loopback."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}
+    env = {**net.env(), "GLOO_SOCKET_IFNAME": "eth0"}
     argv = [sys.executable, "-m", "tests.fleet_node", *urls, *extra]
     return net.start(node, argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

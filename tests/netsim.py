@@ -4,11 +4,13 @@ network), one storage host serving a directory over HTTP like an object store, a
 
 The store is nginx (Debian's `nginx-light` and `libnginx-mod-http-echo`): HTTP Range, a first-byte
 latency per request (`echo_sleep` before the body: this kernel has no `netem`), a rate cap per
-connection (`limit_rate`), a share of requests answered `503` as a throttling object store does
-(`split_clients`); the storage host's egress is capped with `tc` (htb), as is every node's
-link where asked (a straggler: one node's link slower). Needs root, `ip`, `tc` and nginx with the echo
-module: `Net.missing()` says what is not there. Everything made is removed on leaving the `with`
-block — on success, failure or Ctrl-C — and every command runs under a deadline.
+connection (`limit_rate`), a share of requests answered `503` as a throttling object store does or
+whose connection is dropped unanswered (`split_clients`); the storage host's egress is capped with
+`tc` (htb), as is every node's link where asked (a straggler: one node's link slower). With `s3=True`
+it answers S3's path-style GETs instead (`s3://models/<file>`, endpoint and keys in `Net.env()`).
+Needs root, `ip`, `tc` and nginx with the echo module: `Net.missing()` says what is not there.
+Everything made is removed on leaving the `with` block — on success, failure or Ctrl-C — and every
+command runs under a deadline.
 
     with Net(Path("ckpt"), nodes=3, storage_mbit=200, first_byte_ms=30, connection_mbps=10) as net:
         done = net.run(0, [sys.executable, "-c", "..."], timeout=60)   # inside node 0's namespace
@@ -48,11 +50,13 @@ class Net:
         first_byte_ms: float = 0.0,
         node_mbit: float | dict[int, float] | None = None,
         slow_down_percent: float = 0.0,
+        reset_percent: float = 0.0,
         s3: bool = False,
     ) -> None:
         self.root, self.nodes = Path(root).resolve(), nodes
         self.storage_mbit, self.connection_mbps, self.first_byte_ms = storage_mbit, connection_mbps, first_byte_ms
-        self.slow_down_percent = slow_down_percent  # of data requests answered 503 SlowDown, as S3 throttles
+        self.slow_down_percent = slow_down_percent  # of requests answered 503 SlowDown, as S3 throttles
+        self.reset_percent = reset_percent  # of requests whose connection is closed with no answer (nginx's 444)
         self.node_mbit = node_mbit if isinstance(node_mbit, dict) else dict.fromkeys(range(nodes), node_mbit)
         tag = f"{os.getpid() % 4096:03x}{random.randrange(16):x}"
         self.prefix = f"sl{tag}"
@@ -157,7 +161,8 @@ class Net:
         tmp = Path(self._tmp.name)
         delay = f"echo_sleep {self.first_byte_ms / 1000:.3f}; " if self.first_byte_ms else ""
         limit = f"limit_rate {int(self.connection_mbps * 1e6)};" if self.connection_mbps else ""
-        throttle = f"{self.slow_down_percent}% 1; " if self.slow_down_percent else ""
+        faults = f"{self.slow_down_percent}% 503; " if self.slow_down_percent else ""
+        faults += f"{self.reset_percent}% 444; " if self.reset_percent else ""
         root = self.root
         if self.s3:  # S3's path-style GET /bucket/key (signed; the signature is not checked): the bucket
             # is the directory. What a load uses of S3 is there: Range, ETag, If-Match, 503 SlowDown.
@@ -171,9 +176,10 @@ class Net:
             "worker_processes 2;\nevents { worker_connections 4096; }\n"
             f"http {{ log_format body '$body_bytes_sent'; access_log {tmp}/served.log body; {temp}\n"
             "  keepalive_requests 100000;\n"
-            f"  split_clients $request_id $slow_down {{ {throttle}* 0; }}\n"
+            f"  split_clients $request_id $fault {{ {faults}* 0; }}\n"
             f"  server {{ listen {self.storage_ip}:80;\n"
-            f"    location / {{ if ($slow_down) {{ return 503 '{SLOW_DOWN}'; }} {delay}echo_exec @file; }}\n"
+            f"    location / {{ if ($fault = 503) {{ return 503 '{SLOW_DOWN}'; }} if ($fault = 444) {{ return 444; }}\n"
+            f"      {delay}echo_exec @file; }}\n"
             f"    {serve} }} }}\n"
         )
         self._procs.append(

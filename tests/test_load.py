@@ -283,3 +283,23 @@ def test_every_face_verifies(tmp_path: Path) -> None:
         streamload.load_into(fresh, tmp_path, device="cpu", verify=True)
     with pytest.raises(streamload.IntegrityError):
         streamload.load(tmp_path, device="cpu", verify=True)
+
+
+def test_first_batches_grow_from_first_batch_to_a_slot(tmp_path: Path) -> None:
+    """A store behind a network hands out its first tensors after their own bytes: batch k holds at
+    most first_batch * 2**k bytes (or one tensor that is larger), up to a slot; nothing is split
+    that fits a slot."""
+    entries = {f"t{i:02d}": ("U8", [100_000], bytes(100_000)) for i in range(40)}
+    entries["big"] = ("U8", [700_000], bytes(700_000))
+    path = write_raw(tmp_path / "m.safetensors", entries)
+    slot = 1 << 20
+    plan = make_plan(open_checkpoint(path), slot_bytes=slot, order="file", first_batch=128 << 10)
+    sizes = [b.nbytes for b in plan.batches]
+    for k, batch in enumerate(plan.batches):
+        limit = min(slot, (128 << 10) << k)
+        assert batch.nbytes <= limit or len({p.item.name for p in batch.pieces}) == 1
+    assert sizes[0] == 100_000 and sizes[1] == 200_000 and sizes[2] == 500_000  # 128 K, 256 K, 512 K
+    assert max(sizes) > 900_000  # then whole slots
+    assert sum(sizes) == 4_700_000
+    flat = make_plan(open_checkpoint(path), slot_bytes=slot, order="file")
+    assert flat.batches[0].nbytes > 900_000  # no ramp: the first batch is a slot
