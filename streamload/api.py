@@ -150,6 +150,8 @@ def iter(
 
         check = Verifier(plan, chosen)
     stats = Stats(bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=read.name, device=make.name)
+    if exchange is not None:  # what a rank reads from storage for a lost rank counts as read
+        read.on_bytes = stats.add_read  # type: ignore[attr-defined]  # (a CooperativeReader)
     return TensorStream(checkpoint, plan, Pipeline(plan, checkpoint.storage, read, make, tuning, stats, check))
 
 

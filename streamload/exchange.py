@@ -18,19 +18,26 @@ exchange aborts the group's communicators instead (the group is unusable afterwa
 timeout).
 
 A lost rank costs the others time, not the load: once an exchange fails (a rank died, its link broke,
-or it did not answer in time), each surviving rank says so once, reads what the others would have
-shared from storage itself — the rest of the batch at hand and of every batch already read in part —
-and reads every later batch whole, without the group. Only when storage cannot serve those bytes
-either is the load an error.
+or it did not answer in time), the survivors form a new group without it, through the process
+group's own store (torch's TCPStore, where `init_process_group` put it): each says it is alive there
+(a rank still waiting in an exchange sees that and stops waiting), the first to decide writes who
+answered until none more came for `GRACE` seconds, and those build a gloo group of their own. The batches read under the old group are completed from the survivors' parts, the lost rank's
+part read from storage by the survivors, a share each; later batches are divided among the survivors.
+So storage serves the lost rank's share once, not once per survivor. Where no new group can be
+formed (an NCCL group, a group other than the default one, the store gone with rank 0, a second
+failure), each rank reads what the others would have shared from storage itself. A warning names
+the lost ranks. Only when storage cannot serve those bytes either is the load an error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
+import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -45,11 +52,15 @@ from .source import Checkpoint
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Work
 
+    Read = Callable[[Batch], None]  # reads a window of a batch into its slot, blocking
+
 log = logging.getLogger("streamload")
 
 # The share of the process group's timeout the exchange waits for a collective: it must act before
 # NCCL's watchdog (which checks the same timeout) tears the process down.
 DEADLINE_SHARE = 0.8
+GRACE = 1.0  # seconds survivors wait, after the last one said it is alive, for more
+_LOADS = itertools.count()  # cooperative loads of this process: every rank counts them alike
 
 
 def all_gather(output: torch.Tensor, part: torch.Tensor, group: ProcessGroup | None = None) -> Work:
@@ -78,14 +89,21 @@ def group_timeout(group: ProcessGroup | None, device: torch.device) -> timedelta
     return nccl if device.type == "cuda" and isinstance(nccl, timedelta) else dist.default_pg_timeout
 
 
-def wait(work: Work, deadline: float, abort: Any) -> None:
+def wait(work: Work, deadline: float, abort: Any, given_up: Callable[[], bool] | None = None) -> None:
     """Block until `work` completes; past `deadline` (a `time.monotonic()` value) call `abort(work)` and
-    raise TimeoutError. The backend's own error, if the collective failed, is raised as it is."""
+    raise TimeoutError, as once `given_up()` says the other ranks gave up on it (asked every ~0.1 s).
+    The backend's own error, if the collective failed, is raised as it is."""
     pause = 50e-6
+    asked = time.monotonic()
     while not work.is_completed():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             abort(work)
             raise TimeoutError("no answer from the other ranks in time")
+        if given_up is not None and now - asked > 0.1:
+            asked = now
+            if given_up():  # not aborted: no rank sends on this group again, so nothing more can land
+                raise TimeoutError("the other ranks gave up on this exchange (a rank was lost)")
         time.sleep(pause)
         pause = min(pause * 2, 2e-3)  # quick collectives are seen quickly, long ones cost no CPU
     work.wait()
@@ -121,16 +139,48 @@ class Exchange:
         self._pg = group if group is not None else dist.group.WORLD
         self.timeout = group_timeout(group, device if self.on_device else torch.device("cpu"))
         self.aborted = False
-        self.lost: str = ""  # why the group is no longer used (a rank lost): every rank then reads alone
+        self.lost: str = ""  # why no group is used any more: this rank then reads alone
+        self.members: tuple[int, ...] = tuple(range(self.world))  # ranks of the first group in the group now
+        self.first_rank = self.rank
+        self._backend: Any = None  # the survivors' gloo group, once one was formed
+        self._store: Any = None
+        if group is None or group == dist.group.WORLD:
+            with contextlib.suppress(Exception):  # torch's private accessor: without it, no regrouping
+                self._store = dist.distributed_c10d._get_default_store()
+        self._load = f"{next(_LOADS)}"
+        self.regrouped = 0  # times a group was formed among survivors
 
     def _collective(self, output: torch.Tensor, part: torch.Tensor) -> None:
         """All-gather `part` into `output`, waited for with a deadline (see the module's docstring)."""
-        work = all_gather(output, part, self.group)
-        wait(work, time.monotonic() + self.timeout.total_seconds() * DEADLINE_SHARE, self._abort)
+        if self._backend is not None:
+            work = self._backend._allgather_base(output, part)
+        else:
+            work = all_gather(output, part, self.group)
+        self._wait(work)
+
+    def _wait(self, work: Work) -> None:
+        given_up = self._given_up if self._store is not None and not self.on_device else None
+        wait(work, time.monotonic() + self.timeout.total_seconds() * DEADLINE_SHARE, self._abort, given_up)
+
+    def _given_up(self) -> bool:
+        """Whether other ranks began to regroup (a rank was lost): this rank's exchange will not finish."""
+        try:
+            return bool(self._store.check([f"{self._regroup_key()}/count"]))
+        except Exception:
+            return False
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> None:
+        """`t` from rank `root` of the survivors' group to every other (only after a regroup)."""
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = root, 0
+        self._wait(self._backend.broadcast([t], options))
 
     def _abort(self, work: Work) -> None:
+        group = self._backend if self._backend is not None else self._pg
         if self.on_device:  # NCCL: a collective that would spin on the GPU until the watchdog ends the process
-            self._pg.abort()
+            group.abort()
             self.aborted = True
             return
         # gloo: its thread may still write into the slot until gloo's own timeout (the other 20%); the
@@ -184,6 +234,7 @@ class Exchange:
         for n in names:
             t = checkpoint.tensors[n]
             digest.update(f"{n}\0{t.path.name}\0{t.dtype.name}\0{t.shape}\0{t.begin}\0{t.end}\0".encode())
+        self._load = f"{self._load}-{digest.hexdigest()[:16]}"  # keys of this load in the group's store
         mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
         try:
             digests = self._gather_small(mine)
@@ -224,8 +275,94 @@ class Exchange:
             f"group's timeout){'; the process group was aborted' if self.aborted else ''}: {exc}"
         )
 
+    # -- a lost rank ---------------------------------------------------------------------------------
+    def complete(self, batch: Batch, slot: torch.Tensor, then: tuple[int, ...], read: Read) -> torch.Tensor:
+        """Blocking: `batch`, of which this rank read its part among the ranks `then`, made whole in a
+        buffer that is returned — from the others, or, what they cannot give, from storage (`read`)."""
+        if not self.lost and then == self.members:
+            try:
+                return self.gather(batch, slot)  # a collective: in plan order on every rank
+            except StreamloadError as exc:
+                self._regroup(exc)
+        if not self.lost:
+            try:
+                self._fill(batch, slot, then, read)
+                return slot
+            except Exception as exc:
+                self._lose(f"completing {batch.pieces[0].item.info.path} with the other survivors failed: {exc}")
+        size = -(-batch.extent // len(then))
+        mine = then.index(self.first_rank) * size
+        for window in (batch.window(0, mine), batch.window(mine + size, batch.extent)):
+            if window.pieces:
+                read(window)
+        return slot
+
+    def _fill(self, batch: Batch, slot: torch.Tensor, then: tuple[int, ...], read: Read) -> None:
+        """`batch` was read in parts by the ranks `then`: a survivor's part comes from it; a lost rank's
+        part is read from storage by the survivors, a share each, and shared."""
+        size = -(-batch.extent // len(then))
+        for i, first_rank in enumerate(then):
+            lo, hi = i * size, min((i + 1) * size, batch.extent)
+            if lo >= hi:
+                continue
+            if first_rank in self.members:
+                self._broadcast(slot[lo:hi], self.members.index(first_rank))
+                continue
+            share = -(-(hi - lo) // self.world)
+            for j in range(self.world):
+                a, b = lo + j * share, min(hi, lo + (j + 1) * share)
+                if a < b:
+                    if j == self.rank:
+                        read(batch.window(a, b))
+                    self._broadcast(slot[a:b], j)
+
+    def _regroup(self, exc: Exception) -> None:
+        """The survivors of a failed exchange agree who they are (through the group's store) and form
+        a gloo group of their own; where they cannot, this rank goes on alone (`lost`)."""
+        import torch.distributed as dist
+
+        if self.on_device or self._store is None:
+            self._lose(str(exc))
+            return
+        key = self._regroup_key()
+        try:
+            store = self._store
+            store.set(f"{key}/alive/{self.first_rank}", b"1")
+            seen, since = store.add(f"{key}/count", 1), time.monotonic()
+            while seen < len(self.members) and time.monotonic() - since < GRACE:
+                time.sleep(0.05)
+                now = store.add(f"{key}/count", 0)
+                if now != seen:
+                    seen, since = now, time.monotonic()
+            alive = [r for r in self.members if store.check([f"{key}/alive/{r}"])]
+            agreed = store.compare_set(f"{key}/members", "", json.dumps(alive))  # the first to decide wins
+            members = tuple(json.loads(agreed))
+            if self.first_rank not in members:
+                self._lose(f"{exc}; the others went on without this rank")
+                return
+            rank = members.index(self.first_rank)
+            backend = dist.ProcessGroupGloo(dist.PrefixStore(f"{key}/group/", store), rank, len(members), self.timeout)
+        except Exception as again:
+            self._lose(f"{exc}; forming a group of the survivors failed too: {again}")
+            return
+        lost = sorted(set(self.members) - set(members))
+        log.warning(
+            "streamload: %s; ranks %s of the first group are lost: %d ranks go on together, reading what "
+            "the lost ones would have shared from storage, a share each", exc, lost, len(members),
+        )  # fmt: skip
+        self.members, self.rank, self.world, self._backend = members, rank, len(members), backend
+        self.regrouped += 1
+
+    def _regroup_key(self) -> str:
+        return f"streamload/{self._load}/{self.regrouped + 1}"
+
+    def _lose(self, why: str) -> None:
+        self.lost = why
+        log.warning("streamload: %s; this rank reads the rest from storage itself", why)
+
     def close(self) -> None:
         self._buffer = None
+        self._backend = None
 
 
 class CooperativeReader:
@@ -235,21 +372,20 @@ class CooperativeReader:
     def __init__(self, reader: Reader, exchange: Exchange) -> None:
         self.reader, self.exchange = reader, exchange
         self.name = reader.name
-        self.partial: set[int] = set()  # shared batches read in part: the rest comes from the others
+        # Shared batches read in part, each with the ranks (of the first group) that read the others
+        self.partial: dict[int, tuple[int, ...]] = {}
+        self.on_bytes: Callable[[int], None] = lambda n: None  # counts what `read` brings in (the load's stats)
 
     def jobs(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> list[Job]:
         if batch.shared and not self.exchange.lost:
-            self.partial.add(batch.index)
+            self.partial[batch.index] = self.exchange.members
             return self.reader.jobs(self.exchange.own_part(batch), slot, files)
         return self.reader.jobs(batch, slot, files)
 
-    def rest(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> None:
-        """Blocking: the parts of `batch` the other ranks would have shared, read here."""
-        lo, size = self.exchange._part(batch)
-        for window in (batch.window(0, lo), batch.window(lo + size, batch.extent)):
-            if window.pieces:
-                for job in self.reader.jobs(window, slot, files):
-                    job()
+    def read(self, window: Batch, slot: torch.Tensor | None, files: Any) -> None:
+        """Blocking: the bytes of `window` (a part of a batch) read into `slot` on this thread."""
+        for job in self.reader.jobs(window, slot, files):
+            self.on_bytes(job())
 
     def close(self) -> None:
         self.reader.close()
@@ -269,15 +405,10 @@ class CooperativeDevice:
         return self.device.new_slot(nbytes)
 
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> list[Delivered]:
-        if batch.shared and slot is not None and batch.index in self.reader.partial:
-            if not self.exchange.lost:
-                try:
-                    slot = self.exchange.gather(batch, slot)  # a collective: in plan order on every rank
-                except StreamloadError as exc:
-                    self.exchange.lost = str(exc)
-                    log.warning("streamload: %s; this rank reads the rest from storage itself", exc)
-            if self.exchange.lost:
-                self.reader.rest(batch, slot, files)
+        then = self.reader.partial.pop(batch.index, None)
+        if batch.shared and slot is not None and then is not None:
+            target = slot
+            slot = self.exchange.complete(batch, slot, then, lambda window: self.reader.read(window, target, files))
         return self.device.instantiate(batch, slot, files)
 
     def close(self) -> None:

@@ -215,6 +215,17 @@ def test_a_rank_leaving_a_cooperative_load_costs_the_others_only_time(model: Pat
         assert survivor["seconds"] < 20  # the process group's timeout, not a hang
 
 
+def test_the_survivors_of_a_lost_rank_read_its_share_once(model: Path, tmp_path: Path) -> None:
+    """Four replicas, rank 1 leaves: the three others form a group of their own and read its share a
+    third each, so together the ranks still read about the checkpoint once (not once more per survivor)."""
+    results = run_ranks(model, tmp_path, 4, cooperative=True, split=False, ring_bytes=8192, slots=2,
+                        fail_after={"1": 2})  # fmt: skip
+    assert all(r.get("ok") for r in results), results
+    total = sum(t.nbytes for t in streamload.inspect(model).tensors.values())
+    read = sum(r["bytes_read"] for r in results)
+    assert total <= read <= total + 2 * 4096 * 4, read / total  # + what was in flight when it left
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
