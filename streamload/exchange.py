@@ -21,8 +21,9 @@ A lost rank costs the others time, not the load: once an exchange fails (a rank 
 or it did not answer in time), the survivors form a new group without it, through the process
 group's own store (torch's TCPStore, where `init_process_group` put it): each says it is alive there
 (a rank still waiting in an exchange sees that and stops waiting), the first to decide writes who
-answered until none more came for `GRACE` seconds, and those build a gloo group of their own. The batches read under the old group are completed from the survivors' parts, the lost rank's
-part read from storage by the survivors, a share each; later batches are divided among the survivors.
+answered until none more came for `GRACE` seconds, and those build a gloo group of their own. The
+batches read under the old group are completed from the survivors' parts, the lost rank's part read
+from storage by the survivors, a share each; later batches are divided among the survivors.
 So storage serves the lost rank's share once, not once per survivor. Where no new group can be
 formed (an NCCL group, a group other than the default one, the store gone with rank 0, a second
 failure), each rank reads what the others would have shared from storage itself. A warning names

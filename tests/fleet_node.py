@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--master", default="")
     parser.add_argument("--die-after", type=int, default=None, help="end this process after so many tensors")
     parser.add_argument("--options", default="{}", help="more streamload.iter options, as JSON")
+    parser.add_argument("--shard", default=None, help="tensor parallelism: ShardSpec rules {pattern: dim}, as JSON")
     args = parser.parse_args()
 
     import torch
@@ -45,12 +46,14 @@ def main() -> None:
     import streamload
 
     options: dict[str, object] = {"device": "cpu", **json.loads(args.options)}
-    if args.world > 1:
+    if args.world > 1 and args.master:
         dist.init_process_group(
             "gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
             timeout=timedelta(seconds=60),
         )  # fmt: skip
         options["cooperative"] = True
+    if args.shard is not None:  # this node's part of each tensor (rank and world from the group, or alone)
+        options["shard"] = streamload.ShardSpec(json.loads(args.shard), args.rank, args.world)
     start = time.perf_counter()
     first = None
     digests = {}
@@ -62,7 +65,7 @@ def main() -> None:
                 os._exit(3)  # as a node that dies: no goodbye to the group
     seconds = time.perf_counter() - start
     print(json.dumps({"digests": digests, "first": first, "seconds": seconds, "read": stream.stats.bytes_read}))
-    if args.world > 1:
+    if args.world > 1 and args.master:
         dist.destroy_process_group()
 
 
