@@ -21,6 +21,7 @@ if _typing.TYPE_CHECKING:  # for type checkers and editors; at run time __getatt
         StreamloadError,
         UnsupportedError,
     )
+    from .fleet import Fleet
     from .format import FileHeader, TensorInfo
     from .hf import from_pretrained
     from .layer_keys import Layer, group_of, layer_of
@@ -38,6 +39,7 @@ _WHERE = {
     "inspect": "api", "iter": "api", "load": "api",
     "HeaderError": "errors", "IntegrityError": "errors", "MissingFileError": "errors", "ReadError": "errors",
     "SourceError": "errors", "StreamloadError": "errors", "UnsupportedError": "errors",
+    "Fleet": "fleet",
     "FileHeader": "format", "TensorInfo": "format",
     "from_pretrained": "hf",
     "Layer": "layer_keys", "group_of": "layer_keys", "layer_of": "layer_keys",

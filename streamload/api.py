@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from .exchange import Exchange
+    from .fleet import Fleet
     from .shard import ShardSpec
     from .verify import Verify
 
@@ -44,7 +45,7 @@ def iter(
     threads: int | None = None,
     chunk_bytes: int | None = None,
     shard: ShardSpec | None = None,
-    cooperative: bool | ProcessGroup = False,
+    cooperative: bool | ProcessGroup | Fleet = False,
     cache_dir: PathLike | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
     verify: Verify = False,
@@ -62,8 +63,10 @@ def iter(
         reader: "auto", or one of `routes.READERS` ("mmap", "posix", "direct", "kvikio", "range").
         ring_bytes, slots, threads, chunk_bytes: the tuning (default: from the machine, defaults.py).
         shard: a `ShardSpec`: keep only this rank's part of each tensor, reading only its bytes.
-        cooperative: True (the default group) or a `torch.distributed` process group, for ranks on
-            shared storage: what several ranks read whole, each reads a share of and gets the rest by
+        cooperative: True (the default group; where none is initialised, the fleet that torch's
+            launch variables MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK describe), a `torch.distributed`
+            process group, or a `streamload.Fleet(address, world_size, rank)`, for ranks on shared
+            storage: what several ranks read whole, each reads a share of and gets the rest by
             all-gather, so storage sees each byte once. Every rank must call `iter` alike and consume
             the stream to its end.
         cache_dir: keep a local copy of a remote checkpoint as it streams past; a later load whose
@@ -169,7 +172,7 @@ class Options(TypedDict, total=False):
     threads: int | None
     chunk_bytes: int | None
     shard: ShardSpec | None
-    cooperative: bool | ProcessGroup
+    cooperative: bool | ProcessGroup | Fleet
     cache_dir: PathLike | None
     into: Mapping[str, torch.Tensor] | None
     verify: Verify
@@ -255,13 +258,29 @@ def _lands(exchange: Exchange | None, verify: Verify) -> tuple[tuple[Into, ...],
     return ("host", "mapped", "device"), ""
 
 
-def _exchange(cooperative: bool | ProcessGroup, dev: torch.device) -> Exchange | None:
+def _exchange(cooperative: bool | ProcessGroup | Fleet, dev: torch.device) -> Exchange | None:
     if cooperative is False or cooperative is None:
         return None
     from .exchange import Exchange
 
-    exchange = Exchange(None if cooperative is True else cooperative, dev)
+    group = None if cooperative is True else cooperative
+    if group is None and not _group_initialised():
+        from .fleet import ENVIRONMENT, Fleet
+
+        group = Fleet.from_env()
+        if group is None:
+            raise ValueError(
+                "cooperative=True needs an initialised torch.distributed process group, or a fleet: "
+                f"cooperative=streamload.Fleet('host:port', world_size, rank), or {', '.join(ENVIRONMENT)} set"
+            )
+    exchange = Exchange(group, dev)
     return exchange if exchange.world > 1 else None  # alone, there is nothing to divide
+
+
+def _group_initialised() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 __all__ = ["Options", "TensorStream", "inspect", "iter", "load"]

@@ -53,6 +53,8 @@ from .source import Checkpoint
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Work
 
+    from .fleet import Fleet
+
     Read = Callable[[Batch], None]  # reads a window of a batch into its slot, blocking
 
 log = logging.getLogger("streamload")
@@ -113,9 +115,28 @@ def wait(work: Work, deadline: float, abort: Any, given_up: Callable[[], bool] |
 class Exchange:
     """The ranks of `group` (None: the default group) loading the same checkpoint together."""
 
-    def __init__(self, group: ProcessGroup | None, device: torch.device) -> None:
+    def __init__(self, group: ProcessGroup | Fleet | None, device: torch.device) -> None:
         import torch.distributed as dist
 
+        from .fleet import Fleet
+
+        self.device = device
+        self._buffer: torch.Tensor | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self.aborted = False
+        self.lost: str = ""  # why no group is used any more: this rank then reads alone
+        self._backend: Any = None  # a fleet's gloo group, or the survivors' once one was formed
+        self._store: Any = None  # the group's store: where survivors of a lost rank meet
+        self._load = f"{next(_LOADS)}"
+        self.regrouped = 0  # times a group was formed among survivors
+        if isinstance(group, Fleet):  # streamload's own group: gloo, through host slots
+            self._store, self._backend = group.join()
+            self.group, self._pg = None, self._backend
+            self.rank, self.world, self.on_device = group.rank, group.world_size, False
+            self.timeout = group.timeout
+            self.members: tuple[int, ...] = tuple(range(self.world))  # ranks of the first group in the group now
+            self.first_rank = self.rank
+            return
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("cooperative loading needs an initialised torch.distributed process group")
         self.group = group
@@ -129,27 +150,17 @@ class Exchange:
                 f"cooperative loading to {device} needs a process group that can exchange host memory "
                 f"(gloo), not {backend!r}"
             )
-        self.device = device
         if self.on_device:
             from .device.cuda import loader_stream
 
-            self._stream: torch.cuda.Stream | None = loader_stream(device)
-        else:
-            self._stream = None
-        self._buffer: torch.Tensor | None = None
+            self._stream = loader_stream(device)
         self._pg = group if group is not None else dist.group.WORLD
         self.timeout = group_timeout(group, device if self.on_device else torch.device("cpu"))
-        self.aborted = False
-        self.lost: str = ""  # why no group is used any more: this rank then reads alone
-        self.members: tuple[int, ...] = tuple(range(self.world))  # ranks of the first group in the group now
+        self.members = tuple(range(self.world))
         self.first_rank = self.rank
-        self._backend: Any = None  # the survivors' gloo group, once one was formed
-        self._store: Any = None
         if group is None or group == dist.group.WORLD:
             with contextlib.suppress(Exception):  # torch's private accessor: without it, no regrouping
                 self._store = dist.distributed_c10d._get_default_store()
-        self._load = f"{next(_LOADS)}"
-        self.regrouped = 0  # times a group was formed among survivors
 
     def _collective(self, output: torch.Tensor, part: torch.Tensor) -> None:
         """All-gather `part` into `output`, waited for with a deadline (see the module's docstring)."""

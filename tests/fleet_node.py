@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--master", default="")
     parser.add_argument("--die-after", type=int, default=None, help="end this process after so many tensors")
     parser.add_argument("--options", default="{}", help="more streamload.iter options, as JSON")
+    parser.add_argument("--join", choices=("group", "env"), default="group",
+                        help="group: init_process_group first; env: torch's launch variables only")  # fmt: skip
     parser.add_argument("--shard", default=None, help="tensor parallelism: ShardSpec rules {pattern: dim}, as JSON")
     args = parser.parse_args()
 
@@ -46,7 +48,11 @@ def main() -> None:
     import streamload
 
     options: dict[str, object] = {"device": "cpu", **json.loads(args.options)}
-    if args.world > 1 and args.master:
+    if args.world > 1 and args.master and args.join == "env":  # as torchrun and PyTorchJob set them
+        host, port = args.master.rsplit(":", 1)
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, WORLD_SIZE=str(args.world), RANK=str(args.rank))
+        options["cooperative"] = True
+    elif args.world > 1 and args.master:
         dist.init_process_group(
             "gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
             timeout=timedelta(seconds=60),
@@ -65,7 +71,7 @@ def main() -> None:
                 os._exit(3)  # as a node that dies: no goodbye to the group
     seconds = time.perf_counter() - start
     print(json.dumps({"digests": digests, "first": first, "seconds": seconds, "read": stream.stats.bytes_read}))
-    if args.world > 1 and args.master:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

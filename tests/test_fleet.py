@@ -70,14 +70,18 @@ def test_one_node_from_a_capped_latent_store_is_exact_and_served_once(store: Pat
     assert result["read"] == sum(t.stat().st_size for t in store.glob("*")) - _header_bytes(store)
 
 
-def test_a_fleet_of_three_loads_cooperatively_and_storage_serves_the_checkpoint_once(store: Path) -> None:
-    """Three replicas, each wanting the whole model, in a gloo group over their own links: storage
-    serves each byte about once, and every node ends with exact tensors."""
+@pytest.mark.parametrize("join", ["group", "env"])
+def test_a_fleet_of_three_loads_cooperatively_and_storage_serves_the_checkpoint_once(store: Path, join: str) -> None:
+    """Three replicas, each wanting the whole model, in a gloo group over their own links — one the
+    nodes initialised (`join="group"`), or, with only torch's launch variables set (MASTER_ADDR, ...,
+    as torchrun sets them), one streamload forms: storage serves each byte about once, and every node
+    ends with exact tensors."""
     nbytes = sum(f.stat().st_size for f in store.glob("*.safetensors"))
     with Net(store, nodes=3, storage_mbit=400, first_byte_ms=30, connection_mbps=20) as net:
         master = f"{net.node_ips[0]}:29517"
         before = net.served()
-        procs = [start(net, i, _urls(net), "--rank", str(i), "--world", "3", "--master", master) for i in range(3)]
+        procs = [start(net, i, _urls(net), "--rank", str(i), "--world", "3", "--master", master, "--join", join)
+                 for i in range(3)]  # fmt: skip
         results = [_result(p, timeout=90) for p in procs]
         served = net.served() - before
     expected = _expected(store)
@@ -101,17 +105,18 @@ def _header_bytes(store: Path) -> int:
 
 
 def test_a_node_that_dies_mid_load_costs_the_others_only_time(store: Path) -> None:
-    """Node 1 of three dies after its first tensors (1 MiB slots: many exchanges still to come): the
-    other two name it lost, form a group of their own, read its share from storage a half each, and
-    end with exact tensors (no hang, no error); storage serves its share once, not once per survivor."""
+    """Node 1 of a fleet of three (formed from the launch variables) dies after its first tensors (1 MiB
+    slots: many exchanges still to come): the other two name it lost, form a group of their own, read
+    its share from storage a half each, and end with exact tensors (no hang, no error); storage serves
+    its share once, not once per survivor."""
     nbytes = sum(f.stat().st_size for f in store.glob("*.safetensors"))
     ring = 4 << 20
     with Net(store, nodes=3, storage_mbit=400, first_byte_ms=30, connection_mbps=20) as net:
         master = f"{net.node_ips[0]}:29517"
         before = net.served()
         procs = [
-            start(net, i, _urls(net), "--rank", str(i), "--world", "3", "--master", master, "--options",
-                  json.dumps({"ring_bytes": ring, "slots": 4}), *(["--die-after", "2"] if i == 1 else []))
+            start(net, i, _urls(net), "--rank", str(i), "--world", "3", "--master", master, "--join", "env",
+                  "--options", json.dumps({"ring_bytes": ring, "slots": 4}), *(["--die-after", "2"] if i == 1 else []))
             for i in range(3)
         ]  # fmt: skip
         survivors = {}

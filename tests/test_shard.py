@@ -289,3 +289,63 @@ def test_a_window_of_a_batch_is_its_bytes_in_that_range(model: Path) -> None:
         for at, file_at, n in covered:  # each byte keeps its place: slot offset -> file offset
             whole = next(p for p in batch.pieces if p.slot_offset <= at < p.slot_offset + p.length)
             assert file_at - whole.file_offset == at - whole.slot_offset and at + n <= whole.slot_offset + whole.length
+
+
+def test_a_fleet_is_named_by_address_or_by_the_launch_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamload import Fleet
+
+    assert Fleet("10.0.0.1:29500", world_size=4, rank=2).address == "10.0.0.1:29500"
+    for bad in ({"address": "10.0.0.1"}, {"world_size": 0}, {"rank": 4}, {"rank": -1}):
+        with pytest.raises(ValueError, match="Fleet"):
+            Fleet(**{"address": "h:1", "world_size": 4, "rank": 0, **bad})  # type: ignore[arg-type]
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert Fleet.from_env() is None
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "1")
+    assert Fleet.from_env() == Fleet("node0:29500", 3, 1)
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(ValueError, match="launch environment"):
+        Fleet.from_env()
+
+
+def test_cooperative_with_no_group_nor_fleet_says_what_it_needs(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"initialised torch.distributed process group, or a fleet"):
+        streamload.load(model, cooperative=True)
+
+
+def test_a_fleet_of_two_processes_loads_cooperatively(model: Path, tmp_path: Path) -> None:
+    """Two processes that share no process group, given only a fleet's address: each reads a share."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import json, sys, torch, streamload\n"
+        "from safetensors.torch import load_file\n"
+        "fleet = streamload.Fleet(sys.argv[2], world_size=2, rank=int(sys.argv[3]))\n"
+        "with streamload.iter(sys.argv[1], cooperative=fleet, ring_bytes=16384, slots=2) as stream:\n"
+        "    got = dict(stream)\n"
+        "want = load_file(sys.argv[1] + '/model.safetensors')\n"
+        "bits = lambda t: t.contiguous().reshape(-1).view(torch.uint8)\n"
+        "ok = got.keys() == want.keys() and all(bits(got[n]).equal(bits(want[n])) for n in want)\n"
+        "print(json.dumps({'ok': ok, 'read': stream.stats.bytes_read}))\n"
+    )
+    argv = [sys.executable, "-c", code, str(model), f"127.0.0.1:{port}"]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    procs = [subprocess.Popen([*argv, str(rank)], **pipes) for rank in range(2)]  # type: ignore[call-overload]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    total = sum(t.nbytes for t in streamload.inspect(model).tensors.values())
+    assert all(r["ok"] for r in results)
+    assert sum(r["read"] for r in results) == total  # a share each, not the checkpoint each

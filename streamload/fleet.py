@@ -1,0 +1,90 @@
+"""A fleet: replicas (or nodes) that are not already in one process group, loading cooperatively.
+
+They meet through torch's own rendezvous, nothing of streamload's: a `TCPStore` that rank 0 serves at
+an address every member knows, and a gloo group built on it. The address and the world size come from
+the call (`Fleet("10.0.0.1:29500", world_size=4, rank=2)`) or from the environment torch's launchers
+already set (`MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK`: torchrun, Kubernetes' PyTorchJob,
+SLURM wrappers), which `cooperative=True` reads when no `torch.distributed` group is initialised.
+The group is streamload's own: the process's default group, if any, is left alone. A process joins a
+fleet once; later loads of the same fleet reuse its group (and its store, for a lost member:
+exchange.py).
+
+>>> import streamload
+>>> fleet = streamload.Fleet("10.0.0.1:29500", world_size=4, rank=2)
+>>> state = streamload.load("s3://bucket/model/", cooperative=fleet)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+ENVIRONMENT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The members of a cooperative load: `address` ("host:port", which rank 0 serves the store at),
+    `world_size`, this process's `rank`, and how long to wait for the others (forming the group and
+    each exchange)."""
+
+    address: str
+    world_size: int
+    rank: int
+    timeout: timedelta = timedelta(minutes=5)
+
+    def __post_init__(self) -> None:
+        host, _, port = self.address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"Fleet address must be 'host:port', not {self.address!r}")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"Fleet world_size must be a positive int, not {self.world_size!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"Fleet rank must be in [0, {self.world_size}), not {self.rank!r}")
+
+    @classmethod
+    def from_env(cls) -> Fleet | None:
+        """The fleet torch's launch variables describe, or None where they are not all set."""
+        values = [os.environ.get(name) for name in ENVIRONMENT]
+        if not all(values):
+            return None
+        addr, port, world, rank = values
+        try:
+            return cls(f"{addr}:{int(port)}", int(world), int(rank))  # type: ignore[arg-type]
+        except ValueError as exc:
+            names = ", ".join(ENVIRONMENT)
+            raise ValueError(f"the launch environment ({names}) does not name a fleet: {exc}") from None
+
+    def join(self) -> tuple[Any, Any]:
+        """This process's (store, gloo group) of the fleet: formed on first use (a rendezvous of every
+        member, up to `timeout`), then reused."""
+        with _LOCK:
+            joined = _JOINED.get(self)
+            if joined is None:
+                joined = _JOINED[self] = _form(self)
+            return joined
+
+
+_JOINED: dict[Fleet, tuple[Any, Any]] = {}
+_LOCK = threading.Lock()
+
+
+def _form(fleet: Fleet) -> tuple[Any, Any]:
+    import torch.distributed as dist
+
+    from .errors import StreamloadError
+
+    host, _, port = fleet.address.rpartition(":")
+    try:
+        store = dist.TCPStore(host, int(port), fleet.world_size, is_master=fleet.rank == 0, timeout=fleet.timeout)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("streamload/fleet/", store), fleet.rank, fleet.world_size,
+                                      fleet.timeout)  # fmt: skip
+    except Exception as exc:
+        raise StreamloadError(
+            f"joining the fleet at {fleet.address} as rank {fleet.rank} of {fleet.world_size} failed (every member "
+            f"must join within {fleet.timeout.total_seconds():.0f} s; rank 0 serves the address): {exc}"
+        ) from exc
+    return store, group
