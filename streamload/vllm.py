@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Generator, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from vllm.model_executor.model_loader.weight_utils import (
 )
 
 from . import api
-from .dryrun import Diverged, Learned, Replay, dry_run, replay
+from .dryrun import Copy, Diverged, Learned, Replay, dry_run, replay
 from .dtypes import torch_shape
 from .errors import StreamloadError, UnsupportedError
 from .plan import converts, ordered
@@ -80,6 +81,11 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "direct": bool,  # dry run + rank-local reads straight into the parameters (default True)
     "cooperative": bool,  # tensor-parallel ranks divide what several of them read whole (default False)
 }
+# For models whose first load ran as its dry run predicted (checked by the replay): which part of each
+# checkpoint tensor (by name, shape and dtype) the model's loaders took, and which they never looked
+# at. A reload of a checkpoint with the same tensors reads the same parts (vLLM makes a new loader for
+# each reload, and after the first load the parameters no longer carry their loaders to dry-run).
+_PREDICTED: weakref.WeakKeyDictionary[nn.Module, _Prediction] = weakref.WeakKeyDictionary()
 _STREAM = ("reader", "threads", "ring_bytes", "slots", "chunk_bytes", "cache_dir")
 
 
@@ -206,34 +212,63 @@ class StreamloadModelLoader(BaseModelLoader):
         return _Part(source.prefix, checkpoint, [(source.prefix + n, t) for n, t in pairs])
 
     def _feed(
-        self, parts: list[_Part], options: dict[str, Any], learned: Learned | None = None, run: Replay | None = None
+        self,
+        parts: list[_Part],
+        options: dict[str, Any],
+        learned: Learned | None = None,
+        run: Replay | None = None,
+        full_shaped: bool = False,
     ) -> Generator[tuple[str, torch.Tensor]]:
         """(name, tensor) of every part in turn, as `load_weights` gets them. With `learned` (a dry run's
         prediction, replayed as `run`), only each rank's part of the placed tensors is read, straight into
-        place, and they are handed on as their stand-ins, as are the tensors the dry run left unused."""
+        place, and they are handed on as their stand-ins, as are the tensors the dry run left unused.
+        `full_shaped` (a reload): each rank's part is read and handed on in a tensor of the full shape."""
         for part in parts:
             if part.checkpoint is not None:
                 placed: dict[str, Any] = {}
                 if learned is not None:
                     rank, world = _tp_rank_world()
                     placed["shard"] = ShardSpec(_rule(learned, part.prefix), rank=rank, world_size=world)
-                    placed["into"] = {
-                        n[len(part.prefix) :]: learned.copies[n].dest for n in part.names if n in learned.copies
-                    }
+                    if not full_shaped:
+                        placed["into"] = {
+                            n[len(part.prefix) :]: learned.copies[n].dest for n in part.names if n in learned.copies
+                        }
                 with api.iter(part.checkpoint, **options, **placed) as stream:
-                    yield from _tensors(stream, part, learned, run)
+                    if full_shaped:
+                        assert learned is not None
+                        yield from _full_shaped(stream, part, learned)
+                    else:
+                        yield from _tensors(stream, part, learned, run)
                 self._streams.append(stream)
             yield from part.others
 
-    def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
-        """(name, whole tensor) in layer order: what vLLM's `reload_weights` feeds `load_weights`."""
+    def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) in layer order: what vLLM's `reload_weights` feeds `load_weights`. Where the
+        model's first load ran as its dry run predicted and the new checkpoint has the same tensors
+        (names, shapes, dtypes), the reload reads what that load read: each tensor the model's loaders
+        took a part of is read in that part only and handed on full-shaped, the rest of it never
+        written (nor, as the dry run showed, read); tensors they never looked at are not read.
+        Otherwise whole tensors, as vLLM's default loader gives them."""
         parts, self._streams = self._parts(model_config, model, first=False), []
-        feed = self._feed(parts, self._stream_options(model))
+        options = self._stream_options(model)
+        predicted = _PREDICTED.get(model)
+        learned = predicted.learned(_shapes(parts)) if predicted is not None else None
+        world = _tp_rank_world()[1]
+        if bool(self.options.get("cooperative")) and world > 1:
+            if not _every_rank(learned is not None):
+                learned = None
+            options["cooperative"] = _tp_group(options["device"])
+        return self._reload(parts, options, learned, world)
+
+    def _reload(
+        self, parts: list[_Part], options: dict[str, Any], learned: Learned | None, world: int
+    ) -> Generator[tuple[str, torch.Tensor]]:
+        feed = self._feed(parts, options, learned, full_shaped=True) if learned else self._feed(parts, options)
         try:
             yield from feed
         finally:
             feed.close()
-        _report(parts, self._streams, None, 1)
+        _report(parts, self._streams, learned, world)
 
     def load_model(self, vllm_config: Any, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         # A speculative drafter shares this load config; the `source` option is the main model's.
@@ -270,6 +305,8 @@ class StreamloadModelLoader(BaseModelLoader):
                     Diverged(last_load.diverged) if last_load.diverged else "on another rank",
                 )
                 learned = None
+        if learned is not None:
+            _PREDICTED[model] = _Prediction(shapes, {n: c.part for n, c in learned.copies.items()}, set(learned.unused))
         if learned is None:
             result = _given(model, self._feed(parts, options))
         _report(parts, self._streams, learned, world)
@@ -319,6 +356,22 @@ class StreamloadModelLoader(BaseModelLoader):
                 del learned.copies[name]
                 learned.whole[name] = why
         return learned
+
+
+@dataclass
+class _Prediction:
+    """What a first load's checked dry run learnt, kept for the model's reloads (see `_PREDICTED`)."""
+
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    parts: dict[str, Slice | None]  # taken by the model's loaders: this rank's part (None: all of it)
+    unused: set[str]
+
+    def learned(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Learned | None:
+        """The prediction for a checkpoint of these tensors, or None where they differ from the first's."""
+        if shapes != self.shapes:
+            return None
+        copies = {n: Copy(None, part) for n, part in self.parts.items()}  # type: ignore[arg-type]  # no dest
+        return Learned(copies, set(self.unused))
 
 
 class _Part:
@@ -442,6 +495,32 @@ def _tensors(
                 yield before, run.stand_in(before)
         yield name, run.stand_in(name) if name in learned.copies else item[1]
     yield from ((n, run.stand_in(n)) for n in pending if n in learned.unused)
+
+
+def _full_shaped(stream: Any, part: _Part, learned: Learned) -> Iterator[tuple[str, torch.Tensor]]:
+    """A reload's stream as `load_weights` gets it: every name, prefixed; a tensor read in part handed on
+    in an uninitialised tensor of its full shape holding that part, one never looked at as an
+    uninitialised tensor (host memory commits only the pages written)."""
+    pending = iter(part.names)
+    for name, t in stream:
+        name = part.prefix + name
+        for before in pending:
+            if before == name:
+                break
+            if before in learned.unused:
+                yield before, _empty(part.names[before], t.device)
+        copy = learned.copies.get(name)
+        if copy is not None and copy.part is not None:
+            full = _empty(part.names[name], t.device, t.dtype)
+            full.narrow(copy.part.dim, copy.part.start, copy.part.length).copy_(t)
+            t = full
+        yield name, t
+    yield from ((n, _empty(part.names[n], None)) for n in pending if n in learned.unused)
+
+
+def _empty(info: Any, device: torch.device | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    shape = torch_shape(info.dtype, info.shape)
+    return torch.empty(shape, dtype=dtype or info.dtype.torch_dtype, device=device)
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -97,6 +97,24 @@ def test_reload_in_place_keeps_addresses_and_serves_the_new_weights(engines: dic
     assert after["tokens"] != before["tokens"]
     changed = [n for n, (_, d) in _params(after).items() if d != _params(before)[n][1]]
     assert len(changed) == len(_params(after)) >= 6  # embeddings, norms, head: all new, in the old storage
+    assert _report(after)["through_model"] == 0  # as predicted by the dry run (which the first load checked)
+
+
+def test_a_tensor_parallel_reload_reads_each_ranks_part_and_serves_the_new_weights(engines: dict[str, Any]) -> None:
+    fresh = engines["llama-new/tp2/safetensors"]
+    for label in ("streamload", "streamload-cooperative"):
+        before, after = engines[f"llama/tp2/{label}"], engines[f"llama/tp2/{label}/reloaded"]
+        assert after["tokens"] == fresh["tokens"], label  # a fresh engine on the new weights
+        for rank in (0, 1):
+            addresses = {n: p for n, (p, _) in _params(after, rank).items()}
+            assert addresses == {n: p for n, (p, _) in _params(before, rank).items()}, (label, rank)
+            digests = {n: d for n, (_, d) in _params(after, rank).items()}
+            assert digests == {n: d for n, (_, d) in _params(fresh, rank).items()}, (label, rank)
+            report = _report(after, rank)  # the reload's: what the first load read, not everything
+            assert report["through_model"] == 0, report["why_whole"]
+            assert report["bytes_read"] < 0.7 * report["bytes_total"], (label, rank, report)
+            if label == "streamload-cooperative":
+                assert report["bytes_read"] <= report["bytes_fair"] * 1.05, (rank, report)
 
 
 def test_unknown_or_mistyped_options_are_clear_errors(engines: dict[str, Any]) -> None:

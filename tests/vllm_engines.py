@@ -258,7 +258,13 @@ def run(root: Path) -> dict[str, Any]:
             llm = engine(paths[name], fmt, tensor_parallel_size=2, distributed_executor_backend="mp",
                          model_loader_extra_config=extra)  # fmt: skip
             out[f"{name}/tp2/{label}"] = {"tokens": tokens(llm), "state": state(llm)}
+            if name == "llama" and fmt == "streamload":  # a reload reads each rank's part, as the load did
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths["llama-new"])})
+                out[f"{name}/tp2/{label}/reloaded"] = {"tokens": tokens(llm), "state": state(llm)}
             close(llm)
+    llm = engine(paths["llama-new"], "safetensors", tensor_parallel_size=2, distributed_executor_backend="mp")
+    out["llama-new/tp2/safetensors"] = {"tokens": tokens(llm), "state": state(llm)}
+    close(llm)
     return out
 
 
