@@ -9,6 +9,7 @@ on a noisy machine hits all alike; medians are reported, with ratios to the defa
     python bench/vllm.py --make /tmp/llama-vllm        # once: a ~1 GB bf16 Llama (config + shards)
     python bench/vllm.py /tmp/llama-vllm --runs 3 --json docs/bench-vllm-cpu.json
     python bench/vllm.py MODEL --tp 2                  # tensor parallel: bytes read per rank too
+    python bench/vllm.py MODEL --tp 2 --reload --modes warm --formats streamload,safetensors   # reloads
 
 A run is `python bench/vllm.py --one FORMAT MODEL`: it prints one JSON line of its timings.
 """
@@ -53,8 +54,9 @@ def make(path: Path, hidden: int = 2048, ffn: int = 5632, layers: int = 8, vocab
     print(f"wrote {path}: {layers} layers, {size / 1e9:.2f} GB")
 
 
-def one(fmt: str, model: str, tp: int, dtype: str, extra: dict[str, Any]) -> None:
-    """In a fresh process: engine up, one token out; prints the timings as JSON."""
+def one(fmt: str, model: str, tp: int, dtype: str, extra: dict[str, Any], reload: bool = False) -> None:
+    """In a fresh process: engine up, one token out; with `reload`, then `reload_weights` of the same
+    checkpoint twice, its pages cached (warm) and evicted (cold); prints the timings as JSON."""
     started = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -94,8 +96,21 @@ def one(fmt: str, model: str, tp: int, dtype: str, extra: dict[str, Any]) -> Non
     report: list[Any] = []
     if fmt == "streamload":
         report = llm.collective_rpc(_streamload_report)
+    reloads: dict[str, float] = {}
+    if reload:
+        from streamload.bench import evict
+
+        for how in ("warm", "cold"):
+            if how == "cold":
+                evict([str(f) for f in Path(model).glob("*.safetensors")])
+            t = time.perf_counter()
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": model})
+            reloads[how] = time.perf_counter() - t
+        if fmt == "streamload":
+            report = llm.collective_rpc(_streamload_report)  # the last reload's
     print("RESULT " + json.dumps({"ready": ready - started, "first_token": first - started, "timed": timed,
-                                  "token": out[0].outputs[0].token_ids[0], "report": report}), flush=True)  # fmt: skip
+                                  "token": out[0].outputs[0].token_ids[0], "report": report,
+                                  "reload": reloads}), flush=True)  # fmt: skip
 
 
 def _streamload_report(worker: Any) -> dict[str, Any]:
@@ -104,7 +119,7 @@ def _streamload_report(worker: Any) -> dict[str, Any]:
     return vars(streamload.vllm.last_load).copy()
 
 
-def run(fmt: str, model: Path, tp: int, dtype: str, cold: bool, extra: str) -> dict[str, Any]:
+def run(fmt: str, model: Path, tp: int, dtype: str, cold: bool, extra: str, reload: bool = False) -> dict[str, Any]:
     from streamload.bench import evict, parallel_read
 
     files = [str(f) for f in model.glob("*.safetensors")]
@@ -121,6 +136,8 @@ def run(fmt: str, model: Path, tp: int, dtype: str, cold: bool, extra: str) -> d
     command = [sys.executable, __file__, "--one", fmt, str(model), "--tp", str(tp), "--dtype", dtype]
     if fmt == "streamload" and extra:
         command += ["--extra", extra]
+    if reload:
+        command += ["--reload"]
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     wall = time.perf_counter() - started
     lines = done.stdout + done.stderr
@@ -145,11 +162,12 @@ def main() -> None:
     parser.add_argument("--modes", default="cold,warm")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--extra", default="", help="streamload's model_loader_extra_config, as JSON")
+    parser.add_argument("--reload", action="store_true", help="also time reload_weights, warm and cold")
     args = parser.parse_args()
     if args.make:
         return make(args.make)
     if args.one:
-        return one(args.one, str(args.model), args.tp, args.dtype, json.loads(args.extra or "{}"))
+        return one(args.one, str(args.model), args.tp, args.dtype, json.loads(args.extra or "{}"), args.reload)
     if args.model is None:
         parser.error("give a model directory (make one with --make)")
     formats = args.formats.split(",")
@@ -159,7 +177,7 @@ def main() -> None:
             for fmt in formats:
                 if results[mode][fmt] and "error" in results[mode][fmt][0]:
                     continue  # a format that cannot run here fails alike every time
-                r = run(fmt, args.model, args.tp, args.dtype, cold=mode == "cold", extra=args.extra)
+                r = run(fmt, args.model, args.tp, args.dtype, cold=mode == "cold", extra=args.extra, reload=args.reload)
                 results[mode][fmt].append(r)
                 shown = r.get("error") or f"loading {r['loading']:.2f} s, ready {r['ready']:.1f} s"
                 print(f"run {i + 1} {mode:4} {fmt:15} {shown}", flush=True)
@@ -178,6 +196,9 @@ def summarise(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
                 out[f"{mode}/{fmt}"] = {"error": runs[0]["error"] if runs else "not run"}
                 continue
             row = {k: statistics.median(r[k] for r in ok) for k in ("loading", "ready", "first_token")}
+            for how in ("warm", "cold"):
+                if all(how in r.get("reload", {}) for r in ok):
+                    row[f"reload_{how}"] = statistics.median(r["reload"][how] for r in ok)
             reports = [rank for r in ok for rank in r.get("report") or []]
             if reports:
                 row["read_per_rank"] = max(rank["bytes_read"] for rank in reports) / reports[0]["bytes_total"]
@@ -198,6 +219,17 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"| {mode} | {fmt} | {row['loading']:.2f} | {ratio} | {row['ready']:.1f} | {row['first_token']:.1f} |"
         )
+    reloads = [(key, row) for key, row in summary.items() if "reload_warm" in row]
+    if reloads:
+        lines += ["", "| engine started | format | reload, warm (s) | x default | reload, cold (s) | x default |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for key, row in reloads:
+            mode, fmt = key.split("/")
+            base = summary.get(f"{mode}/safetensors", {})
+            w, c = row["reload_warm"], row["reload_cold"]
+            wx = f"{w / base['reload_warm']:.2f}x" if "reload_warm" in base else ""
+            cx = f"{c / base['reload_cold']:.2f}x" if "reload_cold" in base else ""
+            lines.append(f"| {mode} | {fmt} | {w:.2f} | {wx} | {c:.2f} | {cx} |")
     return "\n".join(lines)
 
 

@@ -80,21 +80,29 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "source": str,  # weights from here (a directory, s3://, http(s)://) while configs come from `model`
     "direct": bool,  # dry run + rank-local reads straight into the parameters (default True)
     "cooperative": bool,  # tensor-parallel ranks divide what several of them read whole (default False)
+    "verify": (bool, dict),  # check the bytes against known digests as they are read (as iter's verify=)
 }
 # For models whose first load ran as its dry run predicted (checked by the replay): which part of each
 # checkpoint tensor (by name, shape and dtype) the model's loaders took, and which they never looked
 # at. A reload of a checkpoint with the same tensors reads the same parts (vLLM makes a new loader for
 # each reload, and after the first load the parameters no longer carry their loaders to dry-run).
 _PREDICTED: weakref.WeakKeyDictionary[nn.Module, _Prediction] = weakref.WeakKeyDictionary()
-_STREAM = ("reader", "threads", "ring_bytes", "slots", "chunk_bytes", "cache_dir")
+_STREAM = ("reader", "threads", "ring_bytes", "slots", "chunk_bytes", "cache_dir", "verify")
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: registers the "streamload" load format (idempotent)."""
+    """The `vllm.general_plugins` entry point: registers the "streamload" load format and weight-transfer
+    engine (idempotent)."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(FORMAT) is not StreamloadModelLoader:
         register_model_loader(FORMAT)(StreamloadModelLoader)
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:  # weight_transfer_config={"backend": "streamload"} (vllm_sync.py)
+        WeightTransferEngineFactory.register_engine(FORMAT, "streamload.vllm_sync", "StreamloadWeightTransferEngine")
+    except ValueError:  # registered already (the plugin runs once per process, tests call it again)
+        pass
     from . import vllm_check
 
     vllm_check.install()  # only under `streamload vllm-check`

@@ -325,3 +325,29 @@ def test_the_check_hook_leaves_later_loads_alone(loader_class: Any, monkeypatch:
     monkeypatch.delenv(vllm_check.ENV)
     base_loader.process_weights_after_loading(model, None, None)  # no KeyError, no digests
     assert calls == [model, model]
+
+
+def test_weight_sync_engine_updates_in_place_and_never_half_applies(engines: dict[str, Any]) -> None:
+    """vLLM's weight-sync life-cycle on the "streamload" engine: a trainer process publishes steps; the
+    engine serves each as a fresh engine on those weights would; a corrupt step (a flipped byte, caught
+    by the digest file) and one whose store stops serving it mid-update fail, naming the file (and the
+    tensor), and the engine serves the previous step afterwards, not a mix."""
+    sync = engines["sync"]
+    start = sync["start"]
+    addresses = {n: p for n, (p, _) in _params(start).items()}
+    assert sync["step-1"]["error"] == "" and sync["step-2"]["error"] == ""
+    assert sync["step-1"]["tokens"] == engines["llama-new/safetensors"]["tokens"]
+    assert sync["step-2"]["tokens"] == engines["llama/safetensors"]["tokens"]
+    assert _report(sync["step-1"])["through_model"] == 0  # each rank's part, straight from the prediction
+    step2 = {n: d for n, (_, d) in _params(sync["step-2"]).items()}
+    for step in ("step-1", "step-2", "step-3", "step-4"):
+        assert {n: p for n, (p, _) in _params(sync[step]).items()} == addresses, step  # in place
+    corrupt = sync["step-3"]
+    assert corrupt["file"] in corrupt["error"] and "'lm_head.weight'" in corrupt["error"], corrupt["error"]
+    assert "serving" in corrupt["error"] and "step-2 again" in corrupt["error"]
+    assert {n: d for n, (_, d) in _params(corrupt).items()} == step2  # the previous step, whole
+    assert corrupt["tokens"] == sync["step-2"]["tokens"]
+    gone = sync["step-4"]
+    assert "step-4/model-" in gone["error"] and "503" in gone["error"] and gone["served"] > 0, gone["error"]
+    assert {n: d for n, (_, d) in _params(gone).items()} == step2
+    assert gone["tokens"] == sync["step-2"]["tokens"]

@@ -203,6 +203,76 @@ def error_of(call: Callable[[], Any]) -> str:
     return ""
 
 
+TRAINER = """
+import sys, torch, streamload.publish
+from safetensors.torch import load_file
+from pathlib import Path
+root, steps = Path(sys.argv[1]), sys.argv[2:]
+for k, source in enumerate(steps, 1):  # step k: the weights of the model at `source`, in small shards
+    tensors = {}
+    for f in sorted(Path(source).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    streamload.publish.publish(tensors, root, k, shard_bytes=300_000)
+"""
+
+
+def weight_sync(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
+    """vLLM's weight-sync life-cycle on the "streamload" engine: a trainer process publishes steps, the
+    engine updates to each; then an update to a corrupt step and to one cut short mid-read."""
+    import subprocess
+
+    run_dir = root / "run"
+    trainer = [sys.executable, "-c", TRAINER, str(run_dir), str(paths["llama-new"]), str(paths["llama"])]
+    subprocess.run([*trainer, str(paths["llama-new"]), str(paths["llama-new"])], check=True)  # steps 1-4
+    out: dict[str, Any] = {}
+    llm = engine(paths["llama"], "streamload", weight_transfer_config={"backend": "streamload"})
+    out["start"] = {"tokens": tokens(llm), "state": state(llm)}
+    llm.init_weight_transfer_engine({"init_info": {"options": {"threads": 4}}})
+
+    def update(step: int, **info: Any) -> str:
+        llm.start_weight_update()
+        error = ""
+        try:
+            llm.update_weights({"update_info": {"path": str(run_dir / f"step-{step}"), **info}})
+            llm.finish_weight_update(f"step-{step}")
+        except Exception as exc:  # the engine's error, as the trainer sees it (the session ends with it)
+            error = str(exc)
+        llm.reset_prefix_cache()
+        return error
+
+    for step in (1, 2):
+        error = update(step, verify=True)
+        out[f"step-{step}"] = {"error": error, "tokens": tokens(llm), "state": state(llm)}
+    corrupt = sorted((run_dir / "step-3").glob("*.safetensors"))[-1]
+    with open(corrupt, "r+b") as f:  # a flipped byte in the last shard's last tensor
+        f.seek(-3, 2)
+        byte = f.read(1)
+        f.seek(-3, 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+    out["step-3"] = {"error": update(3, verify=True), "tokens": tokens(llm), "state": state(llm), "file": corrupt.name}
+    from tests.servers import RangeServer
+
+    server = RangeServer(run_dir)  # step 4 over HTTP, from a store that stops serving it mid-update
+    server.faults = ["503"] * 10_000  # every data request past a file's first 256 KiB (headers are served)
+    os.environ["STREAMLOAD_RETRIES"] = "1"
+    try:
+        llm.start_weight_update()
+        error = ""
+        try:
+            llm.update_weights({"update_info": {"path": f"{server.url}/step-4/"}})
+            llm.finish_weight_update("step-4")
+        except Exception as exc:
+            error = str(exc)
+        llm.reset_prefix_cache()
+        served = server.data_requests()
+    finally:
+        del os.environ["STREAMLOAD_RETRIES"]
+        server.close()
+    out["step-4"] = {"error": error, "tokens": tokens(llm), "state": state(llm), "served": served}
+    close(llm)
+    return out
+
+
 def run(root: Path) -> dict[str, Any]:
     paths = make_models(root)
     out: dict[str, Any] = {}
@@ -219,6 +289,7 @@ def run(root: Path) -> dict[str, Any]:
     llm = engine(paths["llama-new"], "safetensors")
     out["llama-new/safetensors"] = {"tokens": tokens(llm)}
     close(llm)
+    out["sync"] = weight_sync(root, paths)
     llm = engine(paths["llama"], "streamload", model_loader_extra_config={"direct": False, "reader": "posix"})
     out["llama/streamload-whole"] = {"tokens": tokens(llm), "state": state(llm)}
     close(llm)
