@@ -163,12 +163,15 @@ class TensorStream:
 
     def __del__(self) -> None:
         if getattr(self, "_state", "done") == "open":
-            warnings.warn(
-                "a streamload stream was left open and is closed by garbage collection; "
-                "use `with streamload.iter(...)` or call close()",
-                ResourceWarning,
-                stacklevel=2,
-            )
+            try:  # at interpreter exit the warnings module may be torn down already: closing still matters
+                warnings.warn(
+                    "a streamload stream was left open and is closed by garbage collection; "
+                    "use `with streamload.iter(...)` or call close()",
+                    ResourceWarning,
+                    stacklevel=2,
+                )
+            except Exception:
+                pass
             try:
                 self.close()
             except Exception:
