@@ -128,7 +128,9 @@ def test_a_missing_shard_is_named(engines: dict[str, Any]) -> None:
     assert missing["file"] in missing["error"] and "missing" in missing["error"]
 
 
-@pytest.mark.parametrize("model", ["bert-mlm", "bge-m3", "deepseek-v2", "phi3", "gpt2", "deepseek-v2/tp2"])
+@pytest.mark.parametrize(
+    "model", ["bert-mlm", "bge-m3", "deepseek-v2", "phi3", "gpt2", "gemma2", "gpt-oss", "deepseek-v2/tp2"]
+)
 def test_every_parameter_equals_vllms_own_loader_right_after_load_weights(engines: dict[str, Any], model: str) -> None:
     """`streamload.vllm_check`, as `streamload vllm-check` runs it: every parameter and buffer compared with
     vLLM's default loader before post-processing. BERT-MLM (an untied decoder vLLM ties when its name is

@@ -70,7 +70,8 @@ def make_models(root: Path) -> dict[str, Path]:
 def make_checked_models(root: Path) -> dict[str, Path]:
     """Models whose every parameter `streamload.vllm_check` compares with vLLM's own loader: the two that
     were silently wrong (BGE-M3's .pt secondary heads, an untied BERT masked-LM decoder vLLM ties when it
-    is not among the names its loader gets), an MLA + MoE model, fused checkpoint tensors, Conv1D."""
+    is not among the names its loader gets), an MLA + MoE model, fused checkpoint tensors, Conv1D, Gemma-2's
+    norms and tied embeddings, gpt-oss's fused experts with biases and sinks."""
     import transformers
 
     def bge_m3() -> Any:
@@ -81,6 +82,9 @@ def make_checked_models(root: Path) -> dict[str, Path]:
         qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
         tie_word_embeddings=False)  # fmt: skip
+    gpt_oss = transformers.GptOssConfig(**{**SMALL, "intermediate_size": 128}, num_local_experts=4,
+        num_experts_per_tok=2, head_dim=32, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"])  # fmt: skip
     builds: dict[str, Callable[[], Any]] = {
         "bert-mlm": lambda: transformers.BertForMaskedLM(transformers.BertConfig(**SMALL, tie_word_embeddings=False)),
         "bge-m3": bge_m3,
@@ -91,6 +95,8 @@ def make_checked_models(root: Path) -> dict[str, Path]:
         "gpt2": lambda: transformers.GPT2LMHeadModel(
             transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=300, n_positions=256)
         ),
+        "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**SMALL, head_dim=32)),
+        "gpt-oss": lambda: transformers.GptOssForCausalLM(gpt_oss),
     }
     paths = {}
     for seed, (name, build) in enumerate(builds.items(), start=10):
