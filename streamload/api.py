@@ -114,7 +114,8 @@ def iter(
         from .exchange import cooperative as cooperative_pair  # the parameter keeps its name
 
         read, make = cooperative_pair(read, make, exchange)
-        share = functools.partial(exchange.agree, checkpoint, layout=f"{tuning.slot_bytes}/{order}")
+        layout = f"{tuning.slot_bytes}/{order}/{checkpoint.storage.first_batch}"  # what packs shared batches
+        share = functools.partial(exchange.agree, checkpoint, layout=layout)
     chosen = None
     if verify:  # True, or a non-empty mapping (False, None, {}: nothing to verify)
         from .verify import choose, needs_file_order

@@ -129,6 +129,7 @@ class Exchange:
         self._store: Any = None  # the group's store: where survivors of a lost rank meet
         self._load = f"{next(_LOADS)}"
         self.regrouped = 0  # times a group was formed among survivors
+        self._fleet = group if isinstance(group, Fleet) else None
         if isinstance(group, Fleet):  # streamload's own group: gloo, through host slots
             self._store, self._backend = group.join()
             self.group, self._pg = None, self._backend
@@ -291,11 +292,15 @@ class Exchange:
     def complete(self, batch: Batch, slot: torch.Tensor, then: tuple[int, ...], read: Read) -> torch.Tensor:
         """Blocking: `batch`, of which this rank read its part among the ranks `then`, made whole in a
         buffer that is returned — from the others, or, what they cannot give, from storage (`read`)."""
+        if self.regrouped and not self.lost:
+            self._agree_on(batch, then)
         if not self.lost and then == self.members:
             try:
                 return self.gather(batch, slot)  # a collective: in plan order on every rank
             except StreamloadError as exc:
                 self._regroup(exc)
+                if not self.lost:
+                    self._agree_on(batch, then)
         if not self.lost:
             try:
                 self._fill(batch, slot, then, read)
@@ -308,6 +313,19 @@ class Exchange:
             if window.pieces:
                 read(window)
         return slot
+
+    def _agree_on(self, batch: Batch, then: tuple[int, ...]) -> None:
+        """After a regroup, the survivors check they complete the same batch the same way: a rank may
+        have noticed the loss one batch later than another, or read a batch under the old group that
+        another read under the new one. Where they differ, every one of them goes on alone."""
+        mine = torch.tensor([batch.index, int(then == self.members)], dtype=torch.int64)
+        try:
+            every = self._gather_small(mine)
+        except Exception as exc:
+            self._lose(f"the survivors could not compare their progress: {exc}")
+            return
+        if not bool((every == every[0]).all()):
+            self._lose(f"the survivors were not at the same batch (batch, read by the new group: {every.tolist()})")
 
     def _fill(self, batch: Batch, slot: torch.Tensor, then: tuple[int, ...], read: Read) -> None:
         """`batch` was read in parts by the ranks `then`: a survivor's part comes from it; a lost rank's
@@ -364,12 +382,16 @@ class Exchange:
         )  # fmt: skip
         self.members, self.rank, self.world, self._backend = members, rank, len(members), backend
         self.regrouped += 1
+        if self._fleet is not None:  # its group has lost a member: a later load forms it anew
+            self._fleet.forget()
 
     def _regroup_key(self) -> str:
         return f"streamload/{self._load}/{self.regrouped + 1}"
 
     def _lose(self, why: str) -> None:
         self.lost = why
+        if self._fleet is not None:
+            self._fleet.forget()
         log.warning("streamload: %s; this rank reads the rest from storage itself", why)
 
     def close(self) -> None:

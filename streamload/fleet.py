@@ -58,6 +58,11 @@ class Fleet:
             names = ", ".join(ENVIRONMENT)
             raise ValueError(f"the launch environment ({names}) does not name a fleet: {exc}") from None
 
+    def forget(self) -> None:
+        """Drop this process's group of the fleet (a member was lost): the next load forms it anew."""
+        with _LOCK:
+            _JOINED.pop(self, None)
+
     def join(self) -> tuple[Any, Any]:
         """This process's (store, gloo group) of the fleet: formed on first use (a rendezvous of every
         member, up to `timeout`), then reused."""
@@ -79,7 +84,9 @@ def _form(fleet: Fleet) -> tuple[Any, Any]:
 
     host, _, port = fleet.address.rpartition(":")
     try:
-        store = dist.TCPStore(host, int(port), fleet.world_size, is_master=fleet.rank == 0, timeout=fleet.timeout)
+        # Under torchrun its agent serves the store at MASTER_ADDR:MASTER_PORT already: join it as a client.
+        serve = fleet.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        store = dist.TCPStore(host, int(port), fleet.world_size, is_master=serve, timeout=fleet.timeout)
         group = dist.ProcessGroupGloo(dist.PrefixStore("streamload/fleet/", store), fleet.rank, fleet.world_size,
                                       fleet.timeout)  # fmt: skip
     except Exception as exc:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -45,9 +46,7 @@ def publish(
     if final.exists():
         raise FileExistsError(f"{final}: step {step} is published already (a step never changes)")
     root.mkdir(parents=True, exist_ok=True)
-    temporary = root / f".step-{step}.{os.getpid()}.partial"
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir()
+    temporary = Path(tempfile.mkdtemp(prefix=f".step-{step}.", suffix=".partial", dir=root))  # unique: two writers
     try:
         pairs = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         shards = _shards(pairs, shard_bytes)

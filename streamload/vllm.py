@@ -250,7 +250,7 @@ class StreamloadModelLoader(BaseModelLoader):
                 self._streams.append(stream)
             yield from part.others
 
-    def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
         """(name, tensor) in layer order: what vLLM's `reload_weights` feeds `load_weights`. Where the
         model's first load ran as its dry run predicted and the new checkpoint has the same tensors
         (names, shapes, dtypes), the reload reads what that load read: each tensor the model's loaders
@@ -263,7 +263,7 @@ class StreamloadModelLoader(BaseModelLoader):
         learned = predicted.learned(_shapes(parts)) if predicted is not None else None
         world = _tp_rank_world()[1]
         if bool(self.options.get("cooperative")) and world > 1:
-            if not _every_rank(learned is not None):
+            if not every_rank(learned is not None):
                 learned = None
             options["cooperative"] = _tp_group(options["device"])
         return self._reload(parts, options, learned, world)
@@ -295,7 +295,7 @@ class StreamloadModelLoader(BaseModelLoader):
         world = _tp_rank_world()[1]
         cooperative = bool(self.options.get("cooperative")) and world > 1
         if cooperative:
-            if not _every_rank(learned is not None):  # the ranks exchange only if they all read alike
+            if not every_rank(learned is not None):  # the ranks exchange only if they all read alike
                 learned = None
             options["cooperative"] = _tp_group(options["device"])
         result: Any = None
@@ -305,7 +305,7 @@ class StreamloadModelLoader(BaseModelLoader):
                     result = _given(model, self._feed(parts, options, learned, run))
             except Diverged as exc:
                 last_load.diverged = exc.names
-            if not (_every_rank(not last_load.diverged) if cooperative else not last_load.diverged):
+            if not (every_rank(not last_load.diverged) if cooperative else not last_load.diverged):
                 log.warning(
                     "streamload: %s.load_weights did not do what its dry run predicted (%s); every tensor is "
                     "read again, whole, and given to load_weights",
@@ -442,7 +442,7 @@ def _union(loaded: set[str] | None, result: Any) -> set[str] | None:
     return None if loaded is None or result is None else loaded | set(result)
 
 
-def _every_rank(ok: bool) -> bool:
+def every_rank(ok: bool) -> bool:
     """Whether `ok` holds on every tensor-parallel rank (a collective over vLLM's TP group)."""
     import torch.distributed as dist
     from vllm.distributed import get_tp_group

@@ -85,24 +85,40 @@ class StreamloadWeightTransferEngine(WeightTransferEngine[StreamloadInitInfo, St
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: StreamloadUpdateInfo) -> None:
+        from .vllm import every_rank
+
+        failure: Exception | None = None
         try:
             self._reload(update_info.path, update_info.verify)
         except Exception as exc:
-            previous = self.served or self._default_model_config.model
-            log.error("streamload: the update to %s failed (%s); serving %s again", update_info.path, exc, previous)
-            try:
-                # vLLM's layerwise reload stopped mid-way: layers it had not filled are on meta or hold
-                # buffered parts. Its own finalisation puts every layer back in place (the old tensors
-                # where nothing arrived); then the previous step is read over all of it.
-                finalize_layerwise_reload(self.model, self.model_config)
-                self._reload(previous, False)
-            except Exception as again:
-                raise StreamloadError(
-                    f"the update to {update_info.path} failed ({exc}), and so did restoring {previous} ({again}): "
-                    "this worker's weights are a mix; restart it"
-                ) from again
-            raise StreamloadError(f"the update to {update_info.path} failed; serving {previous} again: {exc}") from exc
-        self.served = update_info.path
+            failure = exc
+        # Every tensor-parallel rank restores, or none: a rank that failed alone must not leave the
+        # others on the new step (the model would be a mix across ranks).
+        if every_rank(failure is None):
+            self.served = update_info.path
+            return
+        previous = self.served or self._first_weights()
+        why = failure or StreamloadError("another tensor-parallel rank failed")
+        log.error("streamload: the update to %s failed (%s); serving %s again", update_info.path, why, previous)
+        try:
+            # vLLM's layerwise reload stopped mid-way: layers it had not filled are on meta or hold
+            # buffered parts. Its own finalisation puts every layer back in place (the old tensors
+            # where nothing arrived); then the previous step is read over all of it.
+            finalize_layerwise_reload(self.model, self.model_config)
+            self._reload(previous, False)
+        except Exception as again:
+            raise StreamloadError(
+                f"the update to {update_info.path} failed ({why}), and so did restoring {previous} ({again}): "
+                "this worker's weights are a mix; restart it"
+            ) from again
+        raise StreamloadError(f"the update to {update_info.path} failed; serving {previous} again: {why}") from why
+
+    def _first_weights(self) -> str:
+        """Where the weights the engine started with came from, resolved as the load format resolves
+        them (a `source` option, object storage whose configs vLLM pulled, a hub id)."""
+        from .vllm import StreamloadModelLoader
+
+        return StreamloadModelLoader(self.vllm_config.load_config).source(self._default_model_config, first=True)
 
     def _reload(self, path: str, verify: bool | dict[str, str]) -> None:
         from .vllm import FORMAT, StreamloadModelLoader
@@ -112,7 +128,10 @@ class StreamloadWeightTransferEngine(WeightTransferEngine[StreamloadInitInfo, St
         model_config = copy.copy(self.model_config)  # a step's path, not the model's: configs stay
         model_config.model, model_config.model_weights, model_config.revision = path, "", None
         weights = loader.get_all_weights(model_config, self.model)  # before the reload empties the layers
-        reload_weights(self.vllm_config, self.model, weights, None, is_checkpoint_format=True)
+        try:
+            reload_weights(self.vllm_config, self.model, weights, None, is_checkpoint_format=True)
+        finally:
+            weights.close()  # a failed stream lets go of its threads and slots before anything else reads
 
     def shutdown(self) -> None:
         pass

@@ -70,9 +70,10 @@ class Pace:
         """The size to cut a read into (any thread)."""
         return self._size
 
-    async def acquire(self) -> tuple[int, int]:
+    async def acquire(self, measured: bool = True) -> tuple[int, int]:
         """Wait for a connection (in the order asked: earlier reads are earlier in the plan); returns
-        the request's ticket, for `record`."""
+        the request's ticket, for `record` (`measured`: a data read, whose timing decides the count;
+        headers and listings are not)."""
         if self._active >= self.limit or self._waiting:
             waiter = asyncio.get_running_loop().create_future()
             self._waiting.append(waiter)
@@ -81,11 +82,13 @@ class Pace:
             except asyncio.CancelledError:
                 if waiter.done() and not waiter.cancelled():
                     self.release()  # given a connection just as it was cancelled: pass it on
-                else:
+                elif waiter in self._waiting:  # (`_wake` drops waiters cancelled before their turn)
                     self._waiting.remove(waiter)
                 raise
         else:
             self._count(+1)
+        if not measured:
+            return self.level, -1  # never part of a cohort
         self._issued += 1
         return self.level, self._issued - 1
 
@@ -120,7 +123,7 @@ class Pace:
         weigh in as much as the fast (the first to answer are the fastest)."""
         level, number = sample.ticket
         cohort = max(4, self.limit)
-        if level != self.level or number >= cohort:
+        if level != self.level or not 0 <= number < cohort:
             if self._issued > 4 * cohort:  # a request of the cohort failed: it will not answer
                 self._change(self.limit)
             return

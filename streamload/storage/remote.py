@@ -202,7 +202,8 @@ class ObjectStorage:
         stopped: threading.Event | None = None,
     ) -> T:
         """Run a request on the loop thread, again after what may pass (see `attempts`); blocks."""
-        return self.wait(self.attempts(lambda ticket: request(), path, span, stopped), path, pending, stopped)
+        attempts = self.attempts(lambda ticket: request(), path, span, stopped, measured=False)
+        return self.wait(attempts, path, pending, stopped)
 
     def wait(
         self,
@@ -234,6 +235,7 @@ class ObjectStorage:
         path: PurePath,
         span: tuple[int, int] | None = None,
         stopped: threading.Event | None = None,
+        measured: bool = True,
     ) -> T:
         """`request`, again after what may pass (timeouts, resets, 5xx, 429) with jittered exponential
         backoff, each attempt once the store's pace gives it a connection; an error that will not pass
@@ -242,7 +244,7 @@ class ObjectStorage:
         for attempt in range(self.retries + 1):
             if stopped is not None and stopped.is_set():
                 raise ReadError(f"{path}: the load was stopped")
-            ticket = await self.pace.acquire()
+            ticket = await self.pace.acquire(measured)
             try:
                 return await request(ticket)
             except Exception as exc:
