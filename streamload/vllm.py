@@ -21,7 +21,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Generator, Iterator
+from collections.abc import Collection, Generator, Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -488,42 +488,57 @@ def _tensors(
     if learned is None or run is None:
         yield from ((part.prefix + name, t) for name, t in stream)
         return
-    pending = iter(part.names)
+    for name, t in _in_order(part, _paused(stream, run), learned.unused):
+        yield name, run.stand_in(name) if t is None or name in learned.copies else t
+
+
+def _paused(stream: Any, run: Replay) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream's tensors, each taken with the replay's watch paused: the stream's own writes into
+    place are not the loader's."""
     arrived = iter(stream)
     while True:
-        with run.paused():  # the stream's own writes into place are not the loader's
+        with run.paused():
             item = next(arrived, None)
         if item is None:
-            break
-        name = part.prefix + item[0]
-        for before in pending:
-            if before == name:
-                break
-            if before in learned.unused:
-                yield before, run.stand_in(before)
-        yield name, run.stand_in(name) if name in learned.copies else item[1]
-    yield from ((n, run.stand_in(n)) for n in pending if n in learned.unused)
+            return
+        yield item
 
 
 def _full_shaped(stream: Any, part: _Part, learned: Learned) -> Iterator[tuple[str, torch.Tensor]]:
     """A reload's stream as `load_weights` gets it: every name, prefixed; a tensor read in part handed on
     in an uninitialised tensor of its full shape holding that part, one never looked at as an
     uninitialised tensor (host memory commits only the pages written)."""
-    pending = iter(part.names)
-    for name, t in stream:
-        name = part.prefix + name
-        for before in pending:
-            if before == name:
-                break
-            if before in learned.unused:
-                yield before, _empty(part.names[before], t.device)
+    unused: list[str] = []  # made on the next tensor's device (after the last one: the host)
+    for name, t in _in_order(part, stream, learned.unused):
+        if t is None:
+            unused.append(name)
+            continue
+        yield from ((n, _empty(part.names[n], t.device)) for n in unused)
+        unused.clear()
         copy = learned.copies.get(name)
         if copy is not None and copy.part is not None:
             full = _empty(part.names[name], t.device, t.dtype)
             full.narrow(copy.part.dim, copy.part.start, copy.part.length).copy_(t)
             t = full
         yield name, t
-    yield from ((n, _empty(part.names[n], None)) for n in pending if n in learned.unused)
+    yield from ((n, _empty(part.names[n], None)) for n in unused)
+
+
+def _in_order(
+    part: _Part, arrived: Iterable[tuple[str, torch.Tensor]], unused: Collection[str]
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """The names `load_weights` gets from a part, in the stream's order: each tensor that arrived
+    (prefixed), and each name the dry run left unused (never read: None) at its place among them."""
+    pending = iter(part.names)
+    for name, t in arrived:
+        name = part.prefix + name
+        for before in pending:
+            if before == name:
+                break
+            if before in unused:
+                yield before, None
+        yield name, t
+    yield from ((n, None) for n in pending if n in unused)
 
 
 def _empty(info: Any, device: torch.device | None, dtype: torch.dtype | None = None) -> torch.Tensor:
