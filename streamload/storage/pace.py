@@ -55,7 +55,7 @@ class Pace:
         self._area = 0.0  # integral of `_active` over time since the window began
         self._began = self._tick = time.perf_counter()
         self._waiting: deque[asyncio.Future[None]] = deque()
-        self.level = 0  # bumped whenever `limit` changes: a sample tells which count it ran under
+        self.level = 0  # bumped at each new window (`_change`): a sample tells which window it began in
         self._samples: list[Sample] = []  # of the first requests begun under the current count
         self._issued = 0  # requests begun under the current count
         self._before: tuple[int, float] | None = None  # (count, total rate) of the last count tried
@@ -169,7 +169,7 @@ def _request_size(latency: float, rate: float) -> int:
 
 
 class Timer:
-    """Times one request: `headers()` when its response began, `done(n)` once its body is in."""
+    """Times one request: `headers()` when its response began, `sample(n, ticket)` once its body is in."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
