@@ -39,6 +39,7 @@ class Item(NamedTuple):
     part: Slice | None = None  # this rank's slice of the full tensor, if sharded
     read_whole: bool = False  # the ranges are the whole tensor: take `part` of it after reading
     into: torch.Tensor | None = None  # an existing tensor the bytes are written into (in place), delivered as is
+    full_shape: bool = False  # delivered in the full tensor's shape, only `part` written (ShardSpec.full_shape)
 
     @property
     def name(self) -> str:
@@ -247,9 +248,9 @@ def _item(info: TensorInfo, dtype: DTypeOption, shard: ShardSpec | None) -> Item
     if len(ranges) > 1 and block < MIN_STRIDED_READ:
         # Many small strided pieces: whole rows (the whole tensor) read in one go are cheaper than
         # scattered small reads (measured: ~4x faster cold for a rank's columns of o_proj/down_proj).
-        return Item(info, sliced, stored, out, whole, info.nbytes, part, read_whole=True)
+        return Item(info, sliced, stored, out, whole, info.nbytes, part, True, full_shape=shard.full_shape)
     kept = tuple(r for r in ranges if r[1])
-    return Item(info, sliced, stored, out, kept, sum(n for _, n in kept), part)
+    return Item(info, sliced, stored, out, kept, sum(n for _, n in kept), part, full_shape=shard.full_shape)
 
 
 def converts(stored: torch.dtype, dest: torch.dtype) -> bool:
@@ -261,6 +262,8 @@ def converts(stored: torch.dtype, dest: torch.dtype) -> bool:
 def _into(item: Item, dest: torch.Tensor) -> Item:
     """`item` written into `dest`: same shape (this rank's part), a dtype the stored one converts to."""
     where = f"{item.info.path}: tensor {item.name!r}"
+    if item.full_shape:
+        raise UnsupportedError(f"{where}: into= and ShardSpec(full_shape=True) do not go together")
     if tuple(dest.shape) != item.shape:
         raise UnsupportedError(
             f"{where}: cannot load in place into a tensor of shape {list(dest.shape)}: the checkpoint's "

@@ -30,6 +30,10 @@ class ShardSpec:
     which may also answer with the exact `Slice` the rank keeps (a server's own partitioning).
     `rank` and `world_size` default to torch.distributed's once it is initialised.
 
+    `full_shape=True` hands each tensor out in its full shape with only the rank's part read and
+    written (the rest uninitialised; on the CPU's mapping reader, a view of the file whose other pages
+    are not read): for consumers that narrow tensors themselves, as vLLM's weight loaders do.
+
     >>> tp = ShardSpec({"*.q_proj.weight": 0, "*.o_proj.weight": 1, "*embed_tokens*": 0}, rank=1, world_size=2)
     >>> tp.slice("model.layers.0.o_proj.weight", (4096, 4096))
     Slice(dim=1, start=2048, length=2048)
@@ -38,6 +42,7 @@ class ShardSpec:
     rules: Rules
     rank: int | None = None
     world_size: int | None = None
+    full_shape: bool = False
     SKIP = SKIP
 
     def resolved(self) -> ShardSpec:
@@ -52,7 +57,7 @@ class ShardSpec:
             world = dist.get_world_size() if world is None else world
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in a world of size {world}")
-        return ShardSpec(self.rules, rank, world)
+        return ShardSpec(self.rules, rank, world, self.full_shape)
 
     def dim(self, name: str, shape: tuple[int, ...]) -> Dim | Slice:
         if callable(self.rules):

@@ -236,7 +236,7 @@ class StreamloadModelLoader(BaseModelLoader):
                 placed: dict[str, Any] = {}
                 if learned is not None:
                     rank, world = _tp_rank_world()
-                    placed["shard"] = ShardSpec(_rule(learned, part.prefix), rank=rank, world_size=world)
+                    placed["shard"] = ShardSpec(_rule(learned, part.prefix), rank, world, full_shape=full_shaped)
                     if not full_shaped:
                         placed["into"] = {
                             n[len(part.prefix) :]: learned.copies[n].dest for n in part.names if n in learned.copies
@@ -505,8 +505,8 @@ def _paused(stream: Any, run: Replay) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _full_shaped(stream: Any, part: _Part, learned: Learned) -> Iterator[tuple[str, torch.Tensor]]:
-    """A reload's stream as `load_weights` gets it: every name, prefixed; a tensor read in part handed on
-    in an uninitialised tensor of its full shape holding that part, one never looked at as an
+    """A reload's stream as `load_weights` gets it: every name, prefixed; a tensor read in part is
+    full-shaped already (`ShardSpec(full_shape=True)`), one never looked at is handed on as an
     uninitialised tensor (host memory commits only the pages written)."""
     unused: list[str] = []  # made on the next tensor's device (after the last one: the host)
     for name, t in _in_order(part, stream, learned.unused):
@@ -515,11 +515,6 @@ def _full_shaped(stream: Any, part: _Part, learned: Learned) -> Iterator[tuple[s
             continue
         yield from ((n, _empty(part.names[n], t.device)) for n in unused)
         unused.clear()
-        copy = learned.copies.get(name)
-        if copy is not None and copy.part is not None:
-            full = _empty(part.names[name], t.device, t.dtype)
-            full.narrow(copy.part.dim, copy.part.start, copy.part.length).copy_(t)
-            t = full
         yield name, t
     yield from ((n, _empty(part.names[n], None)) for n in unused)
 
@@ -541,9 +536,8 @@ def _in_order(
     yield from ((n, None) for n in pending if n in unused)
 
 
-def _empty(info: Any, device: torch.device | None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    shape = torch_shape(info.dtype, info.shape)
-    return torch.empty(shape, dtype=dtype or info.dtype.torch_dtype, device=device)
+def _empty(info: Any, device: torch.device | None) -> torch.Tensor:
+    return torch.empty(torch_shape(info.dtype, info.shape), dtype=info.dtype.torch_dtype, device=device)
 
 
 def _device_of(model: nn.Module) -> torch.device:

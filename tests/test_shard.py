@@ -76,6 +76,29 @@ def test_every_rank_gets_its_exact_slice(model: Path, reader: str, world: int, s
             assert got[name].is_contiguous() and same_bits(got[name], want), (name, rank)
 
 
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_full_shape_holds_the_ranks_part_in_place(model: Path, reader: str, dtype: Any, strided_reads: str) -> None:
+    full = load_file(model / "model.safetensors")
+    spec = ShardSpec(RULES, 1, 3, full_shape=True)
+    with streamload.iter(model, device="cpu", reader=reader, shard=spec, dtype=dtype,
+                         ring_bytes=8192, slots=2, chunk_bytes=4096) as stream:  # fmt: skip
+        got = dict(stream)
+    assert stream.stats.bytes_read < sum(t.nbytes for t in full.values())  # still only the part (mostly)
+    for name, want in full.items():
+        t = got[name]
+        assert t.shape == want.shape and t.dtype == (dtype or want.dtype), name
+        d = dim_of(name)
+        part = t if d is None else torch.tensor_split(t, 3, d)[1]
+        ref = want if d is None else torch.tensor_split(want, 3, d)[1]
+        if dtype is None:
+            assert same_bits(part, ref), name
+            if reader == "mmap":  # a view of the file's mapping, not a copy
+                assert t.untyped_storage().nbytes() > t.nbytes, name
+        else:  # converted: NaN payloads may differ between conversion kernels, values may not
+            torch.testing.assert_close(part, ref.to(t.dtype), rtol=0, atol=0, equal_nan=True, msg=name)
+
+
 def test_callable_rules_conversion_and_skip(model: Path) -> None:
     full = load_file(model / "model.safetensors")
 

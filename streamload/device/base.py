@@ -71,6 +71,7 @@ class Assembler:
         self.device = device
         self._stream = stream  # allocations and copies run here (None: the current stream)
         self._partial: dict[str, torch.Tensor] = {}
+        self._frames: dict[str, torch.Tensor] = {}  # full-shaped tensors whose part is being written
 
     def copy(self, piece: Piece, slot: torch.Tensor, non_blocking: bool = False) -> torch.Tensor | None:
         item = piece.item
@@ -84,15 +85,35 @@ class Assembler:
                 return None
             if item.read_whole:  # the whole tensor was read: keep this rank's part, owned and contiguous
                 assert item.part is not None
+                if item.full_shape:
+                    return dest.to(item.out)
                 part = dest.narrow(item.part.dim, item.part.start, item.part.length)
                 if item.into is not None:
                     return item.into.copy_(part)
                 dest = part.to(item.out, copy=True, memory_format=torch.contiguous_format)
+            elif item.full_shape:
+                dest = self._framed(item, dest)
             elif item.into is not None and dest is not item.into:  # a destination we could not write piecewise
                 dest = item.into.copy_(dest)
         return dest
 
+    def _framed(self, item: Item, part: torch.Tensor) -> torch.Tensor:
+        """The full-shaped tensor holding `part` (`ShardSpec.full_shape`)."""
+        full = self._frames.pop(item.name, None)
+        if full is None:
+            assert item.part is not None
+            full = torch.empty(_full_shape(item), dtype=item.out, device=self.device)
+            full.narrow(item.part.dim, item.part.start, item.part.length).copy_(part)
+        return full
+
     def _allocate(self, item: Item) -> torch.Tensor:
+        if item.full_shape and not item.read_whole:
+            assert item.part is not None
+            full = torch.empty(_full_shape(item), dtype=item.out, device=self.device)
+            part = full.narrow(item.part.dim, item.part.start, item.part.length)
+            if part.is_contiguous():  # rows of it: the slot's bytes go straight into place
+                self._frames[item.name] = full
+                return part
         if item.into is not None and item.into.is_contiguous() and not item.read_whole:
             return item.into  # in place: the slot's bytes go straight into the destination
         if item.read_whole:
@@ -116,6 +137,13 @@ class Assembler:
 
     def clear(self) -> None:
         self._partial.clear()
+        self._frames.clear()
+
+
+def _full_shape(item: Item) -> tuple[int, ...]:
+    shape = torch_shape(item.info.dtype, item.info.shape)
+    assert shape is not None  # the plan only admits tensors torch can hold
+    return shape
 
 
 def convert(t: torch.Tensor, item: Item) -> torch.Tensor:

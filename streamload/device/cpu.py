@@ -72,6 +72,12 @@ def _view(item: Item, files: LocalFiles) -> torch.Tensor:
     # A rank's slice: copied out of the full tensor's view, which reads only the slice's pages
     # (in place: `convert` copies it straight into the destination).
     part = full.narrow(item.part.dim, item.part.start, item.part.length)
+    if item.full_shape:  # the mapping itself, of which only the part's pages were read
+        if item.out == item.stored:
+            return full
+        framed = torch.empty(shape, dtype=item.out)
+        framed.narrow(item.part.dim, item.part.start, item.part.length).copy_(part)
+        return framed
     return part if item.into is not None else part.clone()
 
 
