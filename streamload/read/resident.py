@@ -38,6 +38,14 @@ def cached(fd: int, offset: int, length: int) -> bool:
     return all(_all_cached(fd, first + at * PAGE, window) for at in {0, (pages - window) // 2, pages - window})
 
 
+def resident(fd: int, offset: int, length: int) -> bool:
+    """Whether every page of the range is in the page cache (one `cachestat` of the whole range)."""
+    if _syscall is None or length <= 0:
+        return length <= 0
+    first = offset - offset % PAGE
+    return _all_cached(fd, first, -(-(offset + length - first) // PAGE))
+
+
 def _all_cached(fd: int, offset: int, pages: int) -> bool:
     stat = _CacheStat()
     rng = _Range(offset, pages * PAGE)
