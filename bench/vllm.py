@@ -114,9 +114,9 @@ def one(fmt: str, model: str, tp: int, dtype: str, extra: dict[str, Any], reload
 
 
 def _streamload_report(worker: Any) -> dict[str, Any]:
-    import streamload.vllm
+    import streamload.integrations.vllm
 
-    return vars(streamload.vllm.last_load).copy()
+    return vars(streamload.integrations.vllm.last_load).copy()
 
 
 def run(fmt: str, model: Path, tp: int, dtype: str, cold: bool, extra: str, reload: bool = False) -> dict[str, Any]:

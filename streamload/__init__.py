@@ -23,7 +23,7 @@ if _typing.TYPE_CHECKING:  # for type checkers and editors; at run time __getatt
     )
     from .fleet import Fleet
     from .format import FileHeader, TensorInfo
-    from .hf import from_pretrained
+    from .integrations import from_pretrained
     from .layer_keys import Layer, group_of, layer_of
     from .layer_stream import LayerStream, layers
     from .limits import Usage, set_limits, usage
@@ -41,7 +41,7 @@ _WHERE = {
     "SourceError": "errors", "StreamloadError": "errors", "UnsupportedError": "errors",
     "Fleet": "fleet",
     "FileHeader": "format", "TensorInfo": "format",
-    "from_pretrained": "hf",
+    "from_pretrained": "integrations",
     "Layer": "layer_keys", "group_of": "layer_keys", "layer_of": "layer_keys",
     "LayerStream": "layer_stream", "layers": "layer_stream",
     "Usage": "limits", "set_limits": "limits", "usage": "limits",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, TypedDict
 import torch
 
 from . import defaults
+from . import device as devices
 from .errors import UnsupportedError
 from .limits import check_fits
 from .pipeline import Pipeline
@@ -96,7 +97,7 @@ def iter(
         >>> for name, t in streamload.iter("model.safetensors", device="cpu"):  # doctest: +SKIP
         ...     print(name, t.shape)
     """
-    dev = _device(device)
+    dev = devices.resolve(device)
     checkpoint = open_checkpoint(source, cache_dir)
     total = checkpoint.nbytes
     tuning = defaults.tuning(
@@ -218,36 +219,13 @@ def inspect(source: Source) -> Checkpoint:
     return open_checkpoint(source)
 
 
-def _device(device: str | torch.device | None) -> torch.device:
-    """The device, with "cuda" resolved here, in the caller's thread, to `cuda:{current_device()}`:
-    worker threads (offload's fetches, the async face) see device 0 as current, not the caller's."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):  # torch's own message lists every backend it was built with
-        raise UnsupportedError(
-            f"device {device!r} is not a device torch knows: use 'cpu', 'cuda' or 'cuda:N'"
-        ) from None
-    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
 def _check_into_device(plan: Plan, dev: torch.device) -> None:
     for item in plan.items:
-        if item.into is not None and not _same_device(item.into.device, dev):
+        if item.into is not None and not devices.same(item.into.device, dev):
             raise UnsupportedError(
                 f"{item.info.path}: tensor {item.name!r}: cannot load in place into a tensor on "
                 f"{item.into.device} from a stream into {dev}: pass device={str(item.into.device)!r}"
             )
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    if a.type != b.type:
-        return False
-    current = torch.cuda.current_device() if a.type == "cuda" else 0
-    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
 def _lands(exchange: Exchange | None, verify: Verify) -> tuple[tuple[Into, ...], str]:

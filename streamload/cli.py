@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _vllm_check(args: argparse.Namespace) -> int:
     try:
-        from .vllm_check import check
+        from .integrations.vllm.check import check
     except ImportError as exc:
         raise StreamloadError(f"vllm-check needs vLLM: pip install 'streamload[vllm]' ({exc})") from None
     engine = {"dtype": args.dtype, **(args.engine or {})}

@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-# `model.layers.3.`, `transformer.h.3.`, `blocks.3.`, `encoder.layer.3.`, `decoder.block.3.` ...
-_LAYER = re.compile(r"^(?P<prefix>(?:.*?\.)?(?:layers|layer|h|blocks|block))\.(?P<index>\d+)(?:\.|$)")
+# `model.layers.3.`, `transformer.h.3.`, `blocks.3.`, `encoder.layer.3.`, `decoder.block.3.`, and
+# diffusers' `unet.down_blocks.3.`, `transformer.single_transformer_blocks.3.` ...
+_LAYER = re.compile(r"^(?P<prefix>(?:.*?\.)?(?:layers|layer|h|(?:\w+_)?blocks|block))\.(?P<index>\d+)(?:\.|$)")
 # Tensors of no layer that belong before the layers; everything else of no layer (final norm, head) goes after.
 _FRONT = re.compile(r"embed|(^|\.)(wte|wpe|shared|cls_token|pos_embed|patch_embed|tok_embeddings)(\.|$)")
 
@@ -21,6 +22,8 @@ def layer_of(name: str) -> Layer | None:
 
     >>> layer_of("model.layers.3.mlp.up_proj.weight")
     Layer(name='model.layers.3', index=3)
+    >>> layer_of("unet.down_blocks.1.attentions.0.proj_in.weight")
+    Layer(name='unet.down_blocks.1', index=1)
     >>> layer_of("lm_head.weight") is None
     True
     """

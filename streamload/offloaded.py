@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from .api import _device
+from . import device as devices
 from .api import iter as stream_tensors
 from .errors import StreamloadError, UnsupportedError
 from .format import TensorInfo
@@ -375,7 +375,7 @@ def offload(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload runs a torch.nn.Module, not {type(model).__name__}: build the model first")
-    dev = _device(device)
+    dev = devices.resolve(device)
     if ahead < 0:
         raise ValueError(f"ahead must be 0 or more, not {ahead}")
     if host_cache and dev.type != "cuda":

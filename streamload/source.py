@@ -4,6 +4,7 @@ the storage's business (storage/)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePath
 from typing import NamedTuple
@@ -64,6 +65,21 @@ def open_checkpoint(source: Source | Checkpoint, cache_dir: PathLike | None = No
     return Checkpoint(headers, tensors, listing.index_metadata, storage)
 
 
+def merged(parts: Mapping[str, Checkpoint]) -> Checkpoint:
+    """Several checkpoints as one, each tensor named `part.name` (a pipeline's components: one load,
+    one ring, one reader pool for all of them). Every part must be in the same storage (bucket, host)."""
+    storages = {(type(c.storage), getattr(c.storage, "root", None)) for c in parts.values()}
+    if len(storages) > 1:
+        raise SourceError(f"cannot load checkpoints from different kinds of storage together: {', '.join(parts)}")
+    files: list[FileHeader] = []
+    tensors: dict[str, TensorInfo] = {}
+    for prefix, checkpoint in parts.items():
+        files += checkpoint.files
+        tensors.update((f"{prefix}.{n}", t._replace(name=f"{prefix}.{n}")) for n, t in checkpoint.tensors.items())
+    storage = next(iter(parts.values())).storage if parts else LocalStorage()
+    return Checkpoint(tuple(files), tensors, None, storage)
+
+
 def _headers(storage: Storage, files: list[PurePath]) -> tuple[FileHeader, ...]:
     if storage.kind == "local" or len(files) < 2:
         return tuple(storage.header(p) for p in files)
@@ -71,4 +87,4 @@ def _headers(storage: Storage, files: list[PurePath]) -> tuple[FileHeader, ...]:
         return tuple(pool.map(storage.header, files))
 
 
-__all__ = ["INDEX_NAME", "Checkpoint", "PathLike", "Source", "open_checkpoint"]
+__all__ = ["INDEX_NAME", "Checkpoint", "PathLike", "Source", "merged", "open_checkpoint"]

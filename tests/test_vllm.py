@@ -132,9 +132,9 @@ def test_a_missing_shard_is_named(engines: dict[str, Any]) -> None:
     "model", ["bert-mlm", "bge-m3", "deepseek-v2", "phi3", "gpt2", "gemma2", "gpt-oss", "deepseek-v2/tp2"]
 )
 def test_every_parameter_equals_vllms_own_loader_right_after_load_weights(engines: dict[str, Any], model: str) -> None:
-    """`streamload.vllm_check`, as `streamload vllm-check` runs it: every parameter and buffer compared with
-    vLLM's default loader before post-processing. BERT-MLM (an untied decoder vLLM ties when its name is
-    withheld) and BGE-M3 (heads in .pt secondary weights) were silently wrong before."""
+    """`streamload.integrations.vllm.check`, as `streamload vllm-check` runs it: every parameter and
+    buffer compared with vLLM's default loader before post-processing. BERT-MLM (an untied decoder vLLM
+    ties when its name is withheld) and BGE-M3 (heads in .pt secondary weights) were silently wrong before."""
     result = engines[f"check/{model}"]
     assert result["ok"], result["differences"]
     assert result["tensors"] >= 20
@@ -177,7 +177,7 @@ def loader_class() -> Any:
         if os.environ.get("CI"):
             pytest.fail("vLLM is not installed")
         pytest.skip("vLLM is not installed")
-    from streamload.vllm import StreamloadModelLoader
+    from streamload.integrations.vllm import StreamloadModelLoader
 
     return StreamloadModelLoader
 
@@ -232,7 +232,7 @@ def test_a_load_weights_unlike_its_dry_run_is_redone_whole(tmp_path: Path, loade
     from safetensors.torch import save_file
     from torch import nn
 
-    import streamload.vllm
+    import streamload.integrations.vllm
 
     weights = {"w": torch.arange(4.0), "v": torch.arange(4.0) + 10}
     save_file(weights, str(tmp_path / "model.safetensors"))
@@ -253,9 +253,11 @@ def test_a_load_weights_unlike_its_dry_run_is_redone_whole(tmp_path: Path, loade
     config = SimpleNamespace(model=str(tmp_path), revision=None, model_weights="", quantization=None)
     loader_class(_load_config()).load_weights(model, config)
     assert model.calls == 3  # the dry run, the watched real call, the whole load
-    assert streamload.vllm.last_load.diverged == {"v": "copied elsewhere than its dry run predicted"}
+    assert streamload.integrations.vllm.last_load.diverged == {"v": "copied elsewhere than its dry run predicted"}
     assert torch.equal(model.u, weights["v"]) and torch.equal(model.w, weights["w"])
-    assert streamload.vllm.last_load.direct == 0 and streamload.vllm.last_load.through_model == 2
+    assert (
+        streamload.integrations.vllm.last_load.direct == 0 and streamload.integrations.vllm.last_load.through_model == 2
+    )
 
 
 def test_secondary_weights_overrides_and_unused_shards_as_vllm_selects_them(tmp_path: Path, loader_class: Any) -> None:
@@ -267,7 +269,7 @@ def test_secondary_weights_overrides_and_unused_shards_as_vllm_selects_them(tmp_
     from torch import nn
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    import streamload.vllm
+    import streamload.integrations.vllm
     from streamload.errors import UnsupportedError
 
     (tmp_path / "extra").mkdir()
@@ -300,7 +302,7 @@ def test_secondary_weights_overrides_and_unused_shards_as_vllm_selects_them(tmp_
     loader = loader_class(_load_config())
     loader.load_weights(model, config)
     assert model.body.tolist() == [0, 1, 2, 3] and model.head.tolist() == [5, 6] and model.extra.tolist() == [7, 8]
-    report = streamload.vllm.last_load
+    report = streamload.integrations.vllm.last_load
     assert (report.direct, report.through_model, report.diverged) == (2, 1, {})  # body and extra in place
     assert "head.weight" in report.why_whole
     assert [n for n, _ in loader.get_all_weights(config, model)] == ["body", "head.weight", "extra.w"]
@@ -315,7 +317,7 @@ def test_the_check_hook_leaves_later_loads_alone(loader_class: Any, monkeypatch:
     import torch
     from vllm.model_executor.model_loader import base_loader
 
-    from streamload import vllm_check
+    from streamload.integrations.vllm import check as vllm_check
 
     calls = []
     monkeypatch.setattr(base_loader, "process_weights_after_loading", lambda model, *a: calls.append(model))

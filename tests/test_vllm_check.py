@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from streamload.vllm_check import Report, _describe, compare
+from streamload.integrations.vllm.check import Report, _describe, compare
 
 
 def test_identical_tensors_agree_and_every_kind_of_difference_is_named() -> None:

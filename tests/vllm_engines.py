@@ -68,7 +68,7 @@ def make_models(root: Path) -> dict[str, Path]:
 
 
 def make_checked_models(root: Path) -> dict[str, Path]:
-    """Models whose every parameter `streamload.vllm_check` compares with vLLM's own loader: the two that
+    """Models whose every parameter `streamload.integrations.vllm.check` compares with vLLM's own loader: the two that
     were silently wrong (BGE-M3's .pt secondary heads, an untied BERT masked-LM decoder vLLM ties when it
     is not among the names its loader gets), an MLA + MoE model, fused checkpoint tensors, Conv1D, Gemma-2's
     norms and tied embeddings, gpt-oss's fused experts with biases and sinks."""
@@ -130,7 +130,7 @@ def _word_tokenizer() -> Any:
 
 
 def checked(path: Path, tp: int = 1, **engine: Any) -> dict[str, Any]:
-    from streamload.vllm_check import check
+    from streamload.integrations.vllm.check import check
 
     report = check(str(path), tp=tp, dtype="float32", **engine)
     return {"ok": report.ok, "differences": report.differences, "tensors": report.tensors, "report": report.streamload}
@@ -176,14 +176,14 @@ def _model_state(worker: Any) -> dict[str, Any]:
     """On a worker: each parameter's address and a digest of its bytes; what streamload read."""
     import hashlib
 
-    import streamload.vllm
+    import streamload.integrations.vllm
 
     model = worker.model_runner.get_model()
     params = {
         n: (p.data_ptr(), hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest())
         for n, p in model.named_parameters()
     }
-    return {"params": params, "report": vars(streamload.vllm.last_load).copy()}
+    return {"params": params, "report": vars(streamload.integrations.vllm.last_load).copy()}
 
 
 def state(llm: Any) -> list[dict[str, Any]]:

@@ -6,7 +6,7 @@ right after `load_weights`, before vLLM post-processes the weights (on CPU its l
 weights to oneDNN and leave the parameters empty). Run it before trusting the format with a new or
 custom architecture:
 
-    >>> from streamload.vllm_check import check                       # doctest: +SKIP
+    >>> from streamload.integrations.vllm.check import check                       # doctest: +SKIP
     >>> report = check("path/to/model", tp=2)                          # doctest: +SKIP
     >>> print(report)                                                  # doctest: +SKIP
     streamload and vLLM's default loader agree: 2 ranks, 389 tensors each, byte for byte
@@ -166,9 +166,9 @@ def _run(model: str, fmt: str, tp: int, loader: dict[str, Any], engine: dict[str
         kwargs.setdefault("distributed_executor_backend", "mp")
     llm = LLM(model=model, load_format=fmt, tensor_parallel_size=tp, **loader, **kwargs)
     try:
-        import streamload.vllm
+        import streamload.integrations.vllm
 
-        return dict(vars(streamload.vllm.last_load)) if tp == 1 else {}
+        return dict(vars(streamload.integrations.vllm.last_load)) if tp == 1 else {}
     finally:
         shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
         if shutdown is not None:

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from .shard import Slice
+from streamload.shard import Slice
 
 T = TypeVar("T")
 Pairs = Iterable[tuple[str, torch.Tensor]]

@@ -1,4 +1,4 @@
-"""`streamload.from_pretrained`: a Hugging Face `transformers` checkpoint directory -> a ready model.
+"""transformers: a checkpoint directory (or object-storage prefix) -> a ready model (`streamload.from_pretrained`).
 
 config.json -> the model built with `empty_weights` (parameters on meta, buffers real) -> weights
 streamed in by `load_into` (tied weights stay tied) -> the remaining buffers moved to the device ->
@@ -7,6 +7,8 @@ streamed in by `load_into` (tied weights stay tied) -> the remaining buffers mov
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,16 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .api import _device
-from .dtypes import as_torch_dtype
-from .errors import UnsupportedError
-from .module import OnLayer, empty_weights, load_into
-from .storage.remote import is_url
+from streamload import device as devices
+from streamload.dtypes import as_torch_dtype
+from streamload.errors import UnsupportedError
+from streamload.module import OnLayer, empty_weights, load_into
+from streamload.storage.remote import is_url
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .api import Options
+    from streamload.api import Options
 
 
 def from_pretrained(
@@ -43,7 +45,8 @@ def from_pretrained(
             the same in object storage (`s3://bucket/model/`, `https://host/model/`): config.json is
             fetched from there, the weights streamed.
         device: where the model goes ("cpu", "cuda", "cuda:N"; default cuda when available).
-        dtype: the floating-point dtype of the weights (default: as stored).
+        dtype: the floating-point dtype of the weights (default: as transformers' own `from_pretrained`
+            chooses, which from transformers 5 on is the config's `dtype`; before, as stored).
         model_class: the class to build (default: the config's `architectures[0]`, else `AutoModel`).
         on_layer: called with (key, submodule) as each layer is complete, while later ones load.
         strict: a key the model needs and the checkpoint lacks is an error, raised before any weight is read.
@@ -65,11 +68,11 @@ def from_pretrained(
     except ImportError as exc:
         raise UnsupportedError("from_pretrained needs transformers: pip install 'streamload[transformers]'") from exc
     source: str | Path = str(path) if is_url(str(path)) else Path(path)
-    dev = _device(device)
-    dtype = None if dtype is None else as_torch_dtype(dtype)
+    dev = devices.resolve(device)
     config = _config(transformers, source)
+    dtype = default_dtype(transformers, config) if dtype is None else as_torch_dtype(dtype)
     kwargs = {} if dtype is None else {"dtype": dtype}
-    with empty_weights():
+    with empty_weights(), skipped_init(transformers):
         if model_class is not None:
             model = (
                 model_class._from_config(config, **kwargs)
@@ -78,9 +81,38 @@ def from_pretrained(
             )
         else:
             model = _build(transformers, config, kwargs)
+    tied(model)
     load_into(model, source, device=dev, dtype=dtype, strict=strict, on_layer=on_layer, **options)
     model.to(dev)  # the buffers the constructor made on the CPU; parameters are there already
     return model.eval()
+
+
+def skipped_init(transformers: Any) -> contextlib.AbstractContextManager[Any]:
+    """transformers' own switch that skips `init_weights` (its initialisers keep references to torch's
+    that `empty_weights` cannot patch; on meta tensors they cost ~1.5 ms a tensor for nothing). It
+    skips the weight tying too: `tied` the model after."""
+    try:
+        no_init = importlib.import_module(f"{transformers.__name__}.initialization").no_init_weights
+    except (ImportError, AttributeError):  # before transformers 5: `empty_weights` covers its initialisers
+        return contextlib.nullcontext()
+    return no_init()
+
+
+def tied(model: nn.Module) -> nn.Module:
+    """`model` with its tied weights tied, which `init_weights` does and `skipped_init` skips."""
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
+    return model
+
+
+def default_dtype(transformers: Any, config: Any) -> torch.dtype | None:
+    """The dtype transformers' `from_pretrained` gives a model when none is asked for: from version 5
+    on ("auto") the config's `dtype`; None (as stored) where that is unset or before version 5."""
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return None
+    dtype = getattr(config, "dtype", None)
+    return None if dtype is None else as_torch_dtype(dtype)
 
 
 def _config(transformers: Any, source: str | Path) -> Any:
@@ -89,8 +121,8 @@ def _config(transformers: Any, source: str | Path) -> Any:
         return transformers.AutoConfig.from_pretrained(source)
     import tempfile
 
-    from .storage import storage_for
-    from .storage.remote import ObjectPath
+    from streamload.storage import storage_for
+    from streamload.storage.remote import ObjectPath
 
     near = ObjectPath(source if source.endswith((".safetensors", ".json")) else source.rstrip("/") + "/config.json")
     raw = storage_for(source).sidecar(near, "config.json")

@@ -35,7 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-from .errors import StreamloadError
+from streamload.errors import StreamloadError
 
 log = logging.getLogger("streamload")
 BACKEND = "streamload"
@@ -69,7 +69,7 @@ class StreamloadWeightTransferEngine(WeightTransferEngine[StreamloadInitInfo, St
         self.served: str | None = None  # the step the model holds now (None: what it was started with)
 
     def init_transfer_engine(self, init_info: StreamloadInitInfo) -> None:
-        from .vllm import check_options
+        from . import check_options
 
         self.options = check_options(init_info.options)
 
@@ -85,7 +85,7 @@ class StreamloadWeightTransferEngine(WeightTransferEngine[StreamloadInitInfo, St
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: StreamloadUpdateInfo) -> None:
-        from .vllm import every_rank
+        from . import every_rank
 
         failure: Exception | None = None
         try:
@@ -116,12 +116,12 @@ class StreamloadWeightTransferEngine(WeightTransferEngine[StreamloadInitInfo, St
     def _first_weights(self) -> str:
         """Where the weights the engine started with came from, resolved as the load format resolves
         them (a `source` option, object storage whose configs vLLM pulled, a hub id)."""
-        from .vllm import StreamloadModelLoader
+        from . import StreamloadModelLoader
 
         return StreamloadModelLoader(self.vllm_config.load_config).source(self._default_model_config, first=True)
 
     def _reload(self, path: str, verify: bool | dict[str, str]) -> None:
-        from .vllm import FORMAT, StreamloadModelLoader
+        from . import FORMAT, StreamloadModelLoader
 
         options = {**self.options, **({"verify": verify} if verify else {})}
         loader = StreamloadModelLoader(LoadConfig(load_format=FORMAT, model_loader_extra_config=options))

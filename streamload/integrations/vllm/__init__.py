@@ -39,13 +39,15 @@ from vllm.model_executor.model_loader.weight_utils import (
     pt_weights_iterator,
 )
 
-from . import api
+from streamload import api
+from streamload import device as devices
+from streamload.dtypes import torch_shape
+from streamload.errors import StreamloadError, UnsupportedError
+from streamload.plan import converts, ordered
+from streamload.shard import SKIP, ShardSpec, Slice
+from streamload.source import Checkpoint, open_checkpoint
+
 from .dryrun import Copy, Diverged, Learned, Replay, dry_run, replay
-from .dtypes import torch_shape
-from .errors import StreamloadError, UnsupportedError
-from .plan import converts, ordered
-from .shard import SKIP, ShardSpec, Slice
-from .source import Checkpoint, open_checkpoint
 
 log = logging.getLogger("vllm.streamload")  # under vLLM's logger: shown with vLLM's own lines
 
@@ -99,13 +101,13 @@ def register() -> None:
         register_model_loader(FORMAT)(StreamloadModelLoader)
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    try:  # weight_transfer_config={"backend": "streamload"} (vllm_sync.py)
-        WeightTransferEngineFactory.register_engine(FORMAT, "streamload.vllm_sync", "StreamloadWeightTransferEngine")
+    try:  # weight_transfer_config={"backend": "streamload"} (sync.py)
+        WeightTransferEngineFactory.register_engine(FORMAT, f"{__name__}.sync", "StreamloadWeightTransferEngine")
     except ValueError:  # registered already (the plugin runs once per process, tests call it again)
         pass
-    from . import vllm_check
+    from . import check
 
-    vllm_check.install()  # only under `streamload vllm-check`
+    check.install()  # only under `streamload vllm-check`
 
 
 def check_options(extra: Any) -> dict[str, Any]:
@@ -423,7 +425,7 @@ def _given(model: nn.Module, feed: Generator[tuple[str, torch.Tensor]]) -> Any:
 
 def _cannot_write(dest: torch.Tensor, stored: torch.dtype, device: torch.device) -> str:
     """Why `iter(into=...)` would refuse `dest` (the checks its plan and `api.iter` make), or ""."""
-    if not api._same_device(dest.device, device):
+    if not devices.same(dest.device, device):
         return f"its parameter is on {dest.device}"
     if not converts(stored, dest.dtype):
         return f"{stored} into a {dest.dtype} parameter"
@@ -546,7 +548,7 @@ def _device_of(model: nn.Module) -> torch.device:
         from vllm.platforms import current_platform
 
         device = torch.device(current_platform.device_type)
-    return api._device(device)
+    return devices.resolve(device)
 
 
 def _tp_rank_world() -> tuple[int, int]:
