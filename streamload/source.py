@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePath
 from typing import NamedTuple
 
+from . import arguments
 from .errors import SourceError
 from .format import FileHeader, TensorInfo
 from .storage import INDEX_NAME, LocalStorage, PathLike, Source, Storage, storage_for
@@ -44,6 +45,8 @@ def open_checkpoint(source: Source | Checkpoint, cache_dir: PathLike | None = No
     A `Checkpoint` (from `inspect`) is its own answer: loads of parts of it read no header again."""
     if isinstance(source, Checkpoint):
         return source
+    arguments.source(source)
+    arguments.path(cache_dir, "cache_dir")
     storage = storage_for(source, cache_dir)
     listing = storage.locate(source)
     headers = _headers(storage, listing.files)

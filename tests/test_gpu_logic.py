@@ -142,7 +142,7 @@ def test_only_the_bytes_used_are_registered_and_a_dropped_slot_is_forgotten(monk
 
 def test_cuda_is_resolved_to_the_callers_current_device(monkeypatch: Any) -> None:
     """Resolved in the caller's thread: a worker thread (offload's fetches) sees device 0 as current."""
-    from streamload.api import _device
+    from streamload.device import resolve as _device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # as after torch.cuda.set_device(1)

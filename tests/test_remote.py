@@ -102,6 +102,10 @@ def test_s3_errors_name_the_object(checkpoint: Path, monkeypatch: pytest.MonkeyP
             streamload.load("s3://models/empty/", device="cpu")
         with pytest.raises(streamload.UnsupportedError, match="mmap reader reads local storage"):
             streamload.load("s3://models/llama/", device="cpu", reader="mmap")
+        for missing in ("s3://nobucket/llama/", "s3://nobucket/llama/model.safetensors"):
+            with pytest.raises(streamload.MissingFileError, match=r"no such bucket 'nobucket' \(asked") as e:
+                streamload.load(missing, device="cpu")
+            assert "\n" not in str(e.value) and "<?xml" not in str(e.value)
 
 
 def test_s3_object_replaced_after_its_header_was_read(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:

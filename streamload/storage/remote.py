@@ -437,6 +437,10 @@ def _no_credentials(exc: BaseException) -> bool:
 def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> BaseException:
     import obstore.exceptions as ox
 
+    if "NoSuchBucket" in str(exc):  # S3 answers 404 with an XML body: name the bucket and key, not the XML
+        parts = PurePath(path).parts
+        bucket, key = (parts[1], "/".join(parts[2:])) if len(parts) > 1 else (str(path), "")
+        return MissingFileError(f"{path}: no such bucket {bucket!r} (asked for the key {key!r})")
     if isinstance(exc, (ox.NotFoundError, FileNotFoundError)):
         return MissingFileError(f"{path}: no such object")
     if _no_credentials(exc):

@@ -39,7 +39,7 @@ from vllm.model_executor.model_loader.weight_utils import (
     pt_weights_iterator,
 )
 
-from streamload import api
+from streamload import api, arguments
 from streamload import device as devices
 from streamload.dtypes import torch_shape
 from streamload.errors import StreamloadError, UnsupportedError
@@ -59,6 +59,7 @@ class Report:
     seconds: float = 0.0
     plan_seconds: float = 0.0  # of which: headers and the dry run, before the first byte is read
     bytes_read: int = 0
+    reader: str = ""  # the reader the streams used ("mmap", "posix", "kvikio", "range", ...)
     bytes_total: int = 0  # the whole checkpoint
     direct: int = 0  # tensors written straight into their parameters
     through_model: int = 0  # tensors read whole and given to the model's load_weights
@@ -75,9 +76,9 @@ FORMAT = "streamload"
 OPTIONS: dict[str, type | tuple[type, ...]] = {
     "reader": str,
     "threads": int,
-    "ring_bytes": int,
+    "ring_bytes": (int, str),  # bytes, or with a unit: "1GiB"
     "slots": int,
-    "chunk_bytes": int,
+    "chunk_bytes": (int, str),
     "cache_dir": str,
     "source": str,  # weights from here (a directory, s3://, http(s)://) while configs come from `model`
     "direct": bool,  # dry run + rank-local reads straight into the parameters (default True)
@@ -99,6 +100,7 @@ def register() -> None:
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(FORMAT) is not StreamloadModelLoader:
         register_model_loader(FORMAT)(StreamloadModelLoader)
+    _check_at_config_time()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:  # weight_transfer_config={"backend": "streamload"} (sync.py)
@@ -122,12 +124,40 @@ def check_options(extra: Any) -> dict[str, Any]:
             f"unknown model_loader_extra_config keys for load format {FORMAT!r}: {', '.join(unknown)}; "
             f"known keys: {', '.join(OPTIONS)}"
         )
+    checked = dict(extra)
     for key, value in extra.items():
         want = OPTIONS[key]
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-            kind = want.__name__ if isinstance(want, type) else " or ".join(t.__name__ for t in want)
-            raise ValueError(f"model_loader_extra_config[{key!r}] must be a {kind}, not {value!r}")
-    return dict(extra)
+            kinds = [want] if isinstance(want, type) else list(want)
+            kind = " or ".join(("an " if t.__name__[0] in "aeiou" else "a ") + t.__name__ for t in kinds)
+            raise ValueError(f"model_loader_extra_config[{key!r}] must be {kind}, not {value!r}")
+        try:  # sizes with units and counts of at least 1, as streamload.iter takes them
+            if key in ("ring_bytes", "chunk_bytes"):
+                checked[key] = arguments.size(value, key)
+            elif key in ("threads", "slots"):
+                arguments.count(value, key)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"model_loader_extra_config: {exc}") from None
+    return checked
+
+
+def _check_at_config_time() -> None:
+    """Check the options where vLLM builds the engine's load config, in the process that starts the
+    engine: a bad key fails at once, in one line, not seconds later in a worker's traceback."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    build = EngineArgs.create_load_config
+    if getattr(build, "checks_streamload", False):
+        return
+
+    def create_load_config(self: Any) -> Any:
+        config = build(self)
+        if str(config.load_format).lower() == FORMAT:
+            check_options(config.model_loader_extra_config)
+        return config
+
+    create_load_config.checks_streamload = True  # type: ignore[attr-defined]
+    EngineArgs.create_load_config = create_load_config  # type: ignore[method-assign]
 
 
 class StreamloadModelLoader(BaseModelLoader):
@@ -323,13 +353,14 @@ class StreamloadModelLoader(BaseModelLoader):
         last_load.seconds = time.perf_counter() - start
         log.info(
             "streamload: %d tensors straight into their parameters, %d through load_weights%s, %d unused; "
-            "%.1f of %.1f MB read",
+            "%.1f of %.1f MB read by the %s reader",
             last_load.direct,
             last_load.through_model,
             f" (e.g. {last_load.why_whole})" if last_load.why_whole else "",
             last_load.unused,
             last_load.bytes_read / 1e6,
             last_load.bytes_total / 1e6,
+            last_load.reader or "no",
         )
         log.info("Loading weights took %.2f seconds", last_load.seconds)
         if model_config.quantization is None and result is not None:  # None: the model does not track
@@ -457,6 +488,7 @@ def every_rank(ok: bool) -> bool:
 def _report(parts: list[_Part], streams: list[Any], learned: Learned | None, world: int) -> None:
     """`last_load`, from the streams of this load (a load that diverged and was redone: both)."""
     last_load.bytes_read = sum(stream.stats.bytes_read for stream in streams)
+    last_load.reader = ", ".join(dict.fromkeys(stream.stats.reader for stream in streams))
     last_load.bytes_total = sum(part.checkpoint.nbytes for part in parts if part.checkpoint is not None)
     every = [name for part in parts for name in (*part.names, *(n for n, _ in part.others))]
     last_load.direct = len(learned.copies) if learned else 0

@@ -1,0 +1,127 @@
+"""The public entry points' arguments, checked once, up front: a one-line error naming the argument
+instead of a traceback from deep inside a load; sizes with units, as the command line takes them.
+
+>>> size("1GiB", "ring_bytes")
+1073741824
+>>> count(0, "threads")
+Traceback (most recent call last):
+...
+ValueError: threads must be at least 1, not 0
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+
+UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+         "g": 1 << 30, "gib": 1 << 30, "gb": 10**9}  # fmt: skip
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(text: str) -> int:
+    """A byte count from text: `4194304`, `4MiB`, `4M` (binary), `4MB` (decimal), `1.5GiB`."""
+    match = _SIZE.fullmatch(text)
+    unit = match and UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        raise ValueError(f"{text!r} is not a size: use bytes or a unit, e.g. 4MiB, 512KiB, 1GiB")
+    value = int(float(match.group(1)) * unit)
+    if value < 1:
+        raise ValueError(f"must be at least 1 byte, not {text!r}")
+    return value
+
+
+def _kind(value: object) -> str:
+    return f"{type(value).__name__} {value!r}" if isinstance(value, (int, float, str, bytes)) else type(value).__name__
+
+
+def size(value: int | str | None, name: str) -> int | None:
+    """A size in bytes: a whole number, or text with a unit ("1GiB"); None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a size in bytes (an int, or text such as '1GiB'), not {_kind(value)}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1 byte, not {value}")
+    return value
+
+
+def count(value: int | None, name: str) -> int | None:
+    """A count of at least 1 (threads, slots); None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a whole number, not {_kind(value)}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, not {value}")
+    return value
+
+
+def patterns(value: object, name: str) -> None:
+    """None, a pattern, a predicate, or an iterable of patterns."""
+    if value is None or isinstance(value, str) or callable(value):
+        return
+    if isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping)):
+        bad = [p for p in value if not isinstance(p, str)]  # type: ignore[union-attr]
+        if not bad:
+            return
+        raise TypeError(f"{name} patterns must be text, not {_kind(bad[0])}")
+    raise TypeError(f"{name} must be a pattern, a list of patterns or a predicate, not {_kind(value)}")
+
+
+def source(value: object) -> None:
+    """A path, URL, list of them, or a `Checkpoint`."""
+    from .source import Checkpoint
+
+    if isinstance(value, (str, os.PathLike, Checkpoint)):
+        return
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (str, os.PathLike)) for v in value):
+        return
+    raise TypeError(
+        f"source must be a path, a URL, a non-empty list of them, or a Checkpoint from inspect(), not {_kind(value)}"
+    )
+
+
+def path(value: object, name: str) -> None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path, not {_kind(value)}")
+
+
+def into(value: object) -> None:
+    import torch  # here, not above: the command line parses sizes before torch is imported
+
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise TypeError(f"into must be a mapping of tensor names to tensors, not {_kind(value)}")
+    for key, t in value.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"into[{key!r}] must be a torch.Tensor, not {_kind(t)}")
+
+
+def shard(value: object) -> None:
+    from .shard import ShardSpec
+
+    if value is not None and not isinstance(value, ShardSpec):
+        raise TypeError(f"shard must be a streamload.ShardSpec, not {_kind(value)}")
+
+
+def verify(value: object) -> None:
+    """True/False, or {file name: SHA-256 hex}."""
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, Mapping):
+        for key, digest in value.items():
+            if not isinstance(key, str) or not isinstance(digest, str):
+                raise TypeError(f"verify[{key!r}] must be a SHA-256 hex digest (text), not {_kind(digest)}")
+        return
+    raise TypeError(f"verify must be True, False or {{file name: SHA-256 hex}}, not {_kind(value)}")
+
+
+__all__ = ["count", "into", "parse_size", "path", "patterns", "shard", "size", "source", "verify"]
