@@ -14,7 +14,7 @@ token needs no further compilation (the process reports how many graphs `generat
 `bench/first_token.py` runs all four in fresh processes with an empty compile cache and a cold page
 cache and prints the table in docs/benchmarks.md.
 
-    pip install "streamload[transformers]"
+    pip install -e ".[transformers]"
     python bench/first_token.py --make /tmp/llama-first-token        # writes a small Llama checkpoint
     python examples/first_token.py /tmp/llama-first-token --mode overlapped
 """

@@ -5,7 +5,7 @@ with a third of its weights' size as budget: the embeddings and head stay reside
 layers stream in through the loader one layer ahead of the one that runs. The generated tokens are
 compared with those of the model loaded whole.
 
-    pip install "streamload[transformers]"
+    pip install -e ".[transformers]"
     python examples/offload_model.py                      # CPU; on a GPU: --device cuda [--host-cache]
 """
 

@@ -5,7 +5,7 @@ the same directory is then loaded (a) with transformers' `from_pretrained` and (
 `streamload.from_pretrained` (the model built with its parameters on the meta device and its buffers
 for real, the weights streamed in layer by layer). Outputs must be identical.
 
-    pip install "streamload[transformers]"
+    pip install -e ".[transformers]"
     python examples/transformers_model.py
 """
 

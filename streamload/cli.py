@@ -162,7 +162,7 @@ def _vllm_check(args: argparse.Namespace) -> int:
     try:
         from .integrations.vllm.check import check
     except ImportError as exc:
-        raise StreamloadError(f"vllm-check needs vLLM: pip install 'streamload[vllm]' ({exc})") from None
+        raise StreamloadError(f"vllm-check needs vLLM: pip install -e '.[vllm]' in streamload's checkout ({exc})") from None
     engine = {"dtype": args.dtype, **(args.engine or {})}
     report = check(args.model, tp=args.tp, model_loader_extra_config=args.extra_config, **engine)
     print(report)

@@ -235,7 +235,7 @@ def test_bench_skip_hint_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)  # as where kvikio is missing
     _, notes = bench.available(["streamload-kvikio"], "cuda:0")
-    assert len(notes) == 1 and "'streamload[cu12]' or 'streamload[cu13]'" in notes[0]
+    assert len(notes) == 1 and "'.[cu12]' or -e '.[cu13]'" in notes[0]
 
 
 def test_bench_sweep_prints_one_line_per_setting_and_the_best_as_options(

@@ -2,7 +2,7 @@
 
 config.json -> the model built with `empty_weights` (parameters on meta, buffers real) -> weights
 streamed in by `load_into` (tied weights stay tied) -> the remaining buffers moved to the device ->
-`eval()`. transformers is an optional dependency: `pip install "streamload[transformers]"`.
+`eval()`. transformers is an optional dependency: `pip install -e ".[transformers]"`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def from_pretrained(
     try:
         import transformers
     except ImportError as exc:
-        raise UnsupportedError("from_pretrained needs transformers: pip install 'streamload[transformers]'") from exc
+        raise UnsupportedError("from_pretrained needs transformers: pip install -e '.[transformers]' in streamload's checkout") from exc
     source: str | Path = str(path) if is_url(str(path)) else Path(path)
     dev = devices.resolve(device)
     config = _config(transformers, source)

@@ -75,7 +75,7 @@ class ObjectStorage:
             import obstore  # noqa: F401
         except ImportError:
             raise UnsupportedError(
-                f"{root}: reading from object storage needs obstore: pip install 'streamload[remote]'"
+                f"{root}: reading from object storage needs obstore: pip install -e '.[remote]' in streamload's checkout"
             ) from None
         self.root = root
         self.store = _store(root)

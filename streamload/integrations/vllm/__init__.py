@@ -1,6 +1,6 @@
 """streamload as a vLLM load format: `LLM(model, load_format="streamload")`, `vllm serve M --load-format streamload`.
 
-`pip install "streamload[vllm]"` registers the format through vLLM's `vllm.general_plugins` entry
+`pip install -e ".[vllm]"` registers the format through vLLM's `vllm.general_plugins` entry
 point, in every vLLM process; user code imports nothing. Options come as `model_loader_extra_config`
 (`OPTIONS`). The loader:
 
