@@ -39,7 +39,7 @@ class Loader:
     name: str
     needs: str | None  # module that must be importable, else the loader is skipped with a note
     devices: tuple[str, ...]  # device types it runs on
-    install: str = "pip install -e '.[bench]' in streamload's checkout"  # what brings `needs`
+    install: str = "pip install -e '.[bench]'"  # what brings `needs`
     schemes: tuple[str, ...] = ("file",)  # where the checkpoint may be: local files, or URL schemes
 
 
@@ -49,14 +49,20 @@ LOADERS = [
     Loader("streamload-direct", None, ("cpu", "cuda")),
     Loader("streamload-mmap+verify", None, ("cpu",)),  # verify=True: the digests known for the files
     Loader("streamload-posix+verify", None, ("cpu", "cuda")),
-    Loader("streamload-kvikio", "kvikio", ("cuda",), "pip install -e '.[cu12]' or -e '.[cu13]' in streamload's checkout"),
+    Loader("streamload-kvikio", "kvikio", ("cuda",), "pip install -e '.[cu12]' or -e '.[cu13]'"),
     Loader("safetensors-load_file", "safetensors", ("cpu", "cuda")),
     Loader("safetensors-safe_open", "safetensors", ("cpu", "cuda")),
     Loader("fastsafetensors", "fastsafetensors", ("cpu", "cuda")),
     Loader("fastsafetensors-gds", "fastsafetensors", ("cuda",)),
     Loader("runai", "runai_model_streamer", ("cpu", "cuda")),
     Loader("instanttensor", "instanttensor", ("cuda",), "pip install instanttensor"),
-    Loader("streamload-range", "obstore", ("cpu", "cuda"), "pip install -e '.[remote]' in streamload's checkout", ("s3", "http", "https")),
+    Loader(
+        "streamload-range",
+        "obstore",
+        ("cpu", "cuda"),
+        "pip install -e '.[remote]'",
+        ("s3", "http", "https"),
+    ),
     Loader("runai-s3", "runai_model_streamer_s3", ("cpu", "cuda"), "pip install runai-model-streamer-s3", ("s3",)),
     Loader("ceiling-read", None, ("cpu", "cuda")),
     Loader("ceiling-odirect", None, ("cpu", "cuda")),

@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="compare every installed loader on a checkpoint, in one run",
                            description="Compare every installed loader on a checkpoint, each run in a fresh "
                            "process. Defaults: a warm page cache, 5 runs, on the cpu.")  # fmt: skip
-    bench.add_argument("path")
+    bench.add_argument("path", nargs="?")
+    bench.add_argument("--list", action="store_true", help="list the loaders, whether each runs here, and exit")
     bench.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     bench.add_argument("--cold", action="store_true",
                        help="evict the files from the page cache before each run (default: warm only)")  # fmt: skip
@@ -162,7 +163,7 @@ def _vllm_check(args: argparse.Namespace) -> int:
     try:
         from .integrations.vllm.check import check
     except ImportError as exc:
-        raise StreamloadError(f"vllm-check needs vLLM: pip install -e '.[vllm]' in streamload's checkout ({exc})") from None
+        raise StreamloadError(f"vllm-check needs vLLM: pip install -e '.[vllm]' ({exc})") from None
     engine = {"dtype": args.dtype, **(args.engine or {})}
     report = check(args.model, tp=args.tp, model_loader_extra_config=args.extra_config, **engine)
     print(report)
@@ -317,7 +318,17 @@ def _bench(args: argparse.Namespace) -> int:
     from . import bench
     from .source import open_checkpoint
 
+    if args.list:
+        return _list_loaders(args, bench)
+    if args.path is None:
+        print("streamload: error: bench needs a checkpoint PATH (or --list)", file=sys.stderr)
+        return 2
     if args.sweep:
+        if args.loaders or args.verify:
+            print(
+                "streamload: error: --sweep times streamload alone: leave out --loaders and --verify", file=sys.stderr
+            )
+            return 2
         return _sweep(args, bench)
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the runs, not after them
         print("streamload: error: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
@@ -329,9 +340,19 @@ def _bench(args: argparse.Namespace) -> int:
     modes = tuple(m for m, on in (("cold", args.cold), ("warm", args.warm or not args.cold)) if on)
     loaders = args.loaders
     if args.verify:
+        from .verify import choose
+
+        try:  # before the runs: a checkpoint without digests would fail every verify run alike
+            choose(open_checkpoint(args.path), True)
+        except StreamloadError as exc:
+            print(f"streamload: error: --verify needs the files' digests: run `streamload digest {args.path}` "
+                  f"first ({exc})", file=sys.stderr)  # fmt: skip
+            return 1
         if loaders is None:
             readers = ("mmap", "posix") if args.device == "cpu" else ("posix",)
-            loaders = [f"streamload-{r}{v}" for r in readers for v in ("", "+verify")]
+            loaders = [f"streamload-{r}" for r in readers]
+        known = {ld.name for ld in bench.LOADERS}  # each streamload loader named, with and without verify=
+        loaders = [v for n in loaders for v in (n, f"{n}+verify") if v == n or (v in known and v not in loaders)]
         for name, rate in bench.hash_rates().items():
             print(f"{name}: {rate:.2f} GB/s on one core", file=sys.stderr, flush=True)
     summaries = bench.bench(args.path, device=args.device, modes=modes, runs=args.runs or 5, loaders=loaders,
@@ -354,6 +375,18 @@ def _bench(args: argparse.Namespace) -> int:
     if failed:
         print(f"streamload: error: failed in every run: {', '.join(failed)}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _list_loaders(args: argparse.Namespace, bench: Any) -> int:
+    names = [ld.name for ld in bench.LOADERS]
+    for scheme in ("file", "s3"):
+        runs, notes = bench.available(names, args.device, scheme)
+        for name in runs:
+            print(f"{name:26} runs here ({scheme} storage, device {args.device})")
+        for note in notes:
+            if "does not read" not in note:
+                print(f"  {note}")
     return 0
 
 

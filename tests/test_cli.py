@@ -383,6 +383,24 @@ def test_bench_verify_and_drop(small_model: Path, tmp_path: Path, capsys: pytest
     assert rows == {"streamload-mmap", "streamload-mmap+verify", "streamload-posix", "streamload-posix+verify"}
 
 
+def test_bench_explains_itself(small_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "streamload-mmap " in out and "runs here" in out and "does not run on cpu" in out
+    model = tmp_path / "m"  # no digest file: --verify says what to run first, before any run
+    shutil.copytree(small_model, model)
+    assert main(["bench", str(model), "--verify", "--runs", "1"]) == 1
+    assert f"run `streamload digest {model}` first" in capsys.readouterr().err
+    assert main(["bench", str(model), "--sweep", "--loaders", "streamload-mmap"]) == 2
+    assert "--sweep times streamload alone" in capsys.readouterr().err
+    assert main(["digest", str(model)]) == 0  # one loader named: its verify row comes with it
+    assert main(["bench", str(model), "--verify", "--runs", "1", "--loaders", "streamload-mmap"]) == 0
+    out = capsys.readouterr().out
+    assert "streamload-mmap+verify" in out and "streamload-posix" not in out
+
+
 def test_server_warmup_example_prints_its_timeline_in_time_order() -> None:
     example = Path(__file__).parent.parent / "examples" / "server_warmup.py"
     out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300, check=True)

@@ -70,7 +70,7 @@ def from_pretrained(
     try:
         import diffusers
     except ImportError:
-        raise UnsupportedError(f"{path} is a diffusers folder: pip install -e '.[diffusers]' in streamload's checkout") from None
+        raise UnsupportedError(f"{path} is a diffusers folder: pip install -e '.[diffusers]'") from None
     dev = devices.resolve(device)
     remote = is_url(str(path))
     with _Mirror(str(path), COMPONENT_FILES) if remote else contextlib.nullcontext() as mirror:

@@ -66,7 +66,7 @@ def from_pretrained(
     try:
         import transformers
     except ImportError as exc:
-        raise UnsupportedError("from_pretrained needs transformers: pip install -e '.[transformers]' in streamload's checkout") from exc
+        raise UnsupportedError("from_pretrained needs transformers: pip install -e '.[transformers]'") from exc
     source: str | Path = str(path) if is_url(str(path)) else Path(path)
     dev = devices.resolve(device)
     config = _config(transformers, source)

@@ -75,7 +75,7 @@ class ObjectStorage:
             import obstore  # noqa: F401
         except ImportError:
             raise UnsupportedError(
-                f"{root}: reading from object storage needs obstore: pip install -e '.[remote]' in streamload's checkout"
+                f"{root}: reading from object storage needs obstore: pip install -e '.[remote]'"
             ) from None
         self.root = root
         self.store = _store(root)
