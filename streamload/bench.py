@@ -419,6 +419,7 @@ class Setting:
     options: dict[str, int]
     seconds: float
     default: bool = False
+    spread: tuple[float, float] = (0.0, 0.0)  # the fastest and slowest of its runs
 
     def describe(self) -> str:
         o = self.options
@@ -467,7 +468,8 @@ def sweep(
             evict(files) if cold else parallel_read(files, direct=False, pinned=False)()
             seconds[k].append(run_child("streamload-auto", files, device, t._asdict()).seconds)
             if r == runs - 1:
-                settings.append(Setting(t._asdict(), statistics.median(seconds[k]), default=k == 0))
+                spread = (min(seconds[k]), max(seconds[k]))
+                settings.append(Setting(t._asdict(), statistics.median(seconds[k]), k == 0, spread))
                 log(f"{settings[-1].describe()}{' (defaults)' if k == 0 else ''}: {settings[-1].seconds:.3f} s")
     return settings
 

@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="evict the files from the page cache before each run (default: warm only)")  # fmt: skip
     bench.add_argument("--warm", action="store_true", help="with --cold: measure a warm cache too")
     bench.add_argument("--runs", type=_positive, default=None,
-                       help="runs per loader (default: 5; with --sweep: 1 per setting)")  # fmt: skip
+                       help="runs per loader (default: 5; with --sweep: 3 per setting)")  # fmt: skip
     bench.add_argument("--loaders", nargs="+", default=None,
                        help="names from `streamload.bench.LOADERS` (default: every one that runs here)")  # fmt: skip
     bench.add_argument("--json", type=Path, default=None, help="write rows and raw runs here (default: none)")
@@ -391,12 +391,16 @@ def _list_loaders(args: argparse.Namespace, bench: Any) -> int:
 
 
 def _sweep(args: argparse.Namespace, bench: Any) -> int:
-    settings = bench.sweep(args.path, device=args.device, cold=args.cold, runs=args.runs or 1,
+    settings = bench.sweep(args.path, device=args.device, cold=args.cold, runs=args.runs or 3,
                            log=lambda line: print(line, flush=True))  # fmt: skip
     best = min(settings, key=lambda s: s.seconds)
     default = settings[0]
+    low, high = best.spread
     print(f"\nbest: {best.describe()}: {best.seconds:.3f} s, {default.seconds / best.seconds:.2f}x the defaults "
-          f"({default.seconds:.3f} s)")  # fmt: skip
+          f"({default.seconds:.3f} s); medians of {args.runs or 3} runs, the best's {low:.3f}-{high:.3f} s, "
+          f"the defaults' {default.spread[0]:.3f}-{default.spread[1]:.3f} s")  # fmt: skip
+    if best is not default and best.spread[1] >= default.spread[0]:
+        print("  (their runs overlap: within this storage's noise; more --runs tell them apart)")
     print(f"  streamload load PATH {best.as_flags()}")
     print(f"  streamload.iter(path, {best.as_kwargs()})")
     return 0
