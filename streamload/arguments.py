@@ -106,9 +106,11 @@ def into(value: object) -> None:
 
 
 def shard(value: object) -> None:
+    if value is None:
+        return  # shard.py is imported only by those who shard
     from .shard import ShardSpec
 
-    if value is not None and not isinstance(value, ShardSpec):
+    if not isinstance(value, ShardSpec):
         raise TypeError(f"shard must be a streamload.ShardSpec, not {_kind(value)}")
 
 

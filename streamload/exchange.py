@@ -47,7 +47,7 @@ import torch
 from .device import Delivered, Device
 from .errors import StreamloadError, UnsupportedError
 from .plan import Batch, Item
-from .read import Job, Reader
+from .read import Reader, Work
 from .source import Checkpoint
 
 if TYPE_CHECKING:
@@ -410,7 +410,7 @@ class CooperativeReader:
         self.partial: dict[int, tuple[int, ...]] = {}
         self.on_bytes: Callable[[int], None] = lambda n: None  # counts what `read` brings in (the load's stats)
 
-    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> list[Job]:
+    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> Sequence[Work]:
         if batch.shared and not self.exchange.lost:
             self.partial[batch.index] = self.exchange.members
             return self.reader.jobs(self.exchange.own_part(batch), slot, files)
@@ -419,7 +419,7 @@ class CooperativeReader:
     def read(self, window: Batch, slot: torch.Tensor | None, files: Any) -> None:
         """Blocking: the bytes of `window` (a part of a batch) read into `slot` on this thread."""
         for job in self.reader.jobs(window, slot, files):
-            self.on_bytes(job())
+            self.on_bytes(job if isinstance(job, int) else job())
 
     def close(self) -> None:
         self.reader.close()

@@ -303,3 +303,43 @@ def test_first_batches_grow_from_first_batch_to_a_slot(tmp_path: Path) -> None:
     assert sum(sizes) == 4_700_000
     flat = make_plan(open_checkpoint(path), slot_bytes=slot, order="file")
     assert flat.batches[0].nbytes > 900_000  # no ramp: the first batch is a slot
+
+
+def _reader_threads() -> int:
+    import threading
+
+    return sum(t.name.startswith("streamload-read") for t in threading.enumerate())
+
+
+def test_mapped_load_reads_on_threads_only_what_the_page_cache_lacks(tmp_path: Path) -> None:
+    import os
+
+    from streamload.read.resident import resident
+
+    tensors = {f"model.layers.{i}.w": random_tensor(torch.bfloat16, (512, 512), seed=i) for i in range(6)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path)
+    size = path.stat().st_size
+    path.read_bytes()  # every page cached
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if not resident(fd, 0, size):
+            pytest.skip("this kernel has no cachestat (Linux < 6.5): every range is read on threads")
+        for cold in (False, True):
+            if cold:  # the warm pass's tensors (views of the mapping) are gone: its pages can be dropped
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                assert not resident(fd, 0, size)
+            threads = 0
+            stream = streamload.iter(path, reader="mmap", chunk_bytes=64 * 1024)
+            got = {}
+            for name, t in stream:
+                threads = max(threads, _reader_threads())
+                got[name] = t
+            assert stream.stats.bytes_read == stream.stats.bytes_total  # resident ranges count as read
+            assert all(same_bits(got[k], v) for k, v in load_file(path).items())
+            # Warm: every range resident, no request handed out, so no thread started; cold: threads read.
+            assert (threads > 0) == cold
+            del got, stream, t
+    finally:
+        os.close(fd)

@@ -1,7 +1,7 @@
 """Readers: they fill bytes (into staging slots, or into the page tables of a file mapping)."""
 
-from .base import Job, Reader
+from .base import Job, Reader, Work
 from .mmap import MmapReader
 from .posix import DirectReader, PosixReader
 
-__all__ = ["DirectReader", "Job", "MmapReader", "PosixReader", "Reader"]
+__all__ = ["DirectReader", "Job", "MmapReader", "PosixReader", "Reader", "Work"]

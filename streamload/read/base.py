@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import PurePath
 from typing import Any, NamedTuple, Protocol
 
@@ -13,12 +13,13 @@ from ..errors import ReadError
 from ..plan import Batch
 
 Job = Callable[[], int]  # blocking; runs on a reader thread; returns the bytes it brought in
+Work = Job | int  # a job, or the length of a range already in place (resident pages): nothing to run
 
 
 class Reader(Protocol):
     name: str
 
-    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> list[Job]:
+    def jobs(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> Sequence[Work]:
         """Blocking jobs that, once all have run, leave the batch's bytes in `slot` (or resident).
         `files` is what the storage this reader serves opened (storage/: LocalFiles, ObjectFiles)."""
         ...

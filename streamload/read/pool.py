@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from ..limits import shared_limits
-from .base import Job
+from .base import Job, Work
 
 
 class Reads:
@@ -52,10 +52,15 @@ class ReaderPool:
         self._on_bytes = on_bytes
         self._closed = False
 
-    def submit(self, jobs: Sequence[Job]) -> Reads:
-        """Queue a batch's jobs; they run in the order submitted."""
+    def submit(self, work: Sequence[Work]) -> Reads:
+        """Queue a batch's jobs; they run in the order submitted. Bytes already in place (ints) are
+        counted at once: a warm load that needs no request starts no thread."""
+        jobs = [job for job in work if not isinstance(job, int)]
+        done = sum(n for n in work if isinstance(n, int))
         reads = Reads(len(jobs))
         with self._lock:
+            if done:
+                self._on_bytes(done)
             self._queue.extend((job, reads) for job in jobs)
             self._pump()
         return reads

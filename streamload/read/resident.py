@@ -28,8 +28,9 @@ class _CacheStat(ctypes.Structure):
 
 
 def cached(fd: int, offset: int, length: int) -> bool:
-    """Whether the range is in the page cache, judged from its start, middle and end (a whole range's
-    cachestat costs ~60 us per 8 MiB, 18 ms for 2 GB; a wrong guess only costs speed, never data)."""
+    """Whether the range is in the page cache, judged from its start, middle and end: ~12 us whatever
+    the range's size, where a whole range's cachestat (`resident`) costs ~7 us per 8 MiB and ~17 us per
+    32 MiB when cached. A wrong guess only costs speed, never data."""
     if _syscall is None:
         return False
     first = offset - offset % PAGE
