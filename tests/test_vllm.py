@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,15 +102,17 @@ def test_reload_in_place_keeps_addresses_and_serves_the_new_weights(engines: dic
 
 
 def test_a_tensor_parallel_reload_reads_each_ranks_part_and_serves_the_new_weights(engines: dict[str, Any]) -> None:
-    fresh = engines["llama-new/tp2/safetensors"]
+    fresh = engines["llama-new/safetensors"]  # a fresh engine on the new weights (TP=1: the same tokens)
+    theirs = engines["llama/tp2/safetensors/reloaded"]  # vLLM's own loader reloading them at TP=2
+    assert theirs["tokens"] == fresh["tokens"]
     for label in ("streamload", "streamload-cooperative"):
         before, after = engines[f"llama/tp2/{label}"], engines[f"llama/tp2/{label}/reloaded"]
-        assert after["tokens"] == fresh["tokens"], label  # a fresh engine on the new weights
+        assert after["tokens"] == fresh["tokens"], label
         for rank in (0, 1):
             addresses = {n: p for n, (p, _) in _params(after, rank).items()}
             assert addresses == {n: p for n, (p, _) in _params(before, rank).items()}, (label, rank)
             digests = {n: d for n, (_, d) in _params(after, rank).items()}
-            assert digests == {n: d for n, (_, d) in _params(fresh, rank).items()}, (label, rank)
+            assert digests == {n: d for n, (_, d) in _params(theirs, rank).items()}, (label, rank)
             report = _report(after, rank)  # the reload's: what the first load read, not everything
             assert report["through_model"] == 0, report["why_whole"]
             assert report["bytes_read"] < 0.7 * report["bytes_total"], (label, rank, report)
@@ -155,6 +158,16 @@ def test_the_check_from_the_command_line(engines: dict[str, Any]) -> None:
         .strip()
         .endswith("streamload and vLLM's default loader agree: 1 rank, 36 tensors each, byte for byte")
     )
+
+
+def test_the_readmes_cpu_server_recipe_answers_with_vllms_own_tokens(engines: dict[str, Any]) -> None:
+    """vLLM's OpenAI server module with `--load-format streamload` on 127.0.0.1, as the README gives it:
+    started, asked for a completion of each prompt, stopped."""
+    run = engines["server"]
+    assert "error" not in run, run.get("error")
+    assert run["tokens"] == engines["llama/safetensors"]["tokens"]  # greedy, as the offline engine's
+    assert re.search(r"streamload: .* of .* MB read by the mmap reader", run["log"])  # the load's log line
+    assert run["exit"] is not None  # it stopped on SIGINT (rather than being killed)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2-moe"])
