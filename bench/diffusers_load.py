@@ -108,6 +108,9 @@ def main() -> None:
         return one(args.one, str(args.folder))
     if args.folder is None:
         parser.error("give a pipeline folder (make one with --make)")
+    from streamload.bench import compile_streamload
+
+    compile_streamload()  # as installed: no run compiles our modules
     times: dict[str, dict[str, list[dict[str, float]]]] = {m: {n: [] for n in LOADERS} for m in args.modes.split(",")}
     for i in range(args.runs):
         for mode, by_loader in times.items():

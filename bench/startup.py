@@ -105,8 +105,10 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.path, args.device, args.child)))
         return
-    from streamload.bench import parallel_read
+    from streamload.bench import compile_streamload, parallel_read
     from streamload.source import open_checkpoint
+
+    compile_streamload()
 
     files = [str(f.path) for f in open_checkpoint(args.path).files]
     results: dict[str, list[dict[str, float]]] = {"streamload": [], "load_file": []}

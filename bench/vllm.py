@@ -171,6 +171,9 @@ def main() -> None:
     if args.model is None:
         parser.error("give a model directory (make one with --make)")
     formats = args.formats.split(",")
+    from streamload.bench import compile_streamload
+
+    compile_streamload()  # as installed: no run compiles our modules
     results: dict[str, dict[str, list[dict[str, Any]]]] = {m: {f: [] for f in formats} for m in args.modes.split(",")}
     for i in range(args.runs):
         for mode in results:

@@ -38,6 +38,7 @@ class _Filler:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self.modules = dict(module.named_modules(remove_duplicate=False))  # each name's owner at once, not by walking
         # Every name a parameter or buffer is reachable by; tied weights share one object, so an
         # arriving tensor is assigned to all of that object's names at once.
         self.aliases: dict[int, list[str]] = {}
@@ -71,7 +72,7 @@ class _Filler:
 
     def _owner(self, name: str) -> tuple[nn.Module, str]:
         path, _, attr = name.rpartition(".")
-        return self.module.get_submodule(path), attr
+        return self.modules[path], attr
 
     def _get(self, name: str) -> torch.Tensor:
         owner, attr = self._owner(name)
