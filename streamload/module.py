@@ -83,10 +83,7 @@ class _Filler:
         return options
 
     def submodule(self, key: str) -> nn.Module | None:
-        try:
-            return self.module.get_submodule(key)
-        except AttributeError:
-            return None
+        return self.modules.get(key)
 
     def start(self, groups: LayerStream, strict: bool) -> None:
         if strict:

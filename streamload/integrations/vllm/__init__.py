@@ -46,6 +46,7 @@ from streamload.errors import StreamloadError, UnsupportedError
 from streamload.plan import converts, ordered
 from streamload.shard import SKIP, ShardSpec, Slice
 from streamload.source import Checkpoint, open_checkpoint
+from streamload.stats import Stats
 
 from .dryrun import Copy, Diverged, Learned, Replay, dry_run, replay
 
@@ -166,7 +167,7 @@ class StreamloadModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
         self.options = check_options(load_config.model_loader_extra_config)
-        self._streams: list[Any] = []
+        self._stats: list[Stats] = []  # the last load's streams' (not the streams: they hold the parameters)
         # vLLM's default loader in its "auto" format, asked only which files it would read.
         files_config = LoadConfig(
             load_format="hf", download_dir=load_config.download_dir, ignore_patterns=load_config.ignore_patterns
@@ -279,7 +280,7 @@ class StreamloadModelLoader(BaseModelLoader):
                         yield from _full_shaped(stream, part, learned)
                     else:
                         yield from _tensors(stream, part, learned, run)
-                self._streams.append(stream)
+                self._stats.append(stream.stats)
             yield from part.others
 
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
@@ -289,7 +290,7 @@ class StreamloadModelLoader(BaseModelLoader):
         took a part of is read in that part only and handed on full-shaped, the rest of it never
         written (nor, as the dry run showed, read); tensors they never looked at are not read.
         Otherwise whole tensors, as vLLM's default loader gives them."""
-        parts, self._streams = self._parts(model_config, model, first=False), []
+        parts, self._stats = self._parts(model_config, model, first=False), []
         options = self._stream_options(model)
         predicted = _PREDICTED.get(model)
         learned = predicted.learned(_shapes(parts)) if predicted is not None else None
@@ -308,8 +309,7 @@ class StreamloadModelLoader(BaseModelLoader):
             yield from feed
         finally:
             feed.close()
-        _report(parts, self._streams, learned, world)
-        self._streams = []  # see load_weights
+        _report(parts, self._stats, learned, world)
 
     def load_model(self, vllm_config: Any, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         # A speculative drafter shares this load config; the `source` option is the main model's.
@@ -319,7 +319,7 @@ class StreamloadModelLoader(BaseModelLoader):
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         start = time.perf_counter()
         parts = self._parts(model_config, model, first=getattr(self, "_main", True))  # headers read once
-        options, shapes, self._streams = self._stream_options(model), _shapes(parts), []
+        options, shapes, self._stats = self._stream_options(model), _shapes(parts), []
         targets = [*model.parameters(), *model.buffers()]
         direct = self.options.get("direct", True)
         learned = self._learn(model, parts, shapes, targets, options["device"]) if direct else None
@@ -350,10 +350,7 @@ class StreamloadModelLoader(BaseModelLoader):
             _PREDICTED[model] = _Prediction(shapes, {n: c.part for n, c in learned.copies.items()}, set(learned.unused))
         if learned is None:
             result = _given(model, self._feed(parts, options))
-        _report(parts, self._streams, learned, world)
-        # A stream holds its destinations, the parameters; vLLM may replace those after loading (CPU
-        # repacking, quantization) and the old ones must then be freed (2 GB held for a 1 GB bf16 Llama).
-        self._streams = []
+        _report(parts, self._stats, learned, world)
         last_load.seconds = time.perf_counter() - start
         log.info(
             "streamload: %d tensors straight into their parameters, %d through load_weights%s, %d unused; "
@@ -489,10 +486,10 @@ def every_rank(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def _report(parts: list[_Part], streams: list[Any], learned: Learned | None, world: int) -> None:
-    """`last_load`, from the streams of this load (a load that diverged and was redone: both)."""
-    last_load.bytes_read = sum(stream.stats.bytes_read for stream in streams)
-    last_load.reader = ", ".join(dict.fromkeys(stream.stats.reader for stream in streams))
+def _report(parts: list[_Part], stats: list[Stats], learned: Learned | None, world: int) -> None:
+    """`last_load`, from the streams' stats of this load (a load that diverged and was redone: both)."""
+    last_load.bytes_read = sum(s.bytes_read for s in stats)
+    last_load.reader = ", ".join(dict.fromkeys(s.reader for s in stats))
     last_load.bytes_total = sum(part.checkpoint.nbytes for part in parts if part.checkpoint is not None)
     every = [name for part in parts for name in (*part.names, *(n for n, _ in part.others))]
     last_load.direct = len(learned.copies) if learned else 0
