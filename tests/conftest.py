@@ -54,6 +54,28 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def in_torch_layout(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with every parameter and buffer copied into torch's own (64-byte-aligned) allocations.
+
+    A reference loaded by transformers or diffusers may keep some weights as views of the file's
+    mapping, at the file's 8-byte alignment; CPU kernels sum in another order on such operands (a
+    one-row linear, on this machine below 16 bytes), so its outputs depend on the file's layout.
+    streamload places a model's weights as torch would: compare against the reference so placed."""
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                p.data = p.data.clone()
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.clone()
+    return module
+
+
+def assert_torch_layout(module: torch.nn.Module) -> None:
+    unaligned = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.data_ptr() % 64]
+    assert not unaligned, f"not 64-byte aligned: {unaligned[:5]}"
+
+
 def open_fds() -> set[int]:
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
