@@ -233,20 +233,20 @@ def _build(cls: type, folder: Path, dtype: torch.dtype | None) -> tuple[nn.Modul
 
     if not (folder / "config.json").is_file():
         raise SourceError(f"{folder}: no config.json to build {cls.__name__} from")
-    with empty_weights():
-        if issubclass(cls, diffusers.ModelMixin):
-            config, unused = cls.load_config(folder, return_unused_kwargs=True)  # type: ignore[attr-defined]
+    if issubclass(cls, diffusers.ModelMixin):
+        config, unused = cls.load_config(folder, return_unused_kwargs=True)  # type: ignore[attr-defined]
+        with empty_weights():
             model = cls.from_config(config, **unused)  # type: ignore[attr-defined]
-        else:
-            import transformers
+        return model, dtype
+    import transformers
 
-            from .transformers import default_dtype, skipped_init, tied
+    from .transformers import default_dtype, skipped_init, tied
 
-            config = cls.config_class.from_pretrained(folder)  # type: ignore[attr-defined]
-            dtype = dtype or default_dtype(transformers, config)
-            with skipped_init(transformers):
-                model = cls._from_config(config, **({} if dtype is None else {"dtype": dtype}))  # type: ignore[attr-defined]
-            tied(model)
+    config = cls.config_class.from_pretrained(folder)  # type: ignore[attr-defined]
+    dtype = dtype or default_dtype(transformers, config)
+    with skipped_init(transformers), empty_weights():  # transformers' switch first, as in .transformers
+        model = cls._from_config(config, **({} if dtype is None else {"dtype": dtype}))  # type: ignore[attr-defined]
+    tied(model)
     return model, dtype
 
 

@@ -72,7 +72,8 @@ def from_pretrained(
     config = _config(transformers, source)
     dtype = default_dtype(transformers, config) if dtype is None else as_torch_dtype(dtype)
     kwargs = {} if dtype is None else {"dtype": dtype}
-    with empty_weights(), skipped_init(transformers):
+    # transformers' switch first: its module, imported on first use, copies torch's initialisers
+    with skipped_init(transformers), empty_weights():
         if model_class is not None:
             model = (
                 model_class._from_config(config, **kwargs)
