@@ -76,10 +76,8 @@ def patterns(value: object, name: str) -> None:
 
 
 def source(value: object) -> None:
-    """A path, URL, list of them, or a `Checkpoint`."""
-    from .source import Checkpoint
-
-    if isinstance(value, (str, os.PathLike, Checkpoint)):
+    """A path, URL or list of them (a `Checkpoint` is taken before its arguments are checked)."""
+    if isinstance(value, (str, os.PathLike)):
         return
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, (str, os.PathLike)) for v in value):
         return

@@ -265,6 +265,7 @@ class Pipeline:
         finally:
             self._filling.clear()
             self._free.clear()
+            self._batches = iter(())  # the plan's batches: `into=`'s tensors among them
             try:
                 self.check.close()  # no thread hashes a slot's bytes any more
                 self._hashing.clear()

@@ -98,6 +98,16 @@ class Plan(NamedTuple):
     def nbytes(self) -> int:
         return sum(i.nbytes for i in self.items)
 
+    def without_destinations(self) -> Plan:
+        """This plan holding none of the tensors `into=` named (what a closed stream keeps)."""
+        if all(item.into is None for item in self.items):
+            return self
+        bare = {id(item): item._replace(into=None) for item in self.items}
+        batches = tuple(
+            b._replace(pieces=tuple(p._replace(item=bare[id(p.item)]) for p in b.pieces)) for b in self.batches
+        )
+        return self._replace(items=tuple(bare.values()), batches=batches)
+
     def items_by_file(self) -> dict[Path, list[Item]]:
         """The plan's items of each file it reads, in plan order."""
         by_file: dict[Path, list[Item]] = {}

@@ -93,6 +93,7 @@ class TensorStream:
         self._state = "done"
         self._ready = []
         self._pipeline.close()
+        self.plan = self._pipeline.plan = self.plan.without_destinations()  # `into=`'s tensors are the caller's
 
     # -- sync face ---------------------------------------------------------------------------------
     def __enter__(self) -> Self:

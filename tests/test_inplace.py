@@ -158,3 +158,22 @@ async def test_in_place_async(tmp_path: Path) -> None:
     await streamload.aload_into(model, ckpt, in_place=True, on_layer=lambda key, m: seen.append(key))
     assert _addresses(model) == before and seen == ["layers.0", "layers.1", "layers.2"]
     assert torch.equal(model.layers[2].bias, load_file(ckpt)["layers.2.bias"])
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+def test_a_closed_stream_holds_none_of_the_destinations(tmp_path: Path, reader: str) -> None:
+    """A closed stream keeps its plan and stats, but not the tensors `into=` named: they are the caller's."""
+    import gc
+    import weakref
+
+    ckpt = _checkpoint(tmp_path / "a.safetensors")
+    into = {k: torch.empty_like(v) for k, v in load_file(ckpt).items()}
+    alive = [weakref.ref(t) for t in into.values()]
+    stream = streamload.iter(ckpt, into=into, reader=reader, ring_bytes=8192, slots=2)
+    with stream:
+        handed = [name for name, _ in stream]
+    assert len(handed) == len(into)
+    del into
+    gc.collect()
+    assert [r for r in alive if r() is not None] == []
+    assert {i.name for i in stream.plan.items} == set(load_file(ckpt)) and stream.stats.tensors_done == len(handed)
