@@ -62,7 +62,7 @@ def in_torch_layout(module: torch.nn.Module) -> torch.nn.Module:
     one-row linear, on this machine below 16 bytes), so its outputs depend on the file's layout.
     streamload places a model's weights as torch would: compare against the reference so placed."""
     for m in module.modules():
-        for name, p in m._parameters.items():
+        for _name, p in m._parameters.items():
             if p is not None:
                 p.data = p.data.clone()
         for name, b in m._buffers.items():
