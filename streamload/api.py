@@ -12,7 +12,7 @@ import torch
 
 from . import arguments, defaults
 from . import device as devices
-from .errors import UnsupportedError
+from .errors import IntegrityError, UnsupportedError
 from .limits import check_fits
 from .pipeline import Pipeline
 from .plan import DTypeOption, Order, Patterns, Plan, make_plan
@@ -216,8 +216,12 @@ def load(source: Source, **options: Unpack[Options]) -> dict[str, torch.Tensor]:
     Example:
         >>> state = streamload.load("model.safetensors", device="cpu")  # doctest: +SKIP
     """
-    with iter(source, **options) as stream:
-        return dict(stream)
+    try:
+        with iter(source, **options) as stream:
+            return dict(stream)
+    except IntegrityError as exc:
+        exc.handed_out = []  # to the dict only, which the caller never gets
+        raise
 
 
 def inspect(source: Source) -> Checkpoint:

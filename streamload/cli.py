@@ -295,7 +295,7 @@ def _load(
         from .progress import progress_bar
 
         with progress_bar() as progress, stream:
-            task = progress.add_task("loading", total=s.bytes_total)
+            task = progress.add_task("loading", total=s.bytes_total, stats=s)
             for _ in stream:
                 progress.update(task, completed=s.bytes_read)
     else:  # plain lines for logs: one per ~10% of the bytes handed out (reads run ahead of them)

@@ -79,7 +79,7 @@ def run(device: str | None = None, cold: bool = True, keep: Path | None = None) 
         layer_sizes = Counter(layer.index for name in stream.checkpoint.tensors if (layer := layer_of(name)))
         first_layer: float | None = None
         with progress_bar(console=console) as progress:
-            task = progress.add_task("streaming", total=stream.stats.bytes_total)
+            task = progress.add_task("streaming", total=stream.stats.bytes_total, stats=stream.stats)
             with stream:
                 for name, _tensor in stream:
                     layer = layer_of(name)

@@ -37,3 +37,10 @@ class IntegrityError(StreamloadError):
         super().__init__(message)
         self.path = path
         self.handed_out: list[str] = []
+
+    def __str__(self) -> str:
+        if not self.handed_out:
+            return super().__str__()
+        shown = ", ".join(repr(n) for n in self.handed_out[:5])
+        more = f" and {len(self.handed_out) - 5} more" if len(self.handed_out) > 5 else ""
+        return f"{super().__str__()}; handed out already: {shown}{more}"

@@ -233,10 +233,6 @@ class Pipeline:
                 exc.handed_out = [
                     p.item.name for b in done for p in b.pieces if p.last and p.item.info.path == exc.path
                 ]
-                if exc.handed_out:
-                    shown = ", ".join(repr(n) for n in exc.handed_out[:5])
-                    more = f" and {len(exc.handed_out) - 5} more" if len(exc.handed_out) > 5 else ""
-                    exc.args = (f"{exc.args[0]}; handed out already: {shown}{more}",)
             raise
 
     def _instantiate(self, filling: _Filling) -> list[Delivered]:

@@ -150,3 +150,32 @@ def test_first_token_example_warms_up_what_generate_runs(tmp_path: Path, mode: s
     assert ours["compiled_in_generate"] == 0
     assert ours["token"] == reference["token"]
     assert ours["imported"] <= ours["weights"] <= ours["compiled"] <= ours["first_token"]
+
+
+def test_the_transformers_example_loads_the_folder_it_is_given(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    torch.manual_seed(0)
+    MODELS["bert"]().save_pretrained(tmp_path)
+    _example("transformers_model").main(["transformers_model.py", str(tmp_path)])  # type: ignore[attr-defined]
+    out = capsys.readouterr().out
+    assert f"{tmp_path}: BertModel" in out
+    assert "weights identical: True, outputs (last_hidden_state) identical: True" in out
+
+
+def test_a_folder_from_pretrained_cannot_build_from_is_one_line(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    MODELS["bert"]().save_pretrained(tmp_path / "bert")
+    weights = tmp_path / "bert" / "model.safetensors"
+    (tmp_path / "bare").mkdir()
+    weights.rename(tmp_path / "bare" / "model.safetensors")
+    cases = {
+        tmp_path / "bare": "no config.json (nor model_index.json)",
+        tmp_path / "bare" / "model.safetensors": "a file, not a model's folder",
+    }
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text('{"hidden_size": 3}')
+    cases[tmp_path / "odd"] = "config.json: transformers cannot read this config: Unrecognized model"
+    for path, says in cases.items():
+        with pytest.raises(streamload.StreamloadError) as caught:
+            streamload.from_pretrained(path, device="cpu")
+        assert str(caught.value).startswith(str(path)) and says in str(caught.value)
+        assert "\n" not in str(caught.value)

@@ -127,6 +127,7 @@ def test_hub_cache_blob_names_verify_whole_files_in_file_order(tmp_path: Path) -
     with pytest.raises(IntegrityError, match=rf"{second.path}: the file's SHA256 is [0-9a-f]{{64}}, not") as caught:
         streamload.load(snapshot, device="cpu", verify=True)
     assert "Hugging Face cache" in str(caught.value)
+    assert "handed out" not in str(caught.value) and not caught.value.handed_out  # load returned nothing
     # iter judges a whole file at its end: the error names what it had handed out of it by then
     handed: list[str] = []
     with pytest.raises(IntegrityError) as caught:

@@ -61,8 +61,8 @@ def from_pretrained(
         >>> pipe = streamload.from_pretrained("path/to/sd-turbo", device="cuda", variant="fp16")  # doctest: +SKIP
         >>> image = pipe("a lighthouse at dusk", num_inference_steps=1).images[0]  # doctest: +SKIP
     """
-    if not is_url(str(path)) and not Path(path).exists():
-        raise SourceError(f"{path}: no such directory")
+    if not is_url(str(path)):
+        _check_folder(Path(path))
     from . import diffusers
 
     if diffusers.kind(path if is_url(str(path)) else Path(path)) is not None:
@@ -78,6 +78,22 @@ def from_pretrained(
         raise ValueError(f"{path}: a dtype per component is for diffusers pipelines; give one dtype")
     return transformers.from_pretrained(path, device=device, dtype=dtype, model_class=model_class, on_layer=on_layer,
                                         strict=strict, **options)  # fmt: skip
+
+
+def _check_folder(folder: Path) -> None:
+    """A local folder from_pretrained can build a model from, or a one-line error saying what is missing."""
+    if not folder.exists():
+        raise SourceError(f"{folder}: no such directory")
+    if not folder.is_dir():
+        raise SourceError(
+            f"{folder}: a file, not a model's folder: from_pretrained builds the model from the folder's config.json "
+            "(or model_index.json); for the tensors alone use streamload.load"
+        )
+    if not (folder / "config.json").is_file() and not (folder / "model_index.json").is_file():
+        raise SourceError(
+            f"{folder}: no config.json (nor model_index.json): from_pretrained builds the model from its config; "
+            "for the tensors alone use streamload.load, or streamload.load_into on a model you build"
+        )
 
 
 __all__ = ["from_pretrained"]

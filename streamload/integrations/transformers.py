@@ -119,7 +119,7 @@ def default_dtype(transformers: Any, config: Any) -> torch.dtype | None:
 def _config(transformers: Any, source: str | Path) -> Any:
     """The model's config: from the folder, or fetched from the object store's prefix."""
     if isinstance(source, Path):
-        return transformers.AutoConfig.from_pretrained(source)
+        return _read_config(transformers, source, source / "config.json")
     import tempfile
 
     from streamload.storage import storage_for
@@ -131,7 +131,15 @@ def _config(transformers: Any, source: str | Path) -> Any:
         raise UnsupportedError(f"{near.parent}/config.json: no such object; from_pretrained needs the model's config")
     with tempfile.TemporaryDirectory(prefix="streamload-config-") as folder:
         Path(folder, "config.json").write_bytes(raw)
+        return _read_config(transformers, Path(folder), f"{near.parent}/config.json")
+
+
+def _read_config(transformers: Any, folder: Path, shown: object) -> Any:
+    try:
         return transformers.AutoConfig.from_pretrained(folder)
+    except (ValueError, OSError) as exc:  # not JSON, no model_type, a model_type this transformers lacks
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsupportedError(f"{shown}: transformers cannot read this config: {reason}") from None
 
 
 def _build(transformers: Any, config: Any, kwargs: dict[str, Any]) -> nn.Module:
