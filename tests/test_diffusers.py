@@ -144,3 +144,58 @@ def test_pipelines_from_object_storage(sd: Path, flux: Path) -> None:
     assert_same_weights(flux_pipe, theirs)
     assert torch.equal(image(flux_pipe, max_sequence_length=16), image(placed(theirs), max_sequence_length=16))
     assert type(transformer) is diffusers.FluxTransformer2DModel
+
+
+def test_files_are_chosen_as_diffusers_chooses_them(flux: Path, tmp_path: Path) -> None:
+    """A transformer folder holding the shards of one save with their index and the single file of
+    another (a model saved twice with different shard sizes): diffusers reads what the index names,
+    and so does streamload, locally and over HTTP."""
+    from .servers import RangeServer
+
+    folder = tmp_path / "flux"
+    shutil.copytree(flux, folder)
+    torch.manual_seed(1)  # other weights in the single file: reading it would give other values
+    other = diffusers.FluxTransformer2DModel.from_config(
+        diffusers.FluxTransformer2DModel.load_config(flux / "transformer")
+    )
+    other.save_pretrained(tmp_path / "other")
+    shutil.copy(tmp_path / "other" / "diffusion_pytorch_model.safetensors", folder / "transformer")
+    assert (folder / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    theirs = diffusers.FluxPipeline.from_pretrained(folder)
+    assert_same_weights(streamload.from_pretrained(folder, device="cpu"), theirs)
+    alone = streamload.from_pretrained(folder / "transformer", device="cpu")
+    assert all(same_bits(alone.state_dict()[k], t) for k, t in theirs.transformer.state_dict().items())
+    server = RangeServer(tmp_path)
+    try:
+        assert_same_weights(streamload.from_pretrained(f"{server.url}/flux", device="cpu"), theirs)
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def flux_bf16(flux: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("flux-bf16") / "flux"
+    diffusers.FluxPipeline.from_pretrained(flux).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def test_without_dtype_each_component_gets_its_librarys_dtype(flux_bf16: Path) -> None:
+    """A bf16 pipeline: diffusers gives its own models float32 (the dtype they are built in) and the
+    transformers encoders their config's bf16; streamload gives the same, weights bit for bit."""
+    theirs = diffusers.FluxPipeline.from_pretrained(flux_bf16)
+    ours = streamload.from_pretrained(flux_bf16, device="cpu")
+    assert ours.transformer.dtype == ours.vae.dtype == torch.float32
+    assert ours.text_encoder.dtype == ours.text_encoder_2.dtype == torch.bfloat16
+    assert_same_weights(ours, theirs)
+    alone = streamload.from_pretrained(flux_bf16 / "transformer", device="cpu")
+    assert alone.dtype == diffusers.FluxTransformer2DModel.from_pretrained(flux_bf16 / "transformer").dtype
+
+
+def test_modules_a_class_keeps_in_float32_stay_float32(flux_bf16: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(diffusers.FluxTransformer2DModel, "_keep_in_fp32_modules", ["time_text_embed", "norm_out"])
+    theirs = diffusers.FluxTransformer2DModel.from_pretrained(flux_bf16 / "transformer", torch_dtype=torch.bfloat16)
+    ours = streamload.from_pretrained(flux_bf16 / "transformer", device="cpu", dtype=torch.bfloat16)
+    want = theirs.state_dict()
+    assert {t.dtype for k, t in want.items() if k.startswith("time_text_embed.")} == {torch.float32}
+    assert {t.dtype for k, t in want.items() if k.startswith("transformer_blocks.")} == {torch.bfloat16}
+    assert all(same_bits(ours.state_dict()[k], t) for k, t in want.items())

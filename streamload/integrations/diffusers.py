@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
 
 PIPELINE_INDEX = "model_index.json"
 Dtype = torch.dtype | str | Mapping[str, torch.dtype | str] | None
+DTypeOption = torch.dtype | Mapping[str, torch.dtype | str | None] | None  # streamload's dtype=, one model
 
 
 def kind(source: str | Path) -> str | None:
@@ -76,35 +76,34 @@ def from_pretrained(
     with _Mirror(str(path), COMPONENT_FILES) if remote else contextlib.nullcontext() as mirror:
         folder = mirror.folder if mirror is not None else Path(path)
 
-        def weights(component: str) -> Checkpoint:
+        def weights(component: str, model: nn.Module) -> Checkpoint:
+            single_first = not isinstance(model, diffusers.ModelMixin)  # a transformers model
             if mirror is not None:
-                return mirror.weights(component, variant)
-            return _weights(folder / component if component else folder, variant)
+                return mirror.weights(component, variant, single_first)
+            return _weights(folder / component if component else folder, variant, single_first)
 
         if _kind(folder) == "model":
             cls = _diffusers_class(diffusers, json.loads((folder / "config.json").read_text())["_class_name"], path)
             model, weights_dtype = _build(cls, folder, _dtype_of(dtype, ""))
-            load_into(model, weights(""), device=dev, dtype=weights_dtype, strict=strict, on_layer=on_layer,
+            load_into(model, weights("", model), device=dev, dtype=weights_dtype, strict=strict, on_layer=on_layer,
                       **options)  # fmt: skip
             return model.to(dev).eval()
         index = json.loads((folder / PIPELINE_INDEX).read_text())
         pipeline_class = _diffusers_class(diffusers, index["_class_name"], f"{path}/{PIPELINE_INDEX}")
         built: dict[str, nn.Module] = {}
-        dtypes: dict[str, torch.dtype] = {}
+        patterns: dict[str, torch.dtype | str | None] = {}
         for name, entry in index.items():
             if name.startswith("_") or not isinstance(entry, list) or entry[0] is None:
                 continue
             cls = _component_class(diffusers, entry, name, path)
             if cls is not None:  # weights: built here (before any weight is read, so errors come first)
                 built[name], weights_dtype = _build(cls, folder / name, _dtype_of(dtype, name))
-                if weights_dtype is not None:
-                    dtypes[name] = weights_dtype
+                patterns |= _prefixed(name, weights_dtype)
         if built:
             holder = nn.Module()
             for name, model in built.items():
                 holder.add_module(name, model)
-            checkpoint = merged({name: weights(name) for name in built})
-            patterns = {f"{name}.*": d for name, d in dtypes.items()}
+            checkpoint = merged({name: weights(name, model) for name, model in built.items()})
             load_into(holder, checkpoint, device=dev, dtype=patterns or None, strict=strict, on_layer=on_layer,
                       **options)  # fmt: skip
             for model in built.values():
@@ -162,20 +161,20 @@ class _Mirror:
             target.write_bytes(data)
         return data
 
-    def weights(self, component: str, variant: str | None) -> Checkpoint:
-        """A component's weights in object storage: by its index (variant first), else its single file."""
+    def weights(self, component: str, variant: str | None, single_first: bool) -> Checkpoint:
+        """A component's weights in object storage, chosen as in a local folder (`weight_names`)."""
         prefix = f"{self.url}/{component}" if component else self.url
-        for v in dict.fromkeys((variant, None)):
-            for base in _BASES:
-                index_name = f"{base}.safetensors.index.{v}.json" if v else f"{base}.safetensors.index.json"
-                index = self.storage.sidecar(self._object(f"{prefix}/{index_name}"), index_name)
+        for name in weight_names(variant, single_first):
+            if name.endswith(".json"):
+                index = self.storage.sidecar(self._object(f"{prefix}/{name}"), name)
                 if index is not None:
                     shards = sorted(set(json.loads(index).get("weight_map", {}).values()))
                     return open_checkpoint([f"{prefix}/{shard}" for shard in shards])
-                try:
-                    return open_checkpoint(f"{prefix}/{base}.{v}.safetensors" if v else f"{prefix}/{base}.safetensors")
-                except MissingFileError:
-                    continue
+                continue
+            try:
+                return open_checkpoint(f"{prefix}/{name}")
+            except MissingFileError:
+                continue
         raise SourceError(f"{prefix}/: no safetensors weights ({' or '.join(_BASES)}, plain or {variant})")
 
 
@@ -226,9 +225,10 @@ def _is_model(cls: Any, diffusers: Any) -> bool:
     return issubclass(cls, transformers.PreTrainedModel)
 
 
-def _build(cls: type, folder: Path, dtype: torch.dtype | None) -> tuple[nn.Module, torch.dtype | None]:
-    """The model of `cls` from the folder's config, its parameters on meta, and the dtype its weights
-    take (a transformers model's default is its config's, as transformers chooses it)."""
+def _build(cls: type, folder: Path, dtype: torch.dtype | None) -> tuple[nn.Module, DTypeOption]:
+    """The model of `cls` from the folder's config, its parameters on meta, and the dtypes its weights
+    take, as the model's own library chooses them (see `_diffusers_dtypes`; a transformers model's
+    default is its config's)."""
     import diffusers
 
     if not (folder / "config.json").is_file():
@@ -237,7 +237,7 @@ def _build(cls: type, folder: Path, dtype: torch.dtype | None) -> tuple[nn.Modul
         config, unused = cls.load_config(folder, return_unused_kwargs=True)  # type: ignore[attr-defined]
         with empty_weights():
             model = cls.from_config(config, **unused)  # type: ignore[attr-defined]
-        return model, dtype
+        return model, _diffusers_dtypes(cls, dtype)
     import transformers
 
     from .transformers import default_dtype, skipped_init, tied
@@ -250,24 +250,56 @@ def _build(cls: type, folder: Path, dtype: torch.dtype | None) -> tuple[nn.Modul
     return model, dtype
 
 
-# diffusion_pytorch_model[.fp16][-00001-of-00002].safetensors, model[.fp16][-00001-of-00002].safetensors
-_WEIGHTS = re.compile(r"^(?P<base>[^.]+?)(?:\.(?P<variant>[^.-]+))?(?:-\d+-of-\d+)?\.safetensors$")
+def _diffusers_dtypes(cls: type, dtype: torch.dtype | None) -> DTypeOption:
+    """The dtypes diffusers' `from_pretrained` gives a model's floating-point weights: without
+    `torch_dtype`, the dtype the model is built in (torch's default, float32: a bf16 checkpoint comes
+    out float32); with it, that dtype, except the modules the class keeps in float32."""
+    if dtype is None:
+        return torch.get_default_dtype()
+    keep = getattr(cls, "_keep_in_fp32_modules", None) or []
+    if not keep:
+        return dtype
+    # diffusers keeps a tensor in float32 when one of its name's parts is such a module
+    kept: dict[str, torch.dtype] = {}
+    for module in keep:
+        kept |= {f"{module}.*": torch.float32, f"*.{module}.*": torch.float32}
+    return {**kept, "*": dtype}
 
 
-def _weights(folder: Path, variant: str | None) -> Checkpoint:
-    """A component's safetensors files: those of `variant` where it has them, else the plain ones."""
-    files = {v: [] for v in (variant, None)}  # type: dict[str | None, list[Path]]
-    for f in sorted(folder.glob("*.safetensors")):
-        match = _WEIGHTS.match(f.name)
-        if match and match["variant"] in files:
-            files[match["variant"]].append(f)
-    chosen = files[variant] or files[None]
-    if not chosen:
-        kind = f"{variant} or plain " if variant else ""
-        raise SourceError(
-            f"{folder}: no {kind}safetensors weights (diffusion_pytorch_model*.safetensors, model*.safetensors)"
-        )
-    return open_checkpoint(chosen)
+def _prefixed(component: str, dtype: DTypeOption) -> dict[str, torch.dtype | str | None]:
+    """A component's dtype option as patterns over the pipeline's names (`component.parameter`)."""
+    if dtype is None:
+        return {}
+    if isinstance(dtype, Mapping):
+        return {f"{component}.{pattern}": d for pattern, d in dtype.items()}
+    return {f"{component}.*": dtype}
+
+
+def weight_names(variant: str | None, single_first: bool) -> list[str]:
+    """The weight files a component's library looks for, in its order: the variant's, then the plain
+    ones (the pipeline's fallback for a component without the variant). diffusers takes an index before
+    a single file, transformers a single file before an index; what an index names is all that is read
+    (a folder may hold a single file and the shards of another save side by side)."""
+    names: list[str] = []
+    for v in dict.fromkeys((variant, None)):
+        for base in _BASES:
+            single = [f"{base}.{v}.safetensors" if v else f"{base}.safetensors"]
+            index = [f"{base}.safetensors.index.{v}.json", f"{base}.{v}.safetensors.index.json"] if v else [
+                f"{base}.safetensors.index.json"
+            ]  # the second: diffusers' older name for a variant's index
+            names += single + index if single_first else index + single
+    return names
+
+
+def _weights(folder: Path, variant: str | None, single_first: bool) -> Checkpoint:
+    """A component's weights in a local folder, chosen as its library chooses them."""
+    for name in weight_names(variant, single_first):
+        if (folder / name).is_file():
+            return open_checkpoint(folder / name)
+    kind = f"{variant} or plain " if variant else ""
+    raise SourceError(
+        f"{folder}: no {kind}safetensors weights (diffusion_pytorch_model*.safetensors, model*.safetensors)"
+    )
 
 
 def _dtype_of(dtype: Dtype, component: str) -> torch.dtype | None:
