@@ -135,8 +135,6 @@ def iter(
     if verify:  # True, or a non-empty mapping (False, None, {}: nothing to verify)
         from .verify import choose, needs_file_order
 
-        if exchange is not None:
-            raise UnsupportedError("verify= and cooperative loading together are not supported yet")
         chosen = choose(checkpoint, verify)
         if needs_file_order(chosen):
             # A whole-file digest is hashed front to back. File by file, one core hashes while the other
@@ -173,7 +171,15 @@ def iter(
     if chosen is not None:
         from .verify import Verifier
 
-        check = Verifier(plan, chosen)
+        if exchange is None:
+            check = Verifier(plan, chosen)
+        else:
+            from .exchange import CooperativeCheck
+
+            # A shared batch's hashing waits on a verifier thread for its exchange: enough threads that
+            # every batch in flight can wait (threads start only when needed).
+            most = max((len({p.item.info.path for p in b.pieces}) for b in plan.batches), default=1)
+            check = CooperativeCheck(Verifier(plan, chosen, max(4, (tuning.slots + 1) * most)), make)  # type: ignore[arg-type]
     stats = Stats(bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=read.name, device=make.name)
     if exchange is not None:  # what a rank reads from storage for a lost rank counts as read
         read.on_bytes = stats.add_read  # type: ignore[attr-defined]  # (a CooperativeReader)

@@ -37,6 +37,7 @@ import hashlib
 import itertools
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -434,15 +435,25 @@ class CooperativeDevice:
         self.name, self.staged = device.name, device.staged
         self.buffers = device.buffers + exchange.buffers
         self.padding = exchange.padding  # the last rank's part is rounded up
+        self.check: CooperativeCheck | None = None  # verify=: told when a shared batch is whole in its slot
 
     def new_slot(self, nbytes: int) -> torch.Tensor | None:
         return self.device.new_slot(nbytes)
 
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> list[Delivered]:
         then = self.reader.partial.pop(batch.index, None)
-        if batch.shared and slot is not None and then is not None:
-            target = slot
-            slot = self.exchange.complete(batch, slot, then, lambda window: self.reader.read(window, target, files))
+        try:
+            if batch.shared and slot is not None and then is not None:
+                target = slot
+                slot = self.exchange.complete(batch, slot, then, lambda window: self.reader.read(window, target, files))
+                if self.check is not None and slot is not target:  # gathered on the device: hashed on the host
+                    target[: batch.extent].copy_(slot[: batch.extent])
+        except BaseException as exc:
+            if self.check is not None:
+                self.check.completed(batch, exc)
+            raise
+        if self.check is not None:
+            self.check.completed(batch, None)
         return self.device.instantiate(batch, slot, files)
 
     def close(self) -> None:
@@ -450,6 +461,57 @@ class CooperativeDevice:
             self.exchange.close()
         finally:
             self.device.close()
+
+
+class _Whole:
+    """Waitable: a shared batch's slot holds every rank's part (or the exchange failed)."""
+
+    def __init__(self, reads: Any) -> None:
+        self.reads, self.event, self.error = reads, threading.Event(), None  # type: Any, threading.Event, Any
+
+    def wait(self) -> None:
+        self.reads.wait()
+        self.event.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class CooperativeCheck:
+    """verify= in a cooperative load: a shared batch is hashed once the exchange has made it whole in
+    the slot, so each rank checks every byte it hands out, the parts its peers read included (and
+    those read from storage for a lost rank); its own batches are hashed as they are read."""
+
+    def __init__(self, check: Any, device: CooperativeDevice) -> None:
+        self.check = check
+        self._waiting: dict[int, _Whole] = {}
+        self._lock = threading.Lock()
+        device.check = self
+
+    def start(self, batch: Batch, slot: torch.Tensor | None, files: Any, reads: Any) -> Any:
+        if not (batch.shared and slot is not None):
+            return self.check.start(batch, slot, files, reads)
+        whole = _Whole(reads)
+        with self._lock:
+            self._waiting[batch.index] = whole
+        return self.check.start(batch, slot, files, whole)
+
+    def completed(self, batch: Batch, error: BaseException | None) -> None:
+        with self._lock:
+            whole = self._waiting.pop(batch.index, None)
+        if whole is not None:
+            whole.error = error
+            whole.event.set()
+
+    def finish(self, stats: Any, files: Any) -> None:
+        self.check.finish(stats, files)
+
+    def close(self) -> None:
+        with self._lock:  # hashing threads still waiting for an exchange stop waiting
+            waiting, self._waiting = self._waiting, {}
+        for whole in waiting.values():
+            whole.error = StreamloadError("the load was stopped")
+            whole.event.set()
+        self.check.close()
 
 
 def cooperative(reader: Reader, device: Device, exchange: Exchange) -> tuple[Reader, Device]:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # protocols cost import time to define, and only a type check
 
         def start(self, batch: Batch, slot: torch.Tensor | None, files: Any, reads: Waitable) -> Hashing: ...
 
-        def finish(self, stats: Stats) -> None: ...
+        def finish(self, stats: Stats, files: Files) -> None: ...
 
         def close(self) -> None: ...
 
@@ -67,7 +67,7 @@ class NoCheck:
     def start(self, batch: Batch, slot: torch.Tensor | None, files: Any, reads: Waitable) -> Hashing:
         return NOTHING
 
-    def finish(self, stats: Stats) -> None:
+    def finish(self, stats: Stats, files: Files) -> None:
         pass
 
     def close(self) -> None:
@@ -218,7 +218,8 @@ class Pipeline:
         while self._hashing:
             self._verdict(self._hashing[0][0])
             self._hashing.popleft()
-        self.check.finish(self.stats)
+        assert self._files is not None
+        self.check.finish(self.stats, self._files)
         self._ended = True
         self.stats.finish()
 

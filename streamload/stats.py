@@ -11,7 +11,7 @@ class Stats:
     A plain class, not a dataclass: defining one costs ~2.5 ms of `import`, on every load's clock.
     """
 
-    __slots__ = ("bytes_read", "bytes_total", "bytes_unverified", "bytes_verified", "device", "finished", "reader",
+    __slots__ = ("bytes_read", "bytes_total", "bytes_verified", "device", "finished", "reader",
                  "staging_bytes", "started", "tensors_done", "tensors_total", "time_to_first_tensor")  # fmt: skip
 
     def __init__(self, bytes_total: int = 0, tensors_total: int = 0, reader: str = "", device: str = "") -> None:
@@ -21,7 +21,6 @@ class Stats:
         self.time_to_first_tensor: float | None = None
         self.staging_bytes = 0  # staging memory the stream held from the process-wide budget (set at its end)
         self.bytes_verified = 0  # checked against a digest (verify=; set at the stream's end)
-        self.bytes_unverified = 0  # read with verify= but covered by no digest (the cut edges of rank slices)
         self.started: float | None = None
         self.finished: float | None = None
 

@@ -32,17 +32,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import torch
 
 from .errors import IntegrityError, UnsupportedError
-from .format import FileHeader
+from .format import FileHeader, TensorInfo
 from .pipeline import Hashing
 from .plan import Batch, Item, Piece, Plan
 from .read.base import writable_bytes
 from .source import Checkpoint
 from .stats import Stats
-from .storage import Digest, is_hex
+from .storage import Digest, Files, is_hex
 
 DIGEST_FILE = "streamload.digests.json"
 FORMAT = "streamload-digests/1"
-BLOCK_BYTES = 1 << 20  # a rank's slice is verified block by block: the edges of a slice that cut a block are not
+BLOCK_BYTES = 1 << 20  # a rank's slice is verified block by block, the blocks it cuts completed from the file
 Verify = bool | Mapping[str, str]
 if TYPE_CHECKING:
     from .pipeline import Waitable
@@ -159,12 +159,11 @@ def needs_file_order(chosen: Mapping[PurePath, Known]) -> bool:
 
 class FileCheck(Protocol):
     verified: int  # bytes that matched
-    unverified: int  # bytes read that no digest covers (the cut edges of a rank's slice)
 
-    def feed(self, piece: Piece, data: memoryview) -> None:
+    def feed(self, piece: Piece, data: memoryview, files: Files) -> None:
         """The bytes of `piece`, in plan order; raises IntegrityError on a mismatch."""
 
-    def end(self) -> None:
+    def end(self, files: Files) -> None:
         """The stream ended: every byte this file was to give has been fed."""
 
 
@@ -174,9 +173,9 @@ class WholeFile:
         self.hash = hashlib.new(digest.algorithm)
         self.hash.update(header.prefix)
         self.at = header.data_start
-        self.verified = self.unverified = 0
+        self.verified = 0
 
-    def feed(self, piece: Piece, data: memoryview) -> None:
+    def feed(self, piece: Piece, data: memoryview, files: Files) -> None:
         assert piece.file_offset == self.at, f"{self.header.path}: bytes fed out of file order"
         self.hash.update(data)
         self.at += len(data)
@@ -197,23 +196,37 @@ class WholeFile:
             )
         self.verified = self.header.size
 
-    def end(self) -> None:
+    def end(self, files: Files) -> None:
         assert self.at == self.header.size, f"{self.header.path}: the stream ended before the file's end"
         if self.header.data_start == self.header.size:  # no tensor bytes: nothing was fed
             self._compare()
 
 
+class _Open(NamedTuple):
+    """A block a slice has hashed part of: its index, where the slice's bytes stop, the hash so far."""
+
+    block: int
+    upto: int
+    hash: Any
+    info: TensorInfo
+
+
 class Blocks:
+    """Per-tensor block digests. A block a rank's slice covers only in part is checked all the same:
+    the block's bytes outside the slice are read from the file (a pread, or a ranged GET: at most two
+    blocks per slice) and hashed around the slice's own bytes, so every byte handed out is checked,
+    and a tensor only once its last block is."""
+
     def __init__(self, header: FileHeader, known: Known) -> None:
         self.path, self.block = header.path, known.block_bytes
         self.origin = known.origin
         self.digests = known.blocks or {}
-        self.partial: dict[str, tuple[int, int, Any]] = {}  # tensor -> (block, bytes so far up to, hash)
-        self.verified = self.unverified = 0
+        self.open: dict[str, _Open] = {}  # tensor -> its block a slice stopped inside
+        self.verified = 0
+        self.edges = 0  # bytes read from the file besides the plan's, to complete cut blocks
 
-    def feed(self, piece: Piece, data: memoryview) -> None:
+    def feed(self, piece: Piece, data: memoryview, files: Files) -> None:
         info = piece.item.info
-        want = self.digests[info.name]
         rel = piece.file_offset - info.begin
         pos, end = rel, rel + len(data)
         while pos < end:
@@ -221,36 +234,53 @@ class Blocks:
             lo, hi = j * self.block, min((j + 1) * self.block, info.nbytes)
             upto = min(end, hi)
             chunk = data[pos - rel : upto - rel]
-            state = self.partial.pop(info.name, None)
-            if state is not None and not (state[0] == j and state[1] == pos):  # a slice's tail, not continued
-                self.unverified += state[1] - state[0] * self.block
+            state = self.open.pop(info.name, None)
+            if state is not None and not (state.block == j and state.upto == pos):  # a slice's tail, not continued
+                self._close(state, files)
                 state = None
             if pos == lo and upto == hi:  # a whole block in one piece: the common case
-                self._compare(info.name, j, len(want), lo, hi, block_digest(chunk), want[j])
-            elif pos == lo or state is not None:  # a block begun here, or continued from the last piece
-                h = block_hasher() if pos == lo else state[2]  # type: ignore[index]
+                self._compare(info, j, block_digest(chunk))
+            else:
+                if state is not None:  # continued from the last piece
+                    h = state.hash
+                else:
+                    h = block_hasher()
+                    if pos > lo:  # a slice that starts inside a block: the block's head from the file
+                        self._hash_file(h, files, info, lo, pos)
                 h.update(chunk)
                 if upto == hi:
-                    self._compare(info.name, j, len(want), lo, hi, h.hexdigest(), want[j])
+                    self._compare(info, j, h.hexdigest())
                 else:
-                    self.partial[info.name] = (j, upto, h)
-            else:  # a slice that starts inside a block: its head cannot be checked
-                self.unverified += upto - pos
+                    self.open[info.name] = _Open(j, upto, h, info)
             pos = upto
+        if piece.last and info.name in self.open:  # the tensor's bytes end inside a block: its tail from the file
+            self._close(self.open.pop(info.name), files)
 
-    def _compare(self, name: str, j: int, n: int, lo: int, hi: int, got: str, want: str) -> None:
-        if got != want:
+    def _close(self, state: _Open, files: Files) -> None:
+        hi = min((state.block + 1) * self.block, state.info.nbytes)
+        self._hash_file(state.hash, files, state.info, state.upto, hi)
+        self._compare(state.info, state.block, state.hash.hexdigest())
+
+    def _hash_file(self, h: Any, files: Files, info: TensorInfo, lo: int, hi: int) -> None:
+        for view in files.read(info.path, info.begin + lo, hi - lo):  # type: ignore[arg-type]
+            h.update(view)
+        self.edges += hi - lo
+
+    def _compare(self, info: TensorInfo, j: int, got: str) -> None:
+        want = self.digests[info.name]
+        lo, hi = j * self.block, min((j + 1) * self.block, info.nbytes)
+        if got != want[j]:
             raise IntegrityError(
-                f"{self.path}: tensor {name!r}: bytes {lo}..{hi} of it (block {j + 1} of {n}) do not match "
-                f"{self.origin}: the file is damaged or was changed",
+                f"{self.path}: tensor {info.name!r}: bytes {lo}..{hi} of it (block {j + 1} of {len(want)}) do not "
+                f"match {self.origin}: the file is damaged or was changed",
                 self.path,
             )
         self.verified += hi - lo
 
-    def end(self) -> None:
-        for j, upto, _ in self.partial.values():  # slices that end inside a block
-            self.unverified += upto - j * self.block
-        self.partial.clear()
+    def end(self, files: Files) -> None:
+        for state in list(self.open.values()):  # slices of a stream stopped early
+            self._close(state, files)
+        self.open.clear()
 
 
 def _check_for(header: FileHeader, known: Known, items: list[Item], in_part: Mapping[PurePath, str]) -> FileCheck:
@@ -367,7 +397,7 @@ class Verifier:
                      at: Callable[[Piece], int] = at) -> None:  # fmt: skip
                 reads.wait()  # a read error is the consumer's to raise; here it only stops the hashing
                 for p in mine:
-                    check.feed(p, source[at(p) : at(p) + p.length])
+                    check.feed(p, source[at(p) : at(p) + p.length], files)
 
             futures.append(serial.submit(task))
             # Per-tensor digests: a tensor is handed out only once hashed. A whole file's verdict comes at
@@ -376,17 +406,11 @@ class Verifier:
             before = before or isinstance(serial.check, Blocks)
         return Hashing(futures, before)
 
-    def finish(self, stats: Stats) -> None:
+    def finish(self, stats: Stats, files: Files) -> None:
         """The stream ended (every batch hashed): count what was checked."""
         for serial in self._files.values():
-            serial.check.end()
+            serial.check.end(files)
             stats.bytes_verified += serial.check.verified
-            stats.bytes_unverified += serial.check.unverified
-        if stats.bytes_unverified:
-            log.warning(
-                "streamload: verify: %d bytes read could not be checked: rank slices that begin or end inside "
-                "a %d-byte block of a per-tensor digest", stats.bytes_unverified, BLOCK_BYTES,
-            )  # fmt: skip
 
     def close(self) -> None:
         """Stop hashing; returns once no thread reads a slot any more (slots may be released then)."""

@@ -169,7 +169,7 @@ def _rank_main(rank: int, world: int, model: str, out: str, options: dict[str, A
         parts = expected(full, rank, world) if split else full
         want = {n: t for n, t in parts.items() if n in kept and (n in got or fail_after is None)}
         result = {"ok": all(n in got and same_bits(got[n], t) for n, t in want.items()),
-                  "bytes_read": stream.stats.bytes_read}  # fmt: skip
+                  "bytes_read": stream.stats.bytes_read, "bytes_verified": stream.stats.bytes_verified}  # fmt: skip
         if fail_after is not None:
             time.sleep(5)  # alive but gone from the load: the others must not wait for it forever
     except streamload.StreamloadError as exc:
@@ -203,6 +203,34 @@ def test_cooperative_reads_each_byte_once(model: Path, tmp_path: Path, world: in
     total = sum(t.nbytes for t in streamload.inspect(model).tensors.values())
     assert sum(r["bytes_read"] for r in results) == total
     assert max(r["bytes_read"] for r in results) < total / world * 1.6
+
+
+def test_cooperative_loads_verify_every_byte_each_rank_hands_out(model: Path, tmp_path: Path) -> None:
+    """verify= with cooperative loading: each rank checks the shared batches once they are whole (its
+    peers' parts too) and its own reads as they come; a flipped byte in a replicated tensor, which one
+    rank reads for both, is caught on both."""
+    import shutil
+
+    from streamload.verify import write_digests
+
+    from .test_verify import damage
+
+    folder = tmp_path / "m"
+    shutil.copytree(model, folder)
+    write_digests(streamload.inspect(folder))
+    tiny = {"cooperative": True, "ring_bytes": 8192, "slots": 2, "chunk_bytes": 4096, "verify": True}
+    (tmp_path / "ok").mkdir()
+    results = run_ranks(folder, tmp_path / "ok", 2, **tiny)
+    assert all(r.get("ok") for r in results), results
+    total = sum(t.nbytes for t in streamload.inspect(folder).tensors.values())
+    assert sum(r["bytes_read"] for r in results) == total  # still each byte read once
+    assert all(r["bytes_verified"] >= r["bytes_read"] for r in results)
+    assert min(r["bytes_verified"] for r in results) > total / 2  # the shared bytes, checked by each
+    norm = streamload.inspect(folder).tensors["model.layers.2.norm.weight"]
+    damage(folder / "model.safetensors", norm.begin + norm.nbytes - 2)
+    (tmp_path / "bad").mkdir()
+    for r in run_ranks(folder, tmp_path / "bad", 2, **tiny):
+        assert "'model.layers.2.norm.weight'" in r.get("error", ""), r
 
 
 def test_cooperative_replicas_each_read_a_share(model: Path, tmp_path: Path) -> None:

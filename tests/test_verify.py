@@ -77,7 +77,6 @@ def test_a_digest_file_verifies_every_byte_and_the_tensors_are_exact(tmp_path: P
     ref = reference(model)
     assert set(got) == set(ref) and all(same_bits(got[n], t) for n, t in ref.items())
     assert stream.stats.bytes_verified == sum(t.nbytes for t in streamload.inspect(model).tensors.values())
-    assert stream.stats.bytes_unverified == 0
     first = next(n for n, _ in streamload.iter(model, device="cpu", verify=True))
     assert first.startswith("model.embed")  # layer order
 
@@ -172,29 +171,55 @@ def test_a_part_of_a_file_needs_per_tensor_digests(tmp_path: Path) -> None:
     assert not any("norm" in n for n in got) and stream.stats.bytes_verified == stream.stats.bytes_read
 
 
-def test_rank_slices_are_verified_block_by_block(tmp_path: Path) -> None:
+def _blocks_touched(info: streamload.TensorInfo, lo: int, hi: int) -> int:
+    """Bytes of the blocks of a tensor that bytes [lo, hi) of it touch."""
+    first, last = lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES
+    return min(info.nbytes, (last + 1) * BLOCK_BYTES) - first * BLOCK_BYTES
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+def test_rank_slices_are_verified_block_by_block_the_blocks_they_cut_too(tmp_path: Path, reader: str) -> None:
     model = make_model(tmp_path / "m")
     write_digests(streamload.inspect(model))
     ref = reference(model)
+    ckpt = streamload.inspect(model)
     rules = {"*mlp.weight": 0, "*embed*": 1}  # rows: contiguous ranges; columns of the embedding: strided
     for rank in range(2):
-        with streamload.iter(model, device="cpu", verify=True, shard=ShardSpec(rules, rank, 2)) as stream:
-            got = dict(stream)
+        with streamload.iter(model, device="cpu", verify=True, reader=reader, shard=ShardSpec(rules, rank, 2)) as s:
+            got = dict(s)
         for name, t in got.items():
             full = ref[name]
             dim = rules.get("*mlp.weight" if "mlp" in name else "*embed*" if "embed" in name else "", None)
             want = full if dim is None else full.chunk(2, dim)[rank]
             assert same_bits(t, want.contiguous()), name
-        stats = stream.stats
-        assert stats.bytes_verified + stats.bytes_unverified == stats.bytes_read
-        # Only the blocks a rank's rows cut are left unchecked (the strided embedding is read whole).
-        cut = 0
-        for name, info in streamload.inspect(model).tensors.items():
-            if "mlp" in name:
-                lo, hi = rank * info.nbytes // 2, (rank + 1) * info.nbytes // 2
-                whole = range(-(-lo // BLOCK_BYTES), hi // BLOCK_BYTES + (hi == info.nbytes))
-                cut += (hi - lo) - sum(min(info.nbytes, (j + 1) * BLOCK_BYTES) - j * BLOCK_BYTES for j in whole)
-        assert stats.bytes_unverified == cut > 0
+        # Every block a rank's rows touch is checked whole (the strided embedding is read whole).
+        touched = 0
+        for name, info in ckpt.tensors.items():
+            lo, hi = (rank * info.nbytes // 2, (rank + 1) * info.nbytes // 2) if "mlp" in name else (0, info.nbytes)
+            touched += _blocks_touched(info, lo, hi) if info.nbytes else 0
+        assert s.stats.bytes_verified == touched > s.stats.bytes_read
+
+
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+@pytest.mark.parametrize("where", ["head", "tail", "outside"])
+def test_a_flipped_byte_in_a_block_a_slice_cuts_is_caught(tmp_path: Path, reader: str, where: str) -> None:
+    """Rank 1's rows of a 2.5-block tensor start inside block 2 and end inside block 3 (its half of 2.5
+    blocks: bytes 1.25..2.5 blocks): a flipped byte in its own part of the cut block 2 (head), in its
+    part of block 3 (tail, which ends the tensor), or in rank 0's part of block 2 fails the load."""
+    model = make_model(tmp_path / "m")
+    write_digests(streamload.inspect(model))
+    victim = streamload.inspect(model).tensors["model.layers.1.mlp.weight"]
+    at = {"head": BLOCK_BYTES * 3 // 2, "tail": BLOCK_BYTES * 9 // 4, "outside": BLOCK_BYTES + 5}[where]
+    damage(Path(victim.path), victim.begin + at)
+    spec = ShardSpec({"*mlp.weight": 0}, 1, 2)
+    block = "block 2 of 3" if where != "tail" else "block 3 of 3"
+    with pytest.raises(IntegrityError, match=rf"'model.layers.1.mlp.weight': bytes .* \({block}\)"):
+        streamload.load(model, device="cpu", verify=True, reader=reader, shard=spec)
+    # rank 0 reads none of the damaged blocks in the tail case: its load passes
+    if where == "tail":
+        assert streamload.load(
+            model, device="cpu", verify=True, reader=reader, shard=ShardSpec({"*mlp.weight": 0}, 0, 2)
+        )
 
 
 def test_a_stale_digest_file_is_named(tmp_path: Path) -> None:
@@ -269,9 +294,9 @@ def test_a_changed_header_of_the_same_size_is_caught(tmp_path: Path) -> None:
         streamload.iter(model, device="cpu", verify=True)
 
 
-def test_slices_left_unchecked_are_all_counted(tmp_path: Path) -> None:
-    # Rows of 3 MiB, a rank's half of each: ranges of 1.5 MiB at 0 and at 3 MiB. Of each, one whole
-    # block is checked and half a block is not (the second range starts a new block).
+def test_strided_slices_of_long_rows_are_checked_whole(tmp_path: Path) -> None:
+    # Rows of 3 MiB, a rank's half of each: ranges of 1.5 MiB at 0 and at 3 MiB; each cuts a block,
+    # which is completed from the file: 4 blocks checked for 3 MiB read.
     model = tmp_path / "m"
     model.mkdir()
     save_file({"w": random_tensor(torch.float32, (2, 3 * BLOCK_BYTES // 4))}, model / "model.safetensors")
@@ -280,7 +305,11 @@ def test_slices_left_unchecked_are_all_counted(tmp_path: Path) -> None:
         got = dict(stream)
     assert same_bits(got["w"], load_file(model / "model.safetensors")["w"].chunk(2, 1)[0].contiguous())
     assert stream.stats.bytes_read == 3 * BLOCK_BYTES
-    assert stream.stats.bytes_verified == 2 * BLOCK_BYTES and stream.stats.bytes_unverified == BLOCK_BYTES
+    assert stream.stats.bytes_verified == 4 * BLOCK_BYTES
+    # rank 1's columns, in the block rank 0's first range cuts
+    damage(model / "model.safetensors", streamload.inspect(model).tensors["w"].begin + 7 * BLOCK_BYTES // 4)
+    with pytest.raises(IntegrityError, match=r"block 2 of 6"):
+        streamload.load(model, device="cpu", verify=True, shard=ShardSpec({"w": 1}, 0, 2))
 
 
 def test_verify_none_or_empty_verifies_nothing(tmp_path: Path) -> None:

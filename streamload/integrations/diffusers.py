@@ -284,9 +284,11 @@ def weight_names(variant: str | None, single_first: bool) -> list[str]:
     for v in dict.fromkeys((variant, None)):
         for base in _BASES:
             single = [f"{base}.{v}.safetensors" if v else f"{base}.safetensors"]
-            index = [f"{base}.safetensors.index.{v}.json", f"{base}.{v}.safetensors.index.json"] if v else [
-                f"{base}.safetensors.index.json"
-            ]  # the second: diffusers' older name for a variant's index
+            index = (
+                [f"{base}.safetensors.index.{v}.json", f"{base}.{v}.safetensors.index.json"]
+                if v
+                else [f"{base}.safetensors.index.json"]
+            )  # the second: diffusers' older name for a variant's index
             names += single + index if single_first else index + single
     return names
 

@@ -33,6 +33,11 @@ class Listing(NamedTuple):
 class Files(Protocol):
     """The open files of one load (what readers read from)."""
 
+    def read(self, path: PurePath, offset: int, length: int) -> list[memoryview]:
+        """`length` bytes at `offset`, from the version whose header was read, in order (for small
+        ranges outside a reader's plan: the edges of digest blocks a rank's slice cuts)."""
+        ...
+
     def cancel(self) -> None:
         """Make reads in flight give up soon (thread-safe; the load is being stopped)."""
         ...

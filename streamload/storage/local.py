@@ -151,6 +151,20 @@ class LocalFiles:
     def fd(self, path: PurePath) -> int:
         return self._fds[path]
 
+    def read(self, path: PurePath, offset: int, length: int) -> list[memoryview]:
+        view = memoryview(bytearray(length))
+        done = 0
+        while done < length:
+            try:
+                n = os.preadv(self._fds[path], [view[done:]], offset + done)
+            except OSError as exc:
+                what = f"{path}: reading bytes {offset}..{offset + length} failed"
+                raise ReadError(f"{what}: {exc.strerror or exc}") from exc
+            if n == 0:
+                raise ReadError(f"{path}: file is shorter than its header says (truncated?)")
+            done += n
+        return [view]
+
     def mapping(self, path: PurePath) -> torch.UntypedStorage:
         with self._lock:
             storage = self._maps.get(path)
