@@ -4,10 +4,12 @@ Each rank is its own process in a gloo process group and loads its shard of the 
 Megatron-style rules (q/k/v/gate/up and the embeddings split on dim 0, o/down on dim 1, norms
 replicated), from a cold page cache, touching every page of what it gets: first each rank alone
 (every rank reads what it keeps, replicated tensors included), then cooperatively (ranks divide the
-reads of what several of them need whole and all-gather it), alternating run by run.
+reads of what several of them need whole and all-gather it), alternating run by run. With --verify,
+each mode also with verify=True (per-tensor digests, written first if the folder has none): every
+byte a rank hands out checked, the digest blocks its slices cut completed from the file.
 
     python bench/make_checkpoint.py /tmp/streamload-bench
-    python bench/tp.py /tmp/streamload-bench --runs 3
+    python bench/tp.py /tmp/streamload-bench --runs 3 [--verify]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import streamload
+import streamload.verify
 from streamload import ShardSpec
 from streamload.bench import _touch, evict
 from streamload.exchange import all_gather
@@ -37,19 +40,28 @@ RULES = {
 }  # fmt: skip
 
 
-def rank_main(rank: int, world: int, path: str, out: str, cooperative: bool) -> None:
+def rank_main(rank: int, world: int, path: str, out: str, mode: tuple[bool, bool]) -> None:
+    cooperative, verify = mode
     dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=world)
     try:
         dist.barrier()
         start = time.perf_counter()
-        with streamload.iter(path, device="cpu", shard=ShardSpec(RULES), cooperative=cooperative) as stream:
+        with streamload.iter(path, device="cpu", shard=ShardSpec(RULES), cooperative=cooperative,
+                             verify=verify) as stream:  # fmt: skip
             kept = []
             for _name, t in stream:
                 _touch(t)
                 kept.append(t)
         seconds = time.perf_counter() - start
         Path(out, f"rank{rank}.json").write_text(
-            json.dumps({"seconds": seconds, "bytes_read": stream.stats.bytes_read, "tensors": len(kept)})
+            json.dumps(
+                {
+                    "seconds": seconds,
+                    "bytes_read": stream.stats.bytes_read,
+                    "tensors": len(kept),
+                    "bytes_verified": stream.stats.bytes_verified,
+                }
+            )
         )
         dist.barrier()
     finally:
@@ -83,37 +95,44 @@ def main() -> None:
     ap.add_argument("path")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--verify", action="store_true", help="each mode also with verify=True")
     args = ap.parse_args()
     files = [str(f.path) for f in streamload.inspect(args.path).files]
+    if args.verify and not (Path(args.path) / streamload.verify.DIGEST_FILE).exists():
+        streamload.verify.write_digests(streamload.inspect(args.path))
     total = sum(os.path.getsize(f) for f in files)
     print(f"{total / 1e9:.2f} GB, cold page cache, median of {args.runs} runs\n")
     print("| ranks | mode | bytes read per rank (mean) | all ranks together | slowest rank | vs. alone |")
     print("|---|---|---|---|---|---|")
     ceilings: list[str] = []
+    checks = (False, True) if args.verify else (False,)
     for world in args.worlds:
-        modes = (False, True) if world > 1 else (False,)
-        slowest: dict[bool, list[float]] = {m: [] for m in modes}
-        per_rank: dict[bool, list[float]] = {m: [] for m in modes}
+        modes = [(c, v) for c in ((False, True) if world > 1 else (False,)) for v in checks]
+        slowest: dict[tuple[bool, bool], list[float]] = {m: [] for m in modes}
+        per_rank: dict[tuple[bool, bool], list[float]] = {m: [] for m in modes}
         for _ in range(args.runs):
-            for cooperative in modes:  # alternating: the machine's drift hits both alike
+            for mode in modes:  # alternating: the machine's drift hits every mode alike
                 evict(files)
                 with tempfile.TemporaryDirectory() as out:
                     mp.start_processes(
-                        rank_main, args=(world, args.path, out, cooperative), nprocs=world, start_method="spawn"
+                        rank_main, args=(world, args.path, out, mode), nprocs=world, start_method="spawn"
                     )
                     results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
-                slowest[cooperative].append(max(r["seconds"] for r in results))
-                per_rank[cooperative].append(statistics.mean(r["bytes_read"] for r in results))
-        alone = statistics.median(slowest[False])
+                if mode[1]:
+                    assert all(r["bytes_verified"] >= r["bytes_read"] for r in results), results
+                slowest[mode].append(max(r["seconds"] for r in results))
+                per_rank[mode].append(statistics.mean(r["bytes_read"] for r in results))
+        alone = statistics.median(slowest[(False, False)])
         if world > 1:
             slot = streamload.defaults.tuning("cpu", 0).slot_bytes
             ceilings.append(f"{world} ranks: {exchange_gbps(world, slot):.2f} GB/s of slot bytes")
-        for cooperative in modes:
-            s, b = statistics.median(slowest[cooperative]), statistics.median(per_rank[cooperative])
-            mode = "cooperative" if cooperative else "alone"
+        for mode in modes:
+            s, b = statistics.median(slowest[mode]), statistics.median(per_rank[mode])
+            name = ("cooperative" if mode[0] else "alone") + (" + verify" if mode[1] else "")
+            cost = f" (verify: {s / statistics.median(slowest[(mode[0], False)]):.2f}x)" if mode[1] else ""
             print(
-                f"| {world} | {mode} | {b / 1e9:.3f} GB ({b / total:.0%}) | {b * world / total:.2f}x checkpoint "
-                f"| {s:.3f} s | {alone / s:.2f}x |"
+                f"| {world} | {name} | {b / 1e9:.3f} GB ({b / total:.0%}) | {b * world / total:.2f}x checkpoint "
+                f"| {s:.3f} s{cost} | {alone / s:.2f}x |"
             )
     print(f"\nexchange ceiling (gloo all-gather of one slot, warm): {'; '.join(ceilings)}")
 
