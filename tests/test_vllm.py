@@ -407,7 +407,7 @@ def test_weight_sync_engine_updates_in_place_and_never_half_applies(engines: dic
     for step in ("step-1", "step-2", "step-3", "step-4"):
         assert {n: p for n, (p, _) in _params(sync[step]).items()} == addresses, step  # in place
     corrupt = sync["step-3"]
-    assert corrupt["file"] in corrupt["error"] and "'lm_head.weight'" in corrupt["error"], corrupt["error"]
+    assert corrupt["file"] in corrupt["error"] and f"'{corrupt['tensor']}'" in corrupt["error"], corrupt["error"]
     assert "serving" in corrupt["error"] and "step-2 again" in corrupt["error"]
     assert {n: d for n, (_, d) in _params(corrupt).items()} == step2  # the previous step, whole
     assert corrupt["tokens"] == sync["step-2"]["tokens"]
@@ -415,3 +415,26 @@ def test_weight_sync_engine_updates_in_place_and_never_half_applies(engines: dic
     assert "step-4/model-" in gone["error"] and "503" in gone["error"] and gone["served"] > 0, gone["error"]
     assert {n: d for n, (_, d) in _params(gone).items()} == step2
     assert gone["tokens"] == sync["step-2"]["tokens"]
+
+
+def test_a_failed_reload_leaves_every_rank_serving_the_previous_weights(engines: dict[str, Any]) -> None:
+    """TP=2, `reload_weights` from checkpoints that fail: a flipped byte in one rank's rows of the head
+    (caught by verify on that rank only, after the layers before it took new weights), a shard cut
+    short, a shard missing, a store refusing mid-reload. The error names what failed, and every rank
+    serves the weights it served before, every parameter at the same address; no engine process is
+    left once the engine is closed."""
+    before = engines["llama/tp2/streamload/reloaded"]
+    failed = engines["llama/tp2/streamload/failed"]
+    for label in ("flipped", "truncated", "missing", "refused"):
+        run = failed[label]
+        assert "llama-new" in run["error"] and "serving" in run["error"], (label, run["error"])
+        assert run["tokens"] == before["tokens"], label
+        for rank in (0, 1):
+            assert _params(run, rank) == _params(before, rank), (label, rank)
+    flipped = failed["flipped"]["error"]  # rank 0's rows of the head only: rank 0 failed, rank 1 restored too
+    assert "llama-new-flipped" in flipped and "rank 0: " in flipped and "'lm_head.weight'" in flipped, flipped
+    assert "rank 1: " not in flipped, flipped
+    assert "503" in failed["refused"]["error"] and failed["requests"] > 0
+    assert "model-00003" in failed["missing"]["error"] or "missing" in failed["missing"]["error"]
+    left = {key: pids for key, pids in engines.items() if key.endswith("/left") and pids}
+    assert not left, left

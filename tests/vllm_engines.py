@@ -25,6 +25,8 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a core per tensor-p
 
 import torch
 
+import streamload
+
 SMALL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256}  # fmt: skip
 PROMPTS = [[1, 2, 3, 4, 5], [7, 100, 42, 250, 3, 9]]
@@ -34,7 +36,11 @@ def make_models(root: Path) -> dict[str, Path]:
     import transformers
 
     configs: dict[str, Callable[[], Any]] = {
-        "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=False)),
+        # A vocabulary of 8192: the head is 4 MiB, 4 blocks of a digest, 2 per tensor-parallel rank (a
+        # damaged byte in one rank's rows fails that rank alone).
+        "llama": lambda: transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**{**SMALL, "vocab_size": 8192}, tie_word_embeddings=False)
+        ),
         "qwen2-tied": lambda: transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(**SMALL, tie_word_embeddings=True)
         ),
@@ -64,7 +70,76 @@ def make_models(root: Path) -> dict[str, Path]:
                     p.mul_(-1.5)
             paths["llama-new"] = root / "llama-new"
             model.save_pretrained(paths["llama-new"], max_shard_size="200KB")
+    from streamload.verify import write_digests
+
+    for path in paths.values():  # `streamload digest`: what verify=True checks against
+        write_digests(streamload.inspect(path))
     return paths
+
+
+def failed_reloads(llm: Any, root: Path, paths: dict[str, Path]) -> dict[str, Any]:
+    """Reloads that fail mid-way (after earlier layers took new weights) or before anything arrived,
+    on an engine serving llama-new: each must leave every rank serving llama-new at the same
+    addresses; the engine's processes must end with it."""
+    import shutil
+
+    new = paths["llama-new"]
+
+    def copy(name: str) -> Path:
+        target = root / name
+        shutil.copytree(new, target)
+        return target
+
+    flipped = copy("llama-new-flipped")  # with llama-new's digest file, a byte of rank 0's rows of the head flipped
+    head = streamload.inspect(flipped).tensors["lm_head.weight"]
+    with open(head.path, "r+b") as f:
+        f.seek(head.begin + 100)
+        byte = f.read(1)
+        f.seek(head.begin + 100)
+        f.write(bytes([byte[0] ^ 0x40]))
+    truncated = copy("llama-new-truncated")  # the last shard cut short
+    last = sorted(truncated.glob("*.safetensors"))[-1]
+    os.truncate(last, last.stat().st_size // 2)
+    missing = copy("llama-new-missing")  # a shard the index names is gone
+    sorted(missing.glob("*.safetensors"))[1].unlink()
+    from tests.servers import RangeServer
+
+    out: dict[str, Any] = {}
+    server = RangeServer(root)  # llama-new over HTTP from a store that stops serving mid-reload
+    try:
+        cases = {"flipped": str(flipped), "truncated": str(truncated), "missing": str(missing),
+                 "refused": f"{server.url}/llama-new/"}  # fmt: skip
+        os.environ["STREAMLOAD_RETRIES"] = "1"
+        for label, where in cases.items():
+            server.faults = ["503"] * 10_000 if label == "refused" else []
+            error = ""
+            try:
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": where})
+            except Exception as exc:  # the error the caller sees
+                error = str(exc)
+            server.faults = []
+            out[label] = {"error": error, "tokens": tokens(llm), "state": state(llm)}
+        out["requests"] = server.data_requests()
+    finally:
+        os.environ.pop("STREAMLOAD_RETRIES", None)
+        server.close()
+    return out
+
+
+def engine_processes() -> set[int]:
+    """This process's descendants that vLLM made (named VLLM::...), not those of the OpenAI server."""
+    import psutil
+
+    me = psutil.Process()
+    server = {c.pid for c in me.children() if "api_server" in " ".join(c.cmdline())}
+    mine = set()
+    for child in me.children(recursive=True):
+        try:
+            if child.name().startswith("VLLM") and not ({p.pid for p in child.parents()} & server):
+                mine.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return mine
 
 
 def make_checked_models(root: Path) -> dict[str, Path]:
@@ -255,7 +330,9 @@ def weight_sync(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
         byte = f.read(1)
         f.seek(-3, 2)
         f.write(bytes([byte[0] ^ 0x40]))
-    out["step-3"] = {"error": update(3, verify=True), "tokens": tokens(llm), "state": state(llm), "file": corrupt.name}
+    last = max(streamload.inspect(corrupt).tensors.values(), key=lambda t: t.end).name  # the flipped byte's
+    out["step-3"] = {"error": update(3, verify=True), "tokens": tokens(llm), "state": state(llm), "file": corrupt.name,
+                     "tensor": last}  # fmt: skip
     from tests.servers import RangeServer
 
     server = RangeServer(run_dir)  # step 4 over HTTP, from a store that stops serving it mid-update
@@ -443,7 +520,7 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
     cooperative = {"model_loader_extra_config": {"cooperative": True}}
     out["check/deepseek-v2/tp2"] = checked(root / "deepseek-v2", tp=2, **cooperative)
 
-    tp = {"safetensors": {}, "streamload": {}, "streamload-cooperative": {"cooperative": True}}
+    tp = {"safetensors": {}, "streamload": {"verify": True}, "streamload-cooperative": {"cooperative": True}}
     for name in ("llama", "qwen2-moe"):  # tensor parallel: two ranks, a core each
         for label, extra in tp.items():
             fmt = label.partition("-")[0]
@@ -453,7 +530,13 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
             if name == "llama":  # a reload reads each rank's part, as the load did (vLLM's own: the reference)
                 llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths["llama-new"])})
                 out[f"{name}/tp2/{label}/reloaded"] = {"tokens": tokens(llm), "state": state(llm)}
+                if label == "streamload":
+                    out[f"{name}/tp2/{label}/failed"] = failed_reloads(llm, root, paths)
             close(llm)
+            deadline = time.monotonic() + 30
+            while engine_processes() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            out[f"{name}/tp2/{label}/left"] = sorted(engine_processes())
     return out
 
 

@@ -23,6 +23,7 @@ import time
 import weakref
 from collections.abc import Collection, Generator, Iterable, Iterator
 from contextlib import closing
+from copy import copy as shallow_copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from streamload.shard import SKIP, ShardSpec, Slice
 from streamload.source import Checkpoint, open_checkpoint
 from streamload.stats import Stats
 
+from . import restore
 from .dryrun import Copy, Diverged, Learned, Replay, dry_run, replay
 
 log = logging.getLogger("vllm.streamload")  # under vLLM's logger: shown with vLLM's own lines
@@ -213,6 +215,7 @@ class StreamloadModelLoader(BaseModelLoader):
             is_unused_weight=getattr(model, "is_unused_checkpoint_weight", None),
         )
         sources = [primary, *getattr(model, "secondary_weights", ())]
+        self._where = str(primary.model_or_path)  # what a failed reload restores from (restore.py)
         return [self._part(source, primary=k == 0) for k, source in enumerate(sources)]
 
     def _part(self, source: Any, primary: bool) -> _Part:
@@ -289,21 +292,81 @@ class StreamloadModelLoader(BaseModelLoader):
         (names, shapes, dtypes), the reload reads what that load read: each tensor the model's loaders
         took a part of is read in that part only and handed on full-shaped, the rest of it never
         written (nor, as the dry run showed, read); tensors they never looked at are not read.
-        Otherwise whole tensors, as vLLM's default loader gives them."""
+        Otherwise whole tensors, as vLLM's default loader gives them.
+
+        A reload that fails on any rank, at any point, leaves every rank serving the weights it had
+        (restore.py): the error is raised once they are back."""
+        return self._guarded(model_config, model)
+
+    def _guarded(self, model_config: ModelConfig, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
+        world = _tp_rank_world()[1]
+        failure: Exception | None = None
+        touched = False
+        try:  # vLLM's reload has emptied the layers: from here every rank votes, whatever happens
+            for pair in self._reload(model_config, model, world, bool(self.options.get("cooperative"))):
+                touched = True
+                yield pair
+        except Exception as exc:  # the stream's error (or the headers')
+            failure = exc
+        ok, touched = restore.vote(failure is None, touched, world)
+        if ok:
+            restore.SERVED[model] = restore.Served.of(self._where, model_config)
+            return
+        said = restore.reasons("" if failure is None else str(failure), world)  # on every rank, while all are here
+        previous = restore.SERVED.get(model)
+        why = failure or StreamloadError("another tensor-parallel rank failed")
+        wanted = getattr(self, "_where", None) or model_config.model
+        try:
+            restore.put_back_layers(model, model_config)
+            if touched:  # new weights reached some layer on some rank: the previous ones are read again
+                if previous is None:
+                    raise StreamloadError("no earlier load of this model by streamload is known to read again")
+                self._read_again(previous, model_config, model)
+        except Exception as again:
+            raise StreamloadError(
+                f"reloading from {wanted} failed ({why}), and so did restoring "
+                f"{previous.where if previous else 'the weights served before'} ({again}): this worker's "
+                "weights are a mix; restart it"
+            ) from again
+        finally:
+            if previous is not None:
+                previous.put_back(model_config)
+        served = previous.where if previous is not None else "the weights it had"
+        self._where = served
+        rank = _tp_rank_world()[0]
+        because = str(why) if world == 1 else "; ".join(f"rank {r}: {text}" for r, text in enumerate(said) if text)
+        message = f"reloading from {wanted} failed; serving {served} again: {because}"
+        if rank < world - 1:  # the last rank raises it (restore.py: why only one)
+            log.error("streamload: %s", message)
+            return
+        raise StreamloadError(message) from why
+
+    def _read_again(self, previous: restore.Served, model_config: ModelConfig, model: nn.Module) -> None:
+        """The weights `previous` names, read over the model in place (each rank alone, unchecked: they
+        were checked when they were first read)."""
+        again = StreamloadModelLoader(self.load_config)
+        again.options = {k: v for k, v in self.options.items() if k not in ("cooperative", "verify")}
+        config = shallow_copy(model_config)
+        config.model, config.revision = previous.where, None
+        if hasattr(config, "model_weights"):
+            config.model_weights = ""
+        feed = again._reload(config, model, _tp_rank_world()[1], cooperative=False)
+        try:
+            restore.reload_over(model, model_config, feed)
+        finally:
+            feed.close()
+
+    def _reload(
+        self, model_config: ModelConfig, model: nn.Module, world: int, cooperative: bool
+    ) -> Generator[tuple[str, torch.Tensor]]:
         parts, self._stats = self._parts(model_config, model, first=False), []
         options = self._stream_options(model)
         predicted = _PREDICTED.get(model)
         learned = predicted.learned(_shapes(parts)) if predicted is not None else None
-        world = _tp_rank_world()[1]
-        if bool(self.options.get("cooperative")) and world > 1:
+        if cooperative and world > 1:
             if not every_rank(learned is not None):
                 learned = None
             options["cooperative"] = _tp_group(options["device"])
-        return self._reload(parts, options, learned, world)
-
-    def _reload(
-        self, parts: list[_Part], options: dict[str, Any], learned: Learned | None, world: int
-    ) -> Generator[tuple[str, torch.Tensor]]:
         feed = self._feed(parts, options, learned, full_shaped=True) if learned else self._feed(parts, options)
         try:
             yield from feed
@@ -364,6 +427,7 @@ class StreamloadModelLoader(BaseModelLoader):
             last_load.reader or "no",
         )
         log.info("Loading weights took %.2f seconds", last_load.seconds)
+        restore.SERVED[model] = restore.Served.of(self._where, model_config)
         if model_config.quantization is None and result is not None:  # None: the model does not track
             DefaultModelLoader.track_weights_loading(self, model, set(result))  # type: ignore[arg-type]
 
