@@ -27,7 +27,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-moe": {  # Qwen/Qwen3-30B-A3B
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 48,
         "num_experts": 128, "num_experts_per_tok": 8, "hidden_size": 64, "moe_intermediate_size": 32,
-        "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "vocab_size": 1024, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
         "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "shards": 16,

@@ -16,13 +16,7 @@ class DType(NamedTuple):
     bits: int
     torch_dtype: torch.dtype | None
     floating: bool  # subject to the `dtype=` conversion (fp8, complex and packed types are not)
-
-    @property
-    def packed(self) -> int:
-        """How many format elements one torch element holds (2 for F4 as float4_e2m1fn_x2)."""
-        if self.torch_dtype is None:
-            return 1
-        return max(1, self.torch_dtype.itemsize * 8 // self.bits)
+    packed: int  # how many format elements one torch element holds (2 for F4 as float4_e2m1fn_x2)
 
     def nbytes(self, numel: int) -> int | None:
         """Bytes that `numel` elements take, or None when they do not fill whole bytes."""
@@ -59,7 +53,13 @@ _TABLE: list[tuple[str, int, torch.dtype | None, bool]] = [
     ("F4", 4, _opt("float4_e2m1fn_x2"), False),
 ]
 
-DTYPES: dict[str, DType] = {name: DType(name, bits, td, fl) for name, bits, td, fl in _TABLE}
+
+def _packed(bits: int, td: torch.dtype | None) -> int:
+    return 1 if td is None else max(1, td.itemsize * 8 // bits)
+
+
+# `packed` computed once here: it is asked of each tensor a plan makes
+DTYPES: dict[str, DType] = {name: DType(name, bits, td, fl, _packed(bits, td)) for name, bits, td, fl in _TABLE}
 
 
 def torch_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...] | None:
