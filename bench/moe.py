@@ -96,12 +96,16 @@ def deepseek_v3(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return names
 
 
-def make(folder: Path, shape: str) -> int:
-    """Write the checkpoint (random bf16, norms near 1) with an index, as the hub has it; its tensor count."""
+def make(folder: Path, shape: str, layers: int | None = None) -> int:
+    """Write the checkpoint (random bf16, norms near 1) with an index, as the hub has it; its tensor count.
+    `layers`: fewer layers than the real model (a smaller test), the same tensors per layer."""
     from safetensors.torch import save_file
 
     config = dict(SHAPES[shape])
     shards = config.pop("shards")
+    if layers is not None:
+        shards = max(1, shards * layers // config["num_hidden_layers"])
+        config["num_hidden_layers"] = layers
     names = (qwen3_moe if shape == "qwen3-moe" else deepseek_v3)(config)
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)

@@ -77,6 +77,19 @@ def make_models(root: Path) -> dict[str, Path]:
     return paths
 
 
+def many_experts(root: Path) -> Path:
+    """Qwen3-30B-A3B's checkpoint layout (128 experts a layer, the hub's names) in 12 of its 48 layers:
+    4,719 tensors, as `bench/moe.py` writes it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("moe", Path(__file__).parent.parent / "bench" / "moe.py")
+    assert spec is not None and spec.loader is not None
+    moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(moe)
+    moe.make(root / "qwen3-moe", "qwen3-moe", layers=12)
+    return root / "qwen3-moe"
+
+
 def failed_reloads(llm: Any, root: Path, paths: dict[str, Path]) -> dict[str, Any]:
     """Reloads that fail mid-way (after earlier layers took new weights) or before anything arrived,
     on an engine serving llama-new: each must leave every rank serving llama-new at the same
@@ -517,6 +530,7 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
     for name, path in checked_models.items():
         out[f"check/{name}"] = checked(path)
     out["check/cli"] = command(["vllm-check", str(checked_models["gpt2"]), "--dtype", "float32"])
+    out["check/qwen3-moe"] = checked(many_experts(root))
     cooperative = {"model_loader_extra_config": {"cooperative": True}}
     out["check/deepseek-v2/tp2"] = checked(root / "deepseek-v2", tp=2, **cooperative)
 
