@@ -3,7 +3,7 @@ and expert counts and shard counts of the hub's checkpoints, each tensor a few K
 costs (headers, plans, dry runs, weight loaders) are what a load measures.
 
     python bench/moe.py /tmp/qwen3-moe --shape qwen3-moe       # Qwen3-30B-A3B: 18,867 tensors, 16 shards
-    python bench/moe.py /tmp/deepseek-v3 --shape deepseek-v3   # DeepSeek-V3: MLA, 256+1 experts, 45,337 tensors
+    python bench/moe.py /tmp/deepseek-v3 --shape deepseek-v3   # DeepSeek-V3: MLA, 256+1 experts, 45,395 tensors
     python bench/vllm.py /tmp/qwen3-moe --runs 3 --modes warm cold --formats streamload,safetensors
     python bench/moe.py /tmp/qwen3-moe --core --runs 5         # iter/load against load_file, fresh processes
 
@@ -36,8 +36,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 61,
         "first_k_dense_replace": 3, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
         "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 16, "v_head_dim": 16, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+        "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 512, "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 64, "v_head_dim": 32, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
         "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True, "vocab_size": 1024,
         "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000, "moe_layer_freq": 1,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "shards": 163,

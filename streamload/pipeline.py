@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
+from .collector import collector_paused
 from .defaults import Tuning
 from .device import Delivered, Device
 from .errors import IntegrityError, StreamloadError
@@ -114,6 +115,7 @@ class Pipeline:
         self._delivered = 0
 
     # -- the consumer's side ------------------------------------------------------------------------
+    @collector_paused
     def next_batch(self) -> list[Delivered] | None:
         """The tensors of the next batch, in plan order; None once every batch was delivered.
 

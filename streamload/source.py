@@ -10,6 +10,7 @@ from pathlib import PurePath
 from typing import NamedTuple
 
 from . import arguments
+from .collector import collector_paused
 from .errors import SourceError
 from .format import FileHeader, TensorInfo
 from .storage import INDEX_NAME, LocalStorage, PathLike, Source, Storage, storage_for
@@ -39,6 +40,7 @@ class Checkpoint(NamedTuple):
         return merged
 
 
+@collector_paused
 def open_checkpoint(source: Source | Checkpoint, cache_dir: PathLike | None = None) -> Checkpoint:
     """Find the files of `source` and read every header (no tensor data is read). With `cache_dir`,
     a remote checkpoint whose every file the cache holds at its current version is read from there.

@@ -4,6 +4,7 @@ transformers' own loads behave as if streamload had never run."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
@@ -60,7 +61,8 @@ def _streamload_functions() -> Iterator[tuple[str, object]]:
 def _state() -> dict[str, object]:
     init = {n: getattr(torch.nn.init, n) for n in dir(torch.nn.init) if not n.startswith("__")}
     return {**init, "register_parameter": nn.Module.register_parameter, "threads": torch.get_num_threads(),
-            "default_dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled()}  # fmt: skip
+            "default_dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(),
+            "collector": gc.isenabled()}  # fmt: skip
 
 
 def _entry_points(bert: Path, tmp: Path) -> dict[str, Callable[[], object]]:
@@ -96,6 +98,12 @@ def test_every_entry_point_leaves_torch_and_modules_as_they_were(bert: Path, tmp
             assert "failing" not in name, name
         assert _state() == before, name
         assert not list(_streamload_functions()), name
+    gc.disable()  # a caller that holds the collector off finds it off after a load
+    try:
+        streamload.load(bert, device="cpu")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
     # and an error raised inside the block, while its patches are on
     with pytest.raises(RuntimeError, match="inside"), streamload.empty_weights():
         raise RuntimeError("inside")

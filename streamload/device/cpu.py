@@ -56,13 +56,26 @@ class MappedCPU:
         return None
 
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: LocalFiles) -> list[Delivered]:
-        return [(p.item.name, convert(_view(p.item, files), p.item)) for p in batch.pieces if p.last]
+        maps = _Mappings(files)  # a batch's tensors come from a few files: each mapping looked up once
+        return [(p.item.name, convert(_view(p.item, maps), p.item)) for p in batch.pieces if p.last]
 
     def close(self) -> None:
         pass
 
 
-def _view(item: Item, files: LocalFiles) -> torch.Tensor:
+class _Mappings(dict):  # type: ignore[type-arg]
+    """path -> its mapping, asked of `files` once (hashing a path costs microseconds, per tensor)."""
+
+    def __init__(self, files: LocalFiles) -> None:
+        super().__init__()
+        self.files = files
+
+    def __missing__(self, path: object) -> torch.UntypedStorage:
+        storage = self[path] = self.files.mapping(path)  # type: ignore[arg-type]
+        return storage
+
+
+def _view(item: Item, files: _Mappings) -> torch.Tensor:
     info = item.info
     shape = torch_shape(info.dtype, info.shape)
     assert shape is not None  # the plan only admits tensors torch can hold
@@ -81,20 +94,12 @@ def _view(item: Item, files: LocalFiles) -> torch.Tensor:
     return part if item.into is not None else part.clone()
 
 
-def _mapped(info: TensorInfo, dtype: torch.dtype, shape: tuple[int, ...], files: LocalFiles) -> torch.Tensor:
+def _mapped(info: TensorInfo, dtype: torch.dtype, shape: tuple[int, ...], files: _Mappings) -> torch.Tensor:
     if info.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    storage = files.mapping(info.path)
+    storage = files[info.path]
     size = dtype.itemsize
     if info.begin % size:  # the format does not promise alignment: copy such a tensor out
         raw = torch.empty(0, dtype=torch.uint8).set_(storage, info.begin, (info.nbytes,), (1,))
         return raw.clone().view(dtype).reshape(shape)
-    return torch.empty(0, dtype=dtype).set_(storage, info.begin // size, shape, _strides(shape))
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], 1
-    for dim in reversed(shape):
-        out.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(out))
+    return torch.empty(0, dtype=dtype).set_(storage, info.begin // size, shape)  # contiguous strides
