@@ -75,16 +75,37 @@ def test_what_cannot_be_predicted_is_read_whole_with_a_reason() -> None:
                 c.copy_(t)
             elif name == "both-dims":
                 d[:2, :2].copy_(t.narrow(0, 0, 2).narrow(1, 2, 2))
-            elif name == "looked-at":
-                assert t.shape == (4, 4)
 
-    names = ("transposed", "twice", "both-dims", "looked-at")
+    names = ("transposed", "twice", "both-dims")
     learned, _ = dry_run(load, dict.fromkeys(names, ((4, 4), torch.float32)), [a, b, c, d])
     assert not learned.copies and set(learned.whole) == set(names)
     assert learned.whole["transposed"] == "t"
     assert learned.whole["twice"] == "copied 2 times"
     assert "one dimension" in learned.whole["both-dims"]
-    assert learned.whole["looked-at"] == "looked at but never copied"
+
+
+def test_a_tensor_never_copied_is_not_read_as_another_ranks_expert_is_not() -> None:
+    """Expert parallelism: the loader views each expert, then checks which experts this rank keeps and
+    returns for the others: they are unused, never read; the replay holds the real call to
+    that, and a real call that uses such a tensor after all diverges."""
+    fused = torch.zeros(2, 4, 3)  # this rank's two experts of four
+    local = {0: None, 1: None, 2: 0, 3: 1}
+
+    def load(pairs: Pairs) -> None:
+        for name, t in pairs:
+            t = t.unsqueeze(0)  # as vLLM's expert loader does, before it asks the expert map
+            slot = local[int(name.split(".")[1])]
+            if slot is not None:
+                fused[slot].copy_(t.squeeze(0))
+
+    shapes = {f"experts.{e}.w": ((4, 3), torch.float32) for e in range(4)}
+    learned, _ = dry_run(load, shapes, [fused])
+    assert learned.unused == {"experts.0.w", "experts.1.w"} and set(learned.copies) == {"experts.2.w", "experts.3.w"}
+    with replay(learned, shapes, [fused]) as run:
+        load((n, run.stand_in(n)) for n in shapes)
+    local[0] = 0  # the real call copies an expert its dry run left alone
+    with pytest.raises(Diverged), replay(learned, shapes, [fused]) as run:
+        load((n, run.stand_in(n)) for n in shapes)
 
 
 def test_values_asked_for_stop_the_dry_run() -> None:
