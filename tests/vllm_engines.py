@@ -551,10 +551,11 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
                 if label == "streamload":
                     out[f"{name}/tp2/{label}/failed"] = failed_reloads(llm, root, paths)
             close(llm)
-            deadline = time.monotonic() + 30
-            while engine_processes() and time.monotonic() < deadline:
-                time.sleep(0.5)
-            out[f"{name}/tp2/{label}/left"] = sorted(engine_processes())
+            if f"{name}/tp2/{label}/failed" in out:  # the engine whose reloads failed ends with its processes
+                deadline = time.monotonic() + 30
+                while engine_processes() and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                out[f"{name}/tp2/{label}/left"] = sorted(engine_processes())
     return out
 
 
