@@ -353,3 +353,29 @@ def test_aten_overloads_count_as_writes() -> None:
 
     learned, _ = dry_run(load, shapes, [p])
     assert learned.whole == {"w": "its parameter is written again after the copy"}
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8")
+def test_fp8_weights_and_their_block_scales_are_placed_as_they_are_stored() -> None:
+    """DeepSeek-V3's FP8 checkpoints: each expert's `weight` (float8_e4m3fn, [N, K]) with its
+    `weight_scale_inv` (float32, one per 128x128 block). A tensor-parallel loader narrows the weight's
+    rows and the scale's block rows alike; both are placed, in their own dtypes, at the rank's part."""
+    w_param = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)  # rank 1 of 2: rows 128..255 of 256
+    s_param = torch.zeros(1, 2, dtype=torch.float32)  # its block rows: 1 of 2
+
+    def load(pairs: Pairs) -> None:
+        for name, t in pairs:
+            if name.endswith("weight_scale_inv"):
+                s_param.copy_(t.narrow(0, 1, 1))
+            else:
+                w_param.copy_(t.narrow(0, 128, 128))
+
+    tensors = {"experts.0.down_proj.weight": ((256, 256), torch.float8_e4m3fn),
+               "experts.0.down_proj.weight_scale_inv": ((2, 2), torch.float32)}  # fmt: skip
+    learned, _ = dry_run(load, tensors, [w_param, s_param])
+    assert not learned.whole and not learned.unused
+    weight, scale = learned.copies["experts.0.down_proj.weight"], learned.copies["experts.0.down_proj.weight_scale_inv"]
+    assert weight.part == Slice(0, 128, 128) and weight.dest.dtype == torch.float8_e4m3fn
+    assert scale.part == Slice(0, 1, 1) and scale.dest.dtype == torch.float32
+    with replay(learned, tensors, [w_param, s_param]) as run:
+        load((n, run.stand_in(n)) for n in tensors)

@@ -177,3 +177,21 @@ def test_a_closed_stream_holds_none_of_the_destinations(tmp_path: Path, reader: 
     gc.collect()
     assert [r for r in alive if r() is not None] == []
     assert {i.name for i in stream.plan.items} == set(load_file(ckpt)) and stream.stats.tensors_done == len(handed)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8")
+@pytest.mark.parametrize("reader", ["mmap", "posix"])
+def test_fp8_weights_and_scales_in_place_at_a_ranks_rows(tmp_path: Path, reader: str) -> None:
+    """An FP8 expert (float8_e4m3fn weight, float32 `weight_scale_inv`) written in place at rank 1's
+    rows, as vLLM's parameters take them: the bytes exactly as stored."""
+    from streamload import ShardSpec
+
+    weight = (torch.randn(256, 64) * 4).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 1)
+    save_file({"w.weight": weight, "w.weight_scale_inv": scale}, str(tmp_path / "m.safetensors"))
+    into = {"w.weight": torch.zeros(128, 64, dtype=torch.float8_e4m3fn), "w.weight_scale_inv": torch.zeros(1, 1)}
+    with streamload.iter(tmp_path / "m.safetensors", device="cpu", reader=reader, into=into,
+                         shard=ShardSpec({"*": 0}, 1, 2)) as stream:  # fmt: skip
+        got = dict(stream)
+    assert got["w.weight"] is into["w.weight"] and same_bits(into["w.weight"], weight[128:])
+    assert same_bits(into["w.weight_scale_inv"], scale[1:])
