@@ -467,7 +467,9 @@ class _Whole:
     """Waitable: a shared batch's slot holds every rank's part (or the exchange failed)."""
 
     def __init__(self, reads: Any) -> None:
-        self.reads, self.event, self.error = reads, threading.Event(), None  # type: Any, threading.Event, Any
+        self.reads = reads
+        self.event = threading.Event()
+        self.error: BaseException | None = None
 
     def wait(self) -> None:
         self.reads.wait()

@@ -332,7 +332,6 @@ class StreamloadModelLoader(BaseModelLoader):
             if previous is not None:
                 previous.put_back(model_config)
         served = previous.where if previous is not None else "the weights it had"
-        self._where = served
         rank = _tp_rank_world()[0]
         because = str(why) if world == 1 else "; ".join(f"rank {r}: {text}" for r, text in enumerate(said) if text)
         message = f"reloading from {wanted} failed; serving {served} again: {because}"
@@ -384,7 +383,7 @@ class StreamloadModelLoader(BaseModelLoader):
         parts = self._parts(model_config, model, first=getattr(self, "_main", True))  # headers read once
         options, shapes, self._stats = self._stream_options(model), _shapes(parts), []
         targets = [*model.parameters(), *model.buffers()]
-        direct = self.options.get("direct", pays(parts))
+        direct = self.options["direct"] if "direct" in self.options else pays(parts)
         learned = self._learn(model, parts, shapes, targets, options["device"]) if direct else None
         last_load.plan_seconds = time.perf_counter() - start
         last_load.diverged = {}

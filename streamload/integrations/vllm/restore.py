@@ -6,10 +6,9 @@ that fails mid-way (a damaged byte caught by `verify`, a shard gone or cut short
 would leave the layers already filled with the new weights and the others on meta: a dead engine.
 So the reload's feed (`StreamloadModelLoader.get_all_weights`) ends, on every rank, with a vote (one
 all-reduce on vLLM's CPU group of the tensor-parallel ranks); where any rank failed, every rank puts
-its layers back (vLLM's own
-finalisation), reads the weights it served before over them if anything had arrived, and raises the
-error. Every parameter keeps its storage, so the engine serves the previous weights at the same
-addresses.
+its layers back (vLLM's own finalisation), reads the weights it served before over them if anything
+had arrived, and raises the error. Every parameter keeps its storage, so the engine serves the
+previous weights at the same addresses.
 
 The error is raised by the last tensor-parallel rank only, naming every rank's reason (the others log
 it and return, their weights restored): vLLM's executor reads the workers' replies to a call in rank
