@@ -99,15 +99,14 @@ class Plan(NamedTuple):
     def nbytes(self) -> int:
         return sum(i.nbytes for i in self.items)
 
+    @collector_paused
     def without_destinations(self) -> Plan:
-        """This plan holding none of the tensors `into=` named (what a closed stream keeps)."""
+        """This plan as a closed stream keeps it: its items without the tensors `into=` named, and no
+        batches (nothing is left to read; their pieces hold the same items)."""
         if all(item.into is None for item in self.items):
             return self
-        bare = {id(item): item._replace(into=None) for item in self.items}
-        batches = tuple(
-            b._replace(pieces=tuple(p._replace(item=bare[id(p.item)]) for p in b.pieces)) for b in self.batches
-        )
-        return self._replace(items=tuple(bare.values()), batches=batches)
+        items = tuple(item if item.into is None else item._replace(into=None) for item in self.items)
+        return self._replace(items=items, batches=())
 
     def items_by_file(self) -> dict[Path, list[Item]]:
         """The plan's items of each file it reads, in plan order."""

@@ -7,7 +7,8 @@ point, in every vLLM process; user code imports nothing. Options come as `model_
 1. resolves the checkpoint as vLLM's default loader does (a local directory, a hub id downloaded into
    vLLM's download dir, the object-storage `model_weights` vLLM pulled configs for), or `source`;
 2. learns, by a dry run of the model's own `load_weights` on stand-ins (`dryrun.py`), which part of
-   each tensor this tensor-parallel rank keeps and which parameter view it lands in;
+   each tensor this tensor-parallel rank keeps and which parameter view it lands in (a layer like one
+   the dry run saw is not dry-run: it loads as that layer's twin, `twins.py`);
 3. streams only those bytes, in layer order, straight into the parameters (`iter(shard=, into=)`);
    tensors the dry run could not predict are read whole and go through `load_weights` as usual.
 
@@ -21,8 +22,8 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Collection, Generator, Iterable, Iterator
-from contextlib import closing
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping
+from contextlib import closing, contextmanager, nullcontext
 from copy import copy as shallow_copy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,14 +43,16 @@ from vllm.model_executor.model_loader.weight_utils import (
 
 from streamload import api, arguments
 from streamload import device as devices
+from streamload.collector import collector_paused
 from streamload.dtypes import torch_shape
 from streamload.errors import StreamloadError, UnsupportedError
+from streamload.format import TensorInfo
 from streamload.plan import converts, ordered
 from streamload.shard import SKIP, ShardSpec, Slice
 from streamload.source import Checkpoint, open_checkpoint
 from streamload.stats import Stats
 
-from . import restore
+from . import restore, twins
 from .dryrun import Copy, Diverged, Learned, Replay, dry_run, replay
 
 log = logging.getLogger("vllm.streamload")  # under vLLM's logger: shown with vLLM's own lines
@@ -65,6 +68,7 @@ class Report:
     reader: str = ""  # the reader the streams used ("mmap", "posix", "kvikio", "range", ...)
     bytes_total: int = 0  # the whole checkpoint
     direct: int = 0  # tensors written straight into their parameters
+    by_twin: int = 0  # of which placed as a dry-run layer's twin (twins.py)
     through_model: int = 0  # tensors read whole and given to the model's load_weights
     unused: int = 0  # tensors the model does not use: never read
     bytes_fair: int = 0  # 1/world of each tensor the ranks split plus every other tensor read: the goal
@@ -267,6 +271,7 @@ class StreamloadModelLoader(BaseModelLoader):
         prediction, replayed as `run`), only each rank's part of the placed tensors is read, straight into
         place, and they are handed on as their stand-ins, as are the tensors the dry run left unused.
         `full_shaped` (a reload): each rank's part is read and handed on in a tensor of the full shape."""
+        quiet = run.paused if run is not None else nullcontext
         for part in parts:
             if part.checkpoint is not None:
                 placed: dict[str, Any] = {}
@@ -277,7 +282,7 @@ class StreamloadModelLoader(BaseModelLoader):
                         placed["into"] = {
                             n[len(part.prefix) :]: learned.copies[n].dest for n in part.names if n in learned.copies
                         }
-                with api.iter(part.checkpoint, **options, **placed) as stream:
+                with _opened(part.checkpoint, {**options, **placed}, quiet) as stream:
                     if full_shaped:
                         assert learned is not None
                         yield from _full_shaped(stream, part, learned)
@@ -378,13 +383,21 @@ class StreamloadModelLoader(BaseModelLoader):
         self._main = model_config is vllm_config.model_config
         return super().load_model(vllm_config, model_config, prefix)
 
+    @collector_paused  # a many-tensor model's placement is tens of thousands of objects (twins.py)
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         start = time.perf_counter()
         parts = self._parts(model_config, model, first=getattr(self, "_main", True))  # headers read once
         options, shapes, self._stats = self._stream_options(model), _shapes(parts), []
         targets = [*model.parameters(), *model.buffers()]
-        direct = self.options["direct"] if "direct" in self.options else pays(parts)
-        learned = self._learn(model, parts, shapes, targets, options["device"]) if direct else None
+        infos = {name: info for part in parts for name, info in part.names.items()}
+        layers, spread, forced = twins.sample(shapes), twins.Spread(), self.options.get("direct")
+        learned = None
+        if forced if forced is not None else pays(infos, layers.sample):
+            learned = self._learn(model, parts, shapes, layers.sample, targets, options["device"])
+        if learned is not None:
+            spread = twins.spread(learned, layers, model)
+            if forced is None and not pays(infos, shapes.keys() - learned.trusted):  # twins too few
+                learned = None
         last_load.plan_seconds = time.perf_counter() - start
         last_load.diverged = {}
         world = _tp_rank_world()[1]
@@ -410,14 +423,16 @@ class StreamloadModelLoader(BaseModelLoader):
                 learned = None
         if learned is not None:
             _PREDICTED[model] = _Prediction(shapes, {n: c.part for n, c in learned.copies.items()}, set(learned.unused))
+            result = spread.loaded(result) if result is not None else None
         if learned is None:
             result = _given(model, self._feed(parts, options))
         _report(parts, self._stats, learned, world)
         last_load.seconds = time.perf_counter() - start
         log.info(
-            "streamload: %d tensors straight into their parameters, %d through load_weights%s, %d unused; "
-            "%.1f of %.1f MB read by the %s reader",
+            "streamload: %d tensors straight into their parameters (%d by a dry-run layer's twin), %d through "
+            "load_weights%s, %d unused; %.1f of %.1f MB read by the %s reader",
             last_load.direct,
+            last_load.by_twin,
             last_load.through_model,
             f" (e.g. {last_load.why_whole})" if last_load.why_whole else "",
             last_load.unused,
@@ -435,13 +450,15 @@ class StreamloadModelLoader(BaseModelLoader):
         model: nn.Module,
         parts: list[_Part],
         shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        sample: list[str],
         targets: list[torch.Tensor],
         device: torch.device,
     ) -> Learned | None:
+        """A dry run of `load_weights` given the tensors `sample` (of `shapes`: every tensor)."""
         if _quantized_while_loading(model):  # its loaders record what they get for later: no stand-ins
             return None
         try:
-            learned, _ = dry_run(model.load_weights, shapes, targets)
+            learned, _ = dry_run(model.load_weights, {name: shapes[name] for name in sample}, targets)
         except Exception as exc:  # the real run gives the model's own error, if it is one
             log.warning(
                 "streamload: the dry run of %s.load_weights failed (%s); loading whole tensors",
@@ -464,19 +481,20 @@ class StreamloadModelLoader(BaseModelLoader):
 
 
 # The dry run and the watched real call cost ~0.57 ms a tensor here (vLLM's CPU build, Qwen3-MoE's
-# per-expert loaders, 18,867 tensors: 12.2 s against 1.4 s whole); what they save is a copy of each
-# tensor's bytes (and, under tensor parallelism, the other ranks' parts of it). Checkpoints of many
-# small tensors (mixtures of experts) load whole through `load_weights`, as vLLM's own loader does.
+# per-expert loaders); what they save is a copy of each tensor's bytes, the weight loaders' work and,
+# under tensor parallelism, the other ranks' parts. Twin layers are neither dry-run nor watched, so
+# what counts is the tensors outside them; where those are many and small, every tensor loads whole
+# through `load_weights`, as vLLM's own loader loads it.
 MANY_TENSORS = 4096
 SMALL_MEAN_BYTES = 4 << 20
 
 
-def pays(parts: list[_Part]) -> bool:
-    """Whether the dry run is worth its per-tensor cost: few tensors, or large ones on average."""
-    infos = [t for part in parts for t in part.names.values()]
-    if len(infos) <= MANY_TENSORS:
+def pays(infos: Mapping[str, TensorInfo], watched: Collection[str]) -> bool:
+    """Whether a dry run (or a watched real call) given the tensors `watched` of the checkpoint's
+    `infos` is worth its per-tensor cost: few of them, or large ones on average."""
+    if len(watched) <= MANY_TENSORS:
         return True
-    return sum(t.nbytes for t in infos) / len(infos) >= SMALL_MEAN_BYTES
+    return sum(infos[n].nbytes for n in watched if n in infos) / len(watched) >= SMALL_MEAN_BYTES
 
 
 @dataclass
@@ -516,6 +534,19 @@ def _shapes(parts: list[_Part]) -> dict[str, tuple[tuple[int, ...], torch.dtype]
                 shapes[name] = (shape, dtype)
         shapes.update((name, (tuple(t.shape), t.dtype)) for name, t in part.others)
     return shapes
+
+
+@contextmanager
+def _opened(checkpoint: Checkpoint, options: dict[str, Any], quiet: Callable[[], Any]) -> Iterator[Any]:
+    """`api.iter(checkpoint, **options)`, planned and closed within `quiet()` (during a replay: the
+    stream's work is not the loader's, and not watched)."""
+    with quiet():
+        stream = api.iter(checkpoint, **options)
+    try:
+        yield stream
+    finally:
+        with quiet():
+            stream.close()
 
 
 def _given(model: nn.Module, feed: Generator[tuple[str, torch.Tensor]]) -> Any:
@@ -573,6 +604,7 @@ def _report(parts: list[_Part], stats: list[Stats], learned: Learned | None, wor
     every = [name for part in parts for name in (*part.names, *(n for n, _ in part.others))]
     last_load.direct = len(learned.copies) if learned else 0
     last_load.unused = len(learned.unused) if learned else 0
+    last_load.by_twin = len(learned.trusted - learned.unused) if learned else 0
     last_load.through_model = len(every) - last_load.direct - last_load.unused
     split = {n for n, c in learned.copies.items() if c.part is not None} if learned else set()
     unused = learned.unused if learned else set()
@@ -602,17 +634,18 @@ def _tensors(
     if learned is None or run is None:
         yield from ((part.prefix + name, t) for name, t in stream)
         return
-    for name, t in _in_order(part, _paused(stream, run), learned.unused):
+    trusted = learned.trusted
+    for name, t in _in_order(part, _paused(stream, run, part.prefix, trusted), learned.unused - trusted):
         yield name, run.stand_in(name) if t is None or name in learned.copies else t
 
 
-def _paused(stream: Any, run: Replay) -> Iterator[tuple[str, torch.Tensor]]:
-    """The stream's tensors, each taken with the replay's watch paused: the stream's own writes into
-    place are not the loader's."""
+def _paused(stream: Any, run: Replay, prefix: str, trusted: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream's tensors but the `trusted` ones (in place already, and not for the real call), taken
+    with the replay's watch paused: the stream's own writes into place are not the loader's."""
     arrived = iter(stream)
     while True:
         with run.paused():
-            item = next(arrived, None)
+            item = next((item for item in arrived if prefix + item[0] not in trusted), None)
         if item is None:
             return
         yield item

@@ -54,6 +54,9 @@ class Learned:
     copies: dict[str, Copy] = field(default_factory=dict)  # predictable: read `part`, write into `dest`
     unused: set[str] = field(default_factory=set)  # never copied nor used for values: need not be read at all
     whole: dict[str, str] = field(default_factory=dict)  # unpredictable (why): read whole, give to the real function
+    # Placed or unused without a dry run of their own (a layer's twin's, twins.py): the real call is
+    # not given them, so the replay cannot hold it to them.
+    trusted: set[str] = field(default_factory=set)
 
 
 # Calls that only describe a tensor (no data, no new tensor): answered by the meta tensor as they are.
@@ -220,12 +223,11 @@ _ESCAPES = ("numpy", "__array__", "__dlpack__")
 
 class _WriteWatch(torch.overrides.TorchFunctionMode):
     """Sees every torch call of a run, stand-ins or not, to catch writes into the regions copies land
-    in. `paused` while the stream (not the loader) works in this thread."""
+    in. Not called while the stream (not the loader) works in this thread (`Replay.paused`)."""
 
     def __init__(self, rec: _Recorder) -> None:
         super().__init__()
         self.rec = rec
-        self.paused = False
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -233,7 +235,7 @@ class _WriteWatch(torch.overrides.TorchFunctionMode):
         stand_ins = any(isinstance(a, _StandIn) for a in _flat(args, kwargs))
         if stand_ins and name == "__set__":  # `.data = stand-in` does not reach the subclass by itself
             return _StandIn.__torch_function__(func, types, args, kwargs)
-        if not self.paused and not stand_ins:
+        if not stand_ins:
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if first is not None and (_in_place(name) or name == "__set__"):
                 self.rec.written(first)
@@ -449,26 +451,24 @@ class Replay:
     """The real call, watched (`replay`): `stand_in(name)` is what to give it for a placed or unused
     tensor; `paused()` around the stream's own work in this thread."""
 
-    def __init__(self, tensors: Shapes, watch: _WriteWatch) -> None:
-        self._tensors, self._watch = tensors, watch
+    def __init__(self, tensors: Shapes) -> None:
+        self._tensors = tensors
 
     def stand_in(self, name: str) -> torch.Tensor:
         shape, dtype = self._tensors[name]
         return _stand_in(name, shape, dtype)
 
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        self._watch.paused = True
-        try:
-            yield
-        finally:
-            self._watch.paused = False
+    @staticmethod
+    def paused() -> Any:
+        """No torch-function handling at all (the watch, subclasses): the stream's own writes into
+        place are not the loader's, and a per-call hook costs the stream microseconds a call."""
+        return torch._C.DisableTorchFunction()
 
 
 @contextmanager
 def replay(learned: Learned, tensors: Shapes, params: Iterable[torch.Tensor]) -> Iterator[Replay]:
     """Run the real call of a dry-run `learned` under the same watch. Feed it every name of `tensors`
-    in the dry run's order: `Replay.stand_in(name)` for each name in `learned.copies` (its bytes
+    but `learned.trusted`, in the dry run's order: `Replay.stand_in(name)` for each name in `learned.copies` (its bytes
     already in place) and `learned.unused`, the real tensor for the others. On leaving, raises
     `Diverged` if the call did anything the dry run did not predict: a placed tensor not copied
     exactly once to its predicted view, used otherwise, an unused one copied or used for values, a placed region
@@ -488,9 +488,9 @@ def replay(learned: Learned, tensors: Shapes, params: Iterable[torch.Tensor]) ->
     tensor([7., 7., 7.])
     """
     rec = _Recorder(params, expected=learned)
-    with _watching(rec) as watch:
-        yield Replay(tensors, watch)
-    for name in learned.copies:
+    with _watching(rec):
+        yield Replay(tensors)
+    for name in learned.copies.keys() - learned.trusted:
         if rec.placed.get(name, 0) != 1:
             rec.diverged.setdefault(name, f"copied {rec.placed.get(name, 0)} times, its dry run once")
     moved = rec.rebound()

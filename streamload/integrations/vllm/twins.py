@@ -1,0 +1,271 @@
+"""Layers that load alike: one layer's dry run places the tensors of its twins.
+
+A mixture of experts has tens of thousands of tensors, and a dry run of the model's loaders costs
+~0.3 ms for each (vLLM's per-expert loaders, watched). But a model's layers of one kind are built by
+the same code from the same configuration, and its loaders treat them alike. So the dry run sees the
+tensors outside the layers and one layer of each kind only (`sample`); a later layer whose checkpoint
+tensors (names after the layer's, shapes, dtypes) and whose model layer (its modules, their settings,
+its parameters' shapes, strides and loaders: everything but the layer's own name and index) are
+those of a dry-run layer is its twin (`spread`): its tensors go where that layer's went, moved to its
+own parameters, at the same offsets and parts. Twins are neither dry-run nor given to the real
+`load_weights`; tensors the dry run could not place are given to it in every layer, as they were.
+
+A layer unlike every dry-run one (another kind, a layer whose model side differs: pipeline parallel's
+missing layers, a per-layer expert placement) is not a twin: its tensors go whole through
+`load_weights`, as vLLM's own loader gives them.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import types
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from streamload.layer_keys import layer_of
+
+from .dryrun import Copy, Learned, Shapes
+
+_Signature = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+
+
+@dataclass
+class Layers:
+    """A checkpoint's tensors by layer: the names a dry run sees (`sample`) and, for each dry-run
+    layer, the later layers of the same checkpoint signature (`members`)."""
+
+    sample: list[str]
+    members: dict[int, list[int]] = field(default_factory=dict)  # dry-run layer -> its candidate twins
+    names: dict[int, list[str]] = field(default_factory=dict)  # layer -> its tensor names, in order
+    prefix: dict[int, str] = field(default_factory=dict)  # layer -> its checkpoint prefix ("model.layers.3")
+
+
+def sample(shapes: Shapes) -> Layers:
+    """The tensors to dry-run: all outside the layers, and every layer whose tensors are unlike an
+    earlier layer's; the others are that layer's candidate twins.
+
+    >>> import torch
+    >>> w = ((4, 4), torch.bfloat16)
+    >>> shapes = {"embed.weight": w, **{f"model.layers.{i}.mlp.weight": w for i in range(3)}}
+    >>> layers = sample(shapes)
+    >>> layers.sample, layers.members
+    (['embed.weight', 'model.layers.0.mlp.weight'], {0: [1, 2]})
+    """
+    layers = Layers([])
+    for name in shapes:
+        layer = layer_of(name)
+        if layer is None:
+            continue
+        if layers.prefix.setdefault(layer.index, layer.name) != layer.name:  # two stacks share an index
+            return Layers(list(shapes))
+        layers.names.setdefault(layer.index, []).append(name)
+    first: dict[_Signature, int] = {}
+    for index, names in layers.names.items():
+        cut = len(layers.prefix[index])
+        signature = tuple(sorted((n[cut:], *shapes[n]) for n in names))  # (a layer may span two shards)
+        if (dry := first.setdefault(signature, index)) != index:
+            layers.members.setdefault(dry, []).append(index)
+    twins = {i for members in layers.members.values() for i in members}
+    layers.sample = [n for n in shapes if (layer := layer_of(n)) is None or layer.index not in twins]
+    return layers
+
+
+@dataclass
+class Spread:
+    """What the twins of the dry-run layers add to a dry run's `Learned` (changed in place)."""
+
+    unlike: list[int] = field(default_factory=list)  # candidate twins found unlike: whole, to load_weights
+    moves: dict[str, list[str]] = field(default_factory=dict)  # dry-run layer's module -> its twins'
+
+    def loaded(self, names: Iterable[str]) -> set[str]:
+        """`load_weights`' answer (the parameters it loaded) with the twins' parameters added."""
+        out = set(names)
+        for name in list(out):
+            for dry, twins in self.moves.items():
+                if name.startswith(dry + "."):
+                    out.update(twin + name[len(dry) :] for twin in twins)
+        return out
+
+
+def spread(learned: Learned, layers: Layers, model: nn.Module) -> Spread:
+    """Extend `learned` (a dry run of `layers.sample`) to each candidate twin that is one: its
+    tensors placed, unused or whole as the dry-run layer's are; the placed and unused ones are
+    `learned.trusted` (the real call is not given them)."""
+    named = dict(model.named_buffers(remove_duplicate=False))
+    named.update(model.named_parameters(remove_duplicate=False))
+    owners: dict[int, str] = {}  # each parameter's and buffer's storage -> its name
+    for name, t in named.items():
+        if not t.is_meta:
+            owners.setdefault(t.untyped_storage().data_ptr(), name)
+    result = Spread()
+    for dry, members in layers.members.items():
+        move = _placement(learned, layers, dry, owners)
+        for index in members:
+            twin = move.to(index, layers, model, named) if move is not None else None
+            names = layers.names[index]
+            if move is None or twin is None:  # not a twin after all: read whole, loaded by the model's own loaders
+                result.unlike.append(index)
+                learned.whole.update(dict.fromkeys(names, "a layer unlike the dry-run ones"))
+                continue
+            for name in names:
+                mine = layers.prefix[dry] + name[len(layers.prefix[index]) :]
+                if mine in learned.copies:
+                    learned.copies[name] = twin[mine]
+                    learned.trusted.add(name)
+                elif mine in learned.unused:
+                    learned.unused.add(name)
+                    learned.trusted.add(name)
+                else:
+                    learned.whole[name] = learned.whole.get(mine, "as its layer's twin")
+            for module in move.modules:
+                result.moves.setdefault(module, []).append(_renamed(module, layers.prefix[index], move.index))
+    return result
+
+
+@dataclass
+class _Placement:
+    """Where a dry-run layer's tensors went: for each placed tensor, (parameter name, view)."""
+
+    index: int
+    copies: dict[str, tuple[str, Copy]]
+    modules: list[str]  # the model's modules of this layer its copies land in ("model.layers.3")
+
+    def to(
+        self, index: int, layers: Layers, model: nn.Module, named: Mapping[str, torch.Tensor]
+    ) -> dict[str, Copy] | None:
+        """The same copies at layer `index`'s parameters, by the dry-run layer's names; None where
+        that layer's model side is not alike."""
+        twin_prefix = layers.prefix[index]
+        for module in self.modules:
+            twin = _renamed(module, twin_prefix, self.index)
+            try:
+                ours, theirs = model.get_submodule(module), model.get_submodule(twin)
+            except AttributeError:
+                return None
+            if not _alike(ours, theirs, _Own((module, twin), (self.index, index)), {}):
+                return None
+        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # parameter -> (ours, the twin's, detached)
+        copies: dict[str, Copy] = {}
+        for name, (param, copy) in self.copies.items():
+            pair = pairs.get(param)
+            if pair is None:
+                ours, theirs = named[param], named.get(_renamed(param, twin_prefix, self.index))
+                if theirs is None or theirs.untyped_storage().data_ptr() == ours.untyped_storage().data_ptr():
+                    return None  # no such parameter, or one both layers share: not a twin's own
+                pair = pairs[param] = (ours, theirs.detach().as_subclass(torch.Tensor))
+            ours, theirs = pair
+            offset = theirs.storage_offset() + copy.dest.storage_offset() - ours.storage_offset()
+            copies[name] = Copy(theirs.as_strided(copy.dest.shape, copy.dest.stride(), offset), copy.part)
+        return copies
+
+
+def _placement(learned: Learned, layers: Layers, index: int, owners: Mapping[int, str]) -> _Placement | None:
+    """The dry-run layer `index`'s placement, or None when a copy lands outside the model's layers of
+    the same index (a model that renumbers its layers: no twins) or none lands at all."""
+    copies: dict[str, tuple[str, Copy]] = {}
+    modules: dict[str, None] = {}
+    for name in layers.names[index]:
+        copy = learned.copies.get(name)
+        if copy is None:
+            continue
+        param = owners.get(copy.dest.untyped_storage().data_ptr())
+        layer = layer_of(param) if param is not None else None
+        if param is None or layer is None or layer.index != index:
+            return None
+        modules[layer.name] = None
+        copies[name] = (param, copy)
+    if not modules:  # nothing placed (a pipeline-parallel rank's missing layer): no model layer to compare
+        return None
+    return _Placement(index, copies, list(modules))
+
+
+def _renamed(name: str, twin_prefix: str, index: int) -> str:
+    """A model name of layer `index` (`model.layers.3.mlp...`) at the twin's index."""
+    layer = layer_of(name)
+    assert layer is not None and layer.index == index
+    twin = layer_of(twin_prefix)
+    assert twin is not None
+    return f"{layer.name[: -len(str(index))]}{twin.index}{name[len(layer.name) :]}"
+
+
+_PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, types.FunctionType, type)
+_DEPTH = 32  # objects nested deeper than this are alike only if they are the same object
+
+
+class _Own(NamedTuple):
+    """What two layers are called: their model names ("model.layers.3") and indices."""
+
+    names: tuple[str, str]
+    indices: tuple[int, int]
+
+    def renamed(self, text: str) -> str:
+        """`text` with the first layer's name in it (as a whole dotted part: "layers.3" of
+        "model.layers.3.mlp", not of "layers.30") made the second's."""
+        ours, theirs = (name.rsplit(".", 2)[-2:] for name in self.names)  # ["layers", "3"]
+        pattern = rf"(?<![^.]){re.escape('.'.join(ours))}(?![^.])"
+        return re.sub(pattern, ".".join(theirs), text) if ".".join(ours) in text else text
+
+
+def _alike(a: Any, b: Any, own: _Own, seen: dict[tuple[int, int], bool], depth: int = 0) -> bool:
+    """Whether two layers' objects are alike but for the layers' own names and indices (`own`): same
+    types, equal settings, tensors of equal shapes and strides (small ones of equal values too: an
+    expert map), the same loader functions."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, str):  # a layer's own name (`prefix`, `layer_name`): the twin's own
+        return a == b or own.renamed(a) == b
+    if type(a) is int and (a, b) == own.indices:  # a layer's own index (`layer_idx`)
+        return True
+    if isinstance(a, _PLAIN):
+        return bool(a == b)
+    key = (id(a), id(b))
+    if key in seen:
+        return seen[key]
+    seen[key] = True  # a cycle back to this pair: judged where it started
+    seen[key] = same = _alike_objects(a, b, own, seen, depth)
+    return same
+
+
+def _alike_objects(a: Any, b: Any, own: _Own, seen: dict[tuple[int, int], bool], depth: int) -> bool:
+    if isinstance(a, torch.Tensor):
+        if (a.shape, a.stride(), a.dtype, a.device) != (b.shape, b.stride(), b.dtype, b.device):
+            return False
+        if not isinstance(a, nn.Parameter) and not a.is_meta and a.numel() <= 1 << 16:
+            if not torch.equal(a, b):  # settings kept as tensors (an expert map): values matter
+                return False
+        return _alike(vars(a), vars(b), own, seen, depth + 1) if vars(a) or vars(b) else True
+    if depth >= _DEPTH:
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_alike(x, y, own, seen, depth + 1) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_alike(a[k], b[k], own, seen, depth + 1) for k in a)
+    if isinstance(a, (set, frozenset)):
+        return a == b
+    if isinstance(a, types.MethodType):
+        return a.__func__ is b.__func__ and _alike(a.__self__, b.__self__, own, seen, depth + 1)
+    if isinstance(a, functools.partial):
+        return a.func is b.func and _alike((a.args, a.keywords), (b.args, b.keywords), own, seen, depth + 1)
+    if isinstance(a, types.BuiltinFunctionType) or (callable(a) and not hasattr(a, "__dict__")):
+        return a is b
+    try:
+        state_a, state_b = vars(a), vars(b)
+    except TypeError:  # no __dict__ (slots, C objects): alike only if equal
+        try:
+            return bool(a == b)
+        except Exception:
+            return False
+    if isinstance(a, nn.Module):  # hooks are the process's, not the layer's settings
+        state_a, state_b = _settings(state_a), _settings(state_b)
+    return _alike(state_a, state_b, own, seen, depth + 1)
+
+
+def _settings(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if "hook" not in k}
