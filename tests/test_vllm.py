@@ -91,6 +91,18 @@ def test_weights_over_http_with_configs_from_a_local_directory(engines: dict[str
     assert run["requests"] > 0 and _report(run)["bytes_read"] == _report(run)["bytes_total"]
 
 
+def test_weights_over_http_are_fetched_while_the_engine_starts(engines: dict[str, Any]) -> None:
+    """By default the download starts where vLLM builds the load config, in a process of its own; the
+    loader waits for it and reads the staged files locally; the staging directory is gone once loaded,
+    and no fetching process is left."""
+    run = engines["llama/streamload-http-ahead"]
+    assert run["tokens"] == engines["llama/safetensors"]["tokens"]
+    report = _report(run)
+    assert report["staged"] and report["reader"] == "mmap" and report["bytes_read"] == report["bytes_total"]
+    assert run["data_requests"] > 0  # the bytes came over HTTP, by the prefetch
+    assert not run["staged_left"] and run["fetching"] == []
+
+
 def test_reload_in_place_keeps_addresses_and_serves_the_new_weights(engines: dict[str, Any]) -> None:
     before, after = engines["llama/streamload"], engines["llama/reloaded"]
     assert {n: p for n, (p, _) in _params(after).items()} == {n: p for n, (p, _) in _params(before).items()}

@@ -155,6 +155,20 @@ def engine_processes() -> set[int]:
     return mine
 
 
+def fetching_processes() -> list[int]:
+    """This process's children still fetching weights ahead of a load (streamload.prefetch)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "streamload.prefetch" in child.cmdline():
+                found.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def make_checked_models(root: Path) -> dict[str, Path]:
     """Models whose every parameter `streamload.integrations.vllm.check` compares with vLLM's own loader: the two that
     were silently wrong (BGE-M3's .pt secondary heads, an untied BERT masked-LM decoder vLLM ties when it
@@ -509,10 +523,18 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
 
     server = RangeServer(root)  # weights over HTTP (ranged GETs), configs from the local directory
     try:
-        extra = {"source": f"{server.url}/llama/"}
+        extra = {"source": f"{server.url}/llama/", "prefetch": False}  # read by the loader itself
         llm = engine(paths["llama"], "streamload", model_loader_extra_config=extra)
         out["llama/streamload-http"] = {"tokens": tokens(llm), "state": state(llm), "requests": len(server.requests)}
         close(llm)
+        before = server.data_requests()  # fetched while the engine starts (ahead.py), then read locally
+        llm = engine(paths["llama"], "streamload", model_loader_extra_config={"source": f"{server.url}/llama/"})
+        run = {"tokens": tokens(llm), "state": state(llm), "data_requests": server.data_requests() - before}
+        staged = run["state"][0]["report"]["staged"]
+        run["staged_left"] = bool(staged) and Path(staged).exists()
+        close(llm)
+        run["fetching"] = fetching_processes()
+        out["llama/streamload-http-ahead"] = run
     finally:
         server.close()
 

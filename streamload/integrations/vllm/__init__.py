@@ -52,7 +52,7 @@ from streamload.shard import SKIP, ShardSpec, Slice
 from streamload.source import Checkpoint, open_checkpoint
 from streamload.stats import Stats
 
-from . import restore, twins
+from . import ahead, restore, twins
 from .dryrun import Copy, Diverged, Learned, Replay, dry_run, replay
 
 log = logging.getLogger("vllm.streamload")  # under vLLM's logger: shown with vLLM's own lines
@@ -72,6 +72,7 @@ class Report:
     through_model: int = 0  # tensors read whole and given to the model's load_weights
     unused: int = 0  # tensors the model does not use: never read
     bytes_fair: int = 0  # 1/world of each tensor the ranks split plus every other tensor read: the goal
+    staged: str = ""  # where the first load read weights fetched while the engine started (ahead.py)
     why_whole: dict[str, str] = field(default_factory=dict)  # a few unpredicted tensors, and why
     diverged: dict[str, str] = field(default_factory=dict)  # what the real call did unlike its dry run (then redone)
 
@@ -91,6 +92,7 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "direct": bool,  # dry run + rank-local reads straight into the parameters (default: where it pays, `pays`)
     "cooperative": bool,  # tensor-parallel ranks divide what several of them read whole (default False)
     "verify": (bool, dict),  # check the bytes against known digests as they are read (as iter's verify=)
+    "prefetch": (bool, dict),  # fetch while the engine starts (default true; the engine fills in a dict, ahead.py)
 }
 # For models whose first load ran as its dry run predicted (checked by the replay): which part of each
 # checkpoint tensor (by name, shape and dtype) the model's loaders took, and which they never looked
@@ -160,7 +162,9 @@ def _check_at_config_time() -> None:
     def create_load_config(self: Any) -> Any:
         config = build(self)
         if str(config.load_format).lower() == FORMAT:
-            check_options(config.model_loader_extra_config)
+            extra = check_options(config.model_loader_extra_config)
+            if not isinstance(extra.get("prefetch"), dict) and (started := ahead.begin(str(self.model), extra)):
+                config.model_loader_extra_config = {**config.model_loader_extra_config, "prefetch": started}
         return config
 
     create_load_config.checks_streamload = True  # type: ignore[attr-defined]
@@ -383,10 +387,27 @@ class StreamloadModelLoader(BaseModelLoader):
         self._main = model_config is vllm_config.model_config
         return super().load_model(vllm_config, model_config, prefix)
 
-    @collector_paused  # a many-tensor model's placement is tens of thousands of objects (twins.py)
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        first = getattr(self, "_main", True)
+        started = self.options.get("prefetch") if first and not getattr(self, "_loaded", False) else None
+        self._loaded = True
+        if not isinstance(started, dict):
+            last_load.staged = ""
+            return self._load_weights(model, model_config, first)
+        staged, options = ahead.staged(started), self.options  # waits for a download under way
+        last_load.staged = staged or ""
+        if staged is not None:
+            self.options = {**options, "cache_dir": staged}
+        try:
+            self._load_weights(model, model_config, first)
+        finally:
+            self.options = options
+        ahead.loaded(started, _tp_rank_world()[0], lambda: every_rank(True))
+
+    @collector_paused  # a many-tensor model's placement is tens of thousands of objects (twins.py)
+    def _load_weights(self, model: nn.Module, model_config: ModelConfig, first: bool) -> None:
         start = time.perf_counter()
-        parts = self._parts(model_config, model, first=getattr(self, "_main", True))  # headers read once
+        parts = self._parts(model_config, model, first=first)  # headers read once
         options, shapes, self._stats = self._stream_options(model), _shapes(parts), []
         targets = [*model.parameters(), *model.buffers()]
         infos = {name: info for part in parts for name, info in part.names.items()}

@@ -1,0 +1,147 @@
+"""A vLLM server's start-up with its weights behind a network: process start to first token.
+
+One node (a network namespace, tests/netsim.py) has the model's config locally and its weights on an
+nginx store whose link is capped (`--storage-mbit`). Each case is a fresh process on the node, the
+engine as a server runs it (its own engine-core and worker processes), timed from the process's
+creation to its first token:
+
+- `dummy`: vLLM with `load_format="dummy"`: the engine's own start-up, nothing read;
+- `download`: `streamload.load(url)` alone, imports included;
+- `streamload, prefetch off`: the loader reads when vLLM calls it (after the engine has started);
+- `streamload`: the default: the weights start moving where vLLM builds its load config (ahead.py).
+
+Target: streamload <= 1.15x max(dummy, download). The streamload cases' first tokens are compared
+with vLLM's own loader reading the same files locally. Needs root and nginx (tests/netsim.py).
+
+    python bench/vllm_startup.py --make /tmp/llama-300m            # a 0.3 GB bf16 Llama, 4 shards
+    python bench/vllm_startup.py /tmp/llama-300m --storage-mbit 200 --runs 2
+    python bench/vllm_startup.py /tmp/llama-300m --storage-mbit 200 --tp 2
+    python bench/vllm_startup.py /tmp/llama-300m --storage-mbit 200 --compiled   # with vLLM's compilation
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent)]
+
+CASES = ("dummy", "download", "streamload, prefetch off", "streamload")
+
+
+def since_start() -> float:
+    """Seconds since this process was created (the kernel's clock of it, not the interpreter's)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return uptime - start
+
+
+def one(case: str, model: str, url: str, tp: int, compiled: bool) -> None:
+    if case == "download":
+        import streamload
+
+        n = sum(t.numel() for t in streamload.load(url, device="cpu").values())
+        print("RESULT " + json.dumps({"first_token": since_start(), "elements": n}), flush=True)
+        return
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = {"load_format": "dummy" if case == "dummy" else "streamload"}
+    if case == "local":
+        kwargs["load_format"] = "safetensors"
+    elif case.startswith("streamload"):
+        kwargs["model_loader_extra_config"] = {"source": url, "prefetch": case == "streamload"}
+    if tp > 1:
+        kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=not compiled, dtype="bfloat16",
+              max_model_len=256, seed=0, **kwargs)  # fmt: skip
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=4, temperature=0),
+                       use_tqdm=False)  # fmt: skip
+    first = since_start()
+    print("RESULT " + json.dumps({"first_token": first, "tokens": list(out[0].outputs[0].token_ids)}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", type=Path, nargs="?")
+    parser.add_argument("--make", type=Path, help="write a 0.3 GB bf16 Llama checkpoint here and exit")
+    parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--storage-mbit", type=float, default=200)
+    parser.add_argument("--first-byte-ms", type=float, default=30)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--compiled", action="store_true", help="without enforce_eager: vLLM compiles")
+    parser.add_argument("--runs", type=int, default=1)
+    args = parser.parse_args()
+    if args.one:
+        return one(args.one[0], args.one[1], args.one[2], args.tp, args.compiled)
+    if args.make:
+        from bench.vllm import make
+
+        return make(args.make, hidden=1024, ffn=2816, layers=8, vocab=32000)
+    if args.model is None:
+        parser.error("give a model directory (make one with --make)")
+    from tests.netsim import Net
+
+    if why := Net.missing():
+        sys.exit(f"cannot simulate a network here: {why}")
+    model = args.model.resolve()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+    if args.tp > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tp)))
+    flags = ["--tp", str(args.tp)] + (["--compiled"] if args.compiled else [])
+    local = _run(["--one", "local", str(model), ""], flags, env, None)
+    results: dict[str, list[dict[str, Any]]] = {case: [] for case in CASES}
+    with Net(model, nodes=1, storage_mbit=args.storage_mbit, first_byte_ms=args.first_byte_ms) as net:
+        for i in range(args.runs):
+            for case in CASES:
+                done = _run(["--one", case, str(model), net.url], flags, {**net.env(), **env}, net)
+                results[case].append(done)
+                shown = done.get("error") or f"{done['first_token']:.1f} s"
+                print(f"run {i + 1} {case:25} {shown}", flush=True)
+    size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    how = "compiled" if args.compiled else "eager"
+    print(f"\n{size / 1e9:.2f} GB at {args.storage_mbit:g} Mbit/s (first byte {args.first_byte_ms:g} ms), "
+          f"TP={args.tp}, {how}, median of {args.runs}; process start to first token:")  # fmt: skip
+    median = {
+        c: statistics.median(r["first_token"] for r in rs)
+        for c, rs in results.items()
+        if all("error" not in r for r in rs)
+    }
+    bound = max(median.get("dummy", 0.0), median.get("download", 0.0))
+    print("| case | first token (s) | x max(dummy, download) | tokens as vLLM's loader's |\n|---|---|---|---|")
+    for case, runs in results.items():
+        if case not in median:
+            print(f"| {case} | did not run: {runs[0].get('error', '')[:100]} | | |")
+            continue
+        same = "" if case in ("dummy", "download") else str(all(r["tokens"] == local.get("tokens") for r in runs))
+        print(f"| {case} | {median[case]:.1f} | {median[case] / bound:.2f}x | {same} |")
+
+
+def _run(argv: list[str], flags: list[str], env: dict[str, str], net: Any) -> dict[str, Any]:
+    command = [sys.executable, __file__, *argv, *flags]
+    try:
+        if net is None:
+            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, check=False)
+        else:
+            done = net.run_on("n0", command, timeout=600, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out after 600 s"}
+    lines = done.stdout + done.stderr
+    result = next((json.loads(line[7:]) for line in lines.splitlines() if line.startswith("RESULT ")), None)
+    if result is None:
+        errors = [line for line in lines.splitlines() if "Error" in line and "Tokenizer" not in line]
+        return {"error": (errors[-1] if errors else lines[-300:]).strip()[-300:]}
+    time.sleep(1)  # the engine's processes, killed with it, let go of the cores
+    return dict(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""A checkpoint fetched ahead of its load, by a process of its own, while something else goes on (a
+server importing, spawning workers, building its model): local files into the page cache, object
+storage into a cache directory. The load that follows then reads from memory or local disk.
+
+    python -m streamload.prefetch SOURCE --done FILE [--cache-dir DIR] [--budget BYTES]
+
+The process reads local files through the page cache, the files a load reads (without torch: it
+starts in milliseconds), and object storage as a load does (`streamload.iter` on the CPU, handing
+nothing on: each file is written whole into `cache_dir`, `storage/cache.py`), so the load that
+follows finds exactly what it looks for. Memory is the page cache's: nothing is held. A checkpoint
+larger than `budget` (local: half the memory available; remote: the cache directory's free space) is
+not fetched. It ends by writing FILE (JSON: `{"ok": true, "bytes": n}`, or `"ok": false` with the
+reason), and it ends with the process that started it (`start`), so a server that fails or is
+stopped mid-start-up leaves no fetch running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Prefetch:
+    """A prefetch under way, as the process that started it sees it: its process id, and `done`,
+    where it reports."""
+
+    pid: int
+    done: Path
+
+    def stop(self) -> None:
+        """End it now if it still runs (idempotent)."""
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 5
+        while _alive(self.pid):
+            if time.monotonic() > deadline:
+                os.kill(self.pid, signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+
+def start(source: str, done: Path, cache_dir: Path | None = None, budget: int | None = None) -> Prefetch:
+    """Start fetching `source` in a process of its own; it ends when this process does (or `stop`).
+
+    It is not this process's child (a child that ends before its parent stays a zombie until reaped,
+    and nothing here would reap it while a server runs): a short-lived child starts it and exits."""
+    argv = [sys.executable, "-m", "streamload.prefetch", source, "--done", str(done), "--watch", str(os.getpid())]
+    if cache_dir is not None:
+        argv += ["--cache-dir", str(cache_dir)]
+    if budget is not None:
+        argv += ["--budget", str(budget)]
+    starter = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert starter.stdout is not None
+    with starter.stdout:
+        line = starter.stdout.readline()
+    starter.wait()
+    if not line.strip().isdigit():
+        raise RuntimeError(f"the prefetch of {source} did not start (exit status {starter.returncode})")
+    prefetch = Prefetch(int(line), done)
+    atexit.register(prefetch.stop)
+    return prefetch
+
+
+def wait(done: Path, pid: int, timeout: float | None = None) -> dict[str, object]:
+    """Block until the prefetch of process `pid` reports in `done` (its report), it ends without one,
+    or `timeout` seconds pass (then `{"ok": False, ...}`)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            return dict(json.loads(done.read_text()))
+        except (OSError, ValueError):
+            pass
+        if not _alive(pid):
+            try:  # it may have written its report just before it ended
+                return dict(json.loads(done.read_text()))
+            except (OSError, ValueError):
+                return {"ok": False, "error": f"the prefetch (process {pid}) ended without a report"}
+        if deadline is not None and time.monotonic() > deadline:
+            return {"ok": False, "error": f"the prefetch did not finish within {timeout:g} s"}
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (not ended, nor a zombie waiting to be reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def fetch(source: str, cache_dir: Path | None = None, budget: int | None = None) -> dict[str, object]:
+    """Read `source` once, keeping nothing (the page cache, or `cache_dir` for object storage, keeps
+    the bytes); the report `wait` returns."""
+    if "://" not in source:
+        return _fetch_local(Path(source), budget)
+    import shutil
+
+    from .api import iter as stream
+    from .source import open_checkpoint
+
+    checkpoint = open_checkpoint(source, cache_dir)
+    if budget is None and cache_dir is not None:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        budget = shutil.disk_usage(cache_dir).free
+    if budget is not None and checkpoint.nbytes > budget:
+        return _over(checkpoint.nbytes, budget)
+    with stream(checkpoint, device="cpu", cache_dir=cache_dir) as tensors:
+        for _ in tensors:
+            pass
+        read = tensors.stats.bytes_read
+    return {"ok": True, "bytes": read}
+
+
+def _fetch_local(source: Path, budget: int | None) -> dict[str, object]:
+    """Local files, read through the page cache in order, without torch (a process that starts in
+    milliseconds): the files a load of `source` reads (its index's, else every *.safetensors)."""
+    if source.is_dir():
+        index = source / "model.safetensors.index.json"
+        if index.is_file():
+            names = dict.fromkeys(json.loads(index.read_text())["weight_map"].values())
+            files = [source / name for name in names]
+        else:
+            files = sorted(source.glob("*.safetensors"))
+    elif source.name.endswith(".index.json"):
+        files = [source.parent / n for n in dict.fromkeys(json.loads(source.read_text())["weight_map"].values())]
+    else:
+        files = [source]
+    size = sum(f.stat().st_size for f in files)
+    budget = _available_memory() // 2 if budget is None else budget
+    if size > budget:
+        return _over(size, budget)
+    buffer, read = bytearray(8 << 20), 0
+    for file in files:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while n := os.readv(fd, [buffer]):
+                read += n
+        finally:
+            os.close(fd)
+    return {"ok": True, "bytes": read}
+
+
+def _over(size: int, budget: int) -> dict[str, object]:
+    return {"ok": False, "error": f"{size} bytes do not fit the prefetch's budget of {budget} bytes"}
+
+
+def _available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m streamload.prefetch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source")
+    parser.add_argument("--done", type=Path, required=True, help="the report (JSON) written when it ends")
+    parser.add_argument("--cache-dir", type=Path)
+    parser.add_argument("--budget", type=int)
+    parser.add_argument("--watch", type=int, help="end when the process of this id ends (`start`)")
+    args = parser.parse_args(argv)
+    if args.watch is not None:  # started by `start`: detach (the starter exits at once) and watch it
+        child = os.fork()
+        if child:
+            print(child, flush=True)
+            os._exit(0)
+        watcher = threading.Thread(target=_end_with, args=(args.watch,), daemon=True)
+        watcher.start()
+    try:
+        report = fetch(args.source, args.cache_dir, args.budget)
+    except Exception as exc:  # reported, not raised: the load that follows goes on without it
+        report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    partial = args.done.with_name(args.done.name + ".partial")
+    partial.write_text(json.dumps(report))
+    os.replace(partial, args.done)
+    return 0 if report["ok"] else 1
+
+
+def _end_with(pid: int) -> None:
+    """This process ends when process `pid` does: a server stopped mid-start-up leaves no fetch."""
+    while _alive(pid):
+        time.sleep(0.2)
+    os._exit(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
