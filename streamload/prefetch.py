@@ -4,14 +4,14 @@ storage into a cache directory. The load that follows then reads from memory or 
 
     python -m streamload.prefetch SOURCE --done FILE [--cache-dir DIR] [--budget BYTES]
 
-The process reads local files through the page cache, the files a load reads (without torch: it
-starts in milliseconds), and object storage as a load does (`streamload.iter` on the CPU, handing
-nothing on: each file is written whole into `cache_dir`, `storage/cache.py`), so the load that
-follows finds exactly what it looks for. Memory is the page cache's: nothing is held. A checkpoint
-larger than `budget` (local: half the memory available; remote: the cache directory's free space) is
-not fetched. It ends by writing FILE (JSON: `{"ok": true, "bytes": n}`, or `"ok": false` with the
-reason), and it ends with the process that started it (`start`), so a server that fails or is
-stopped mid-start-up leaves no fetch running.
+The process reads local files into the page cache, the files a load reads (without torch: it
+starts in milliseconds; mapped, so pages cached already cost no copy), and object storage as a load
+does (`streamload.iter` on the CPU, handing nothing on: each file is written whole into `cache_dir`,
+`storage/cache.py`), so the load that follows finds exactly what it looks for. Memory is the page
+cache's: nothing is held. A checkpoint larger than `budget` (local: half the memory available;
+remote: the cache directory's free space) is not fetched. It ends by writing FILE (JSON:
+`{"ok": true, "bytes": n}`, or `"ok": false` with the reason), and it ends with the process that
+started it (`start`), so a server that fails or is stopped mid-start-up leaves no fetch running.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -130,7 +131,7 @@ def fetch(source: str, cache_dir: Path | None = None, budget: int | None = None)
 
 
 def _fetch_local(source: Path, budget: int | None) -> dict[str, object]:
-    """Local files, read through the page cache in order, without torch (a process that starts in
+    """Local files into the page cache, file by file, without torch (a process that starts in
     milliseconds): the files a load of `source` reads (its index's, else every *.safetensors)."""
     if source.is_dir():
         index = source / "model.safetensors.index.json"
@@ -147,16 +148,33 @@ def _fetch_local(source: Path, budget: int | None) -> dict[str, object]:
     budget = _available_memory() // 2 if budget is None else budget
     if size > budget:
         return _over(size, budget)
-    buffer, read = bytearray(8 << 20), 0
     for file in files:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        with open(file, "rb") as f:
+            _into_page_cache(f.fileno(), os.fstat(f.fileno()).st_size)
+    return {"ok": True, "bytes": size}
+
+
+_MADV_POPULATE_READ = 22  # Linux >= 5.14
+_STEP = 64 << 20
+
+
+def _into_page_cache(fd: int, size: int) -> None:
+    """Every page of the file read into the page cache: mapped with MADV_POPULATE_READ (what is
+    cached already costs a page-table entry, nothing is copied), else read through a buffer.
+    (POSIX_FADV_WILLNEED alone is advice: measured, it brought in 3% of a 156 MB file.)"""
+    if size == 0:
+        return
+    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            while n := os.readv(fd, [buffer]):
-                read += n
-        finally:
-            os.close(fd)
-    return {"ok": True, "bytes": read}
+            for start in range(0, size, _STEP):
+                mapped.madvise(_MADV_POPULATE_READ, start, min(_STEP, size - start))
+            return
+        except (OSError, ValueError):  # an older kernel
+            pass
+    buffer = bytearray(8 << 20)
+    os.lseek(fd, 0, os.SEEK_SET)
+    while os.readv(fd, [buffer]):
+        pass
 
 
 def _over(size: int, budget: int) -> dict[str, object]:
