@@ -402,7 +402,7 @@ class StreamloadModelLoader(BaseModelLoader):
             self._load_weights(model, model_config, first)
         finally:
             self.options = options
-        ahead.loaded(started, _tp_rank_world()[0], lambda: every_rank(True))
+        ahead.loaded(started, *_all_ranks())
 
     @collector_paused  # a many-tensor model's placement is tens of thousands of objects (twins.py)
     def _load_weights(self, model: nn.Module, model_config: ModelConfig, first: bool) -> None:
@@ -724,6 +724,19 @@ def _tp_rank_world() -> tuple[int, int]:
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     except AssertionError:  # no model-parallel groups: a model built outside an engine
         return 0, 1
+
+
+def _all_ranks() -> tuple[int, Callable[[], None]]:
+    """This worker's rank among all of the engine's (every stage of every parallelism), and a barrier
+    of them all (a model built outside an engine: 0 and nothing to wait for)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 0, lambda: None
+    from vllm.distributed import get_world_group
+
+    group = get_world_group()
+    return group.rank, lambda: dist.barrier(group=group.cpu_group)
 
 
 def _tp_group(device: torch.device) -> Any:

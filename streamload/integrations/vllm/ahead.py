@@ -22,6 +22,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,9 @@ def staged(ahead: dict[str, Any]) -> str | None:
     return str(ahead["cache_dir"])
 
 
-def loaded(ahead: dict[str, Any], rank: int, everyone: Any) -> None:
-    """After the first load, on every rank (`everyone()`: a barrier): a private staging directory is
-    removed once no rank reads it."""
+def loaded(ahead: dict[str, Any], rank: int, everyone: Callable[[], None]) -> None:
+    """After the first load, on every rank of the engine (`everyone()`: a barrier of them all): a
+    private staging directory is removed once no rank reads it."""
     if not ahead.get("owned"):
         return
     everyone()  # every rank, wherever it runs: the same options on all of them
