@@ -86,15 +86,9 @@ def test_whole_tensors_through_load_weights(engines: dict[str, Any]) -> None:
 
 
 def test_weights_over_http_with_configs_from_a_local_directory(engines: dict[str, Any]) -> None:
-    run = engines["llama/streamload-http"]
-    assert run["tokens"] == engines["llama/safetensors"]["tokens"]
-    assert run["requests"] > 0 and _report(run)["bytes_read"] == _report(run)["bytes_total"]
-
-
-def test_weights_over_http_are_fetched_while_the_engine_starts(engines: dict[str, Any]) -> None:
-    """By default the download starts where vLLM builds the load config, in a process of its own; the
-    loader waits for it and reads the staged files locally; the staging directory is gone once loaded,
-    and no fetching process is left."""
+    """The download starts where vLLM builds the load config, in a process of its own; the loader
+    waits for it and reads the staged files locally; the staging directory is gone once loaded, and
+    no fetching process is left. (Loads that read HTTP themselves: tests/test_remote.py.)"""
     run = engines["llama/streamload-http-ahead"]
     assert run["tokens"] == engines["llama/safetensors"]["tokens"]
     report = _report(run)

@@ -523,13 +523,9 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
 
     server = RangeServer(root)  # weights over HTTP (ranged GETs), configs from the local directory
     try:
-        extra = {"source": f"{server.url}/llama/", "prefetch": False}  # read by the loader itself
-        llm = engine(paths["llama"], "streamload", model_loader_extra_config=extra)
-        out["llama/streamload-http"] = {"tokens": tokens(llm), "state": state(llm), "requests": len(server.requests)}
-        close(llm)
-        before = server.data_requests()  # fetched while the engine starts (ahead.py), then read locally
+        # Fetched while the engine starts (ahead.py), then read locally by the loader.
         llm = engine(paths["llama"], "streamload", model_loader_extra_config={"source": f"{server.url}/llama/"})
-        run = {"tokens": tokens(llm), "state": state(llm), "data_requests": server.data_requests() - before}
+        run = {"tokens": tokens(llm), "state": state(llm), "data_requests": server.data_requests()}
         staged = run["state"][0]["report"]["staged"]
         run["staged_left"] = bool(staged) and Path(staged).exists()
         close(llm)
