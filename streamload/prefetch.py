@@ -39,7 +39,10 @@ class Prefetch:
     done: Path
 
     def stop(self) -> None:
-        """End it now if it still runs (idempotent)."""
+        """End it now if it still runs (idempotent). Once it has reported, or where the id is no longer
+        a prefetch's (it ended long ago and the id went to another process), nothing is signalled."""
+        if self.done.exists() or not _is_prefetch(self.pid):
+            return
         try:
             os.kill(self.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -91,6 +94,13 @@ def wait(done: Path, pid: int, timeout: float | None = None) -> dict[str, object
         if deadline is not None and time.monotonic() > deadline:
             return {"ok": False, "error": f"the prefetch did not finish within {timeout:g} s"}
         time.sleep(0.02)
+
+
+def _is_prefetch(pid: int) -> bool:
+    try:
+        return b"streamload.prefetch" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _alive(pid: int) -> bool:

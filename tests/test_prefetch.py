@@ -151,3 +151,13 @@ def _alive(pid: int) -> bool:
 
 def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_stopping_never_signals_a_process_that_is_not_a_prefetch(tmp_path: Path) -> None:
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        prefetch.Prefetch(other.pid, tmp_path / "never.json").stop()  # an id the prefetch had once
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()

@@ -233,3 +233,31 @@ def test_a_dry_run_layer_that_places_nothing_or_a_shared_parameter_makes_no_twin
     learned, spread = learn(shared, shapes)
     assert spread.unlike == [1]
     assert learned.whole.keys() == {n for n in shapes if n.startswith("model.layers.1.")}
+
+
+def test_a_view_of_another_dtype_or_a_zero_one_setting_makes_no_twins() -> None:
+    shapes = shapes_of(checkpoint())
+    shapes |= {f"model.layers.{i}.bits.weight": ((HIDDEN,), torch.int32) for i in range(4)}
+
+    class Bits(Model):  # each layer keeps a float32 parameter written as int32 bits
+        def __init__(self) -> None:
+            super().__init__()
+            for layer in self.layers:
+                layer.bits = nn.Parameter(torch.zeros(HIDDEN), requires_grad=False)
+
+        def load_weights(self, pairs: Pairs) -> set[str]:
+            rest = []
+            for name, t in pairs:
+                if name.endswith("bits.weight"):
+                    self.layers[int(name.split(".")[2])].bits.data.view(torch.int32).copy_(t)
+                else:
+                    rest.append((name, t))
+            return super().load_weights(rest)
+
+    learned, spread = learn(Bits(), shapes)
+    assert spread.unlike == [1, 2, 3] and not learned.trusted
+
+    a, b = Layer(0, "model.layers.0"), Layer(1, "model.layers.1")
+    own = twins._Own(("model.layers.0", "model.layers.1"), (0, 1))
+    a.sliding, b.sliding = 0, 1  # a 0/1 switch equal to the indices is a setting, not their index
+    assert not twins._alike(a, b, own, {})

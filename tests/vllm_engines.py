@@ -155,17 +155,18 @@ def engine_processes() -> set[int]:
     return mine
 
 
-def fetching_processes() -> list[int]:
-    """This process's children still fetching weights ahead of a load (streamload.prefetch)."""
+def fetching_processes(source: str) -> list[int]:
+    """Processes still fetching `source` ahead of a load (streamload.prefetch: detached, not children)."""
     import psutil
 
     found = []
-    for child in psutil.Process().children(recursive=True):
+    for process in psutil.process_iter():
         try:
-            if "streamload.prefetch" in child.cmdline():
-                found.append(child.pid)
-        except psutil.NoSuchProcess:
-            pass
+            argv = process.cmdline()
+        except psutil.Error:
+            continue
+        if any("streamload.prefetch" in a for a in argv) and source in argv:
+            found.append(process.pid)
     return found
 
 
@@ -529,7 +530,7 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
         staged = run["state"][0]["report"]["staged"]
         run["staged_left"] = bool(staged) and Path(staged).exists()
         close(llm)
-        run["fetching"] = fetching_processes()
+        run["fetching"] = fetching_processes(f"{server.url}/llama/")
         out["llama/streamload-http-ahead"] = run
     finally:
         server.close()

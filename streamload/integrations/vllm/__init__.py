@@ -416,7 +416,16 @@ class StreamloadModelLoader(BaseModelLoader):
         if forced if forced is not None else pays(infos, layers.sample):
             learned = self._learn(model, parts, shapes, layers.sample, targets, options["device"])
         if learned is not None:
-            spread = twins.spread(learned, layers, model)
+            try:
+                spread = twins.spread(learned, layers, model)
+            except Exception as exc:  # a model twins.py does not understand: its own loaders load it
+                log.warning(
+                    "streamload: placing %s's layers alike failed (%s); loading whole tensors",
+                    type(model).__name__,
+                    exc,
+                )
+                learned = None
+        if learned is not None:
             if forced is None and not pays(infos, shapes.keys() - learned.trusted):  # twins too few
                 learned = None
         last_load.plan_seconds = time.perf_counter() - start

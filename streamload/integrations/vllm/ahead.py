@@ -11,7 +11,11 @@ staged files; it does not wait for the page cache. A private staging directory i
 every rank has loaded, and with the process that made it; the prefetch ends with that process.
 
 Host memory: none held (the page cache's, and only where the checkpoint fits half the memory
-available); disk: the checkpoint's size in the staging directory until the load ends.
+available); disk: the checkpoint's size in the staging directory until the load ends. The private
+staging directory is made in the system's temporary directory: where that is a tmpfs, the staged
+checkpoint is memory; give `cache_dir` on a disk there. It is removed by the engine's first rank on
+its host; other hosts' staging (several nodes, each starting its own engine process) goes when that
+process exits.
 """
 
 from __future__ import annotations
@@ -39,12 +43,16 @@ def begin(model: str, options: dict[str, Any]) -> dict[str, Any] | None:
     remote = "://" in source
     if options.get("prefetch") is False or not (remote or os.path.exists(source)):
         return None
-    work = Path(tempfile.mkdtemp(prefix="streamload-prefetch-"))
-    staging: Path | None = None
-    if remote:
-        staging = Path(options["cache_dir"]) if options.get("cache_dir") else work / "staged"
-        staging.mkdir(parents=True, exist_ok=True)
-    fetching = prefetch.start(source, work / "done.json", staging)
+    try:
+        work = Path(tempfile.mkdtemp(prefix="streamload-prefetch-"))
+        staging: Path | None = None
+        if remote:
+            staging = Path(options["cache_dir"]) if options.get("cache_dir") else work / "staged"
+            staging.mkdir(parents=True, exist_ok=True)
+        fetching = prefetch.start(source, work / "done.json", staging)
+    except Exception as exc:  # an optimisation only: the loader reads the weights itself
+        log.warning("streamload: could not start fetching %s while the engine starts: %s", source, exc)
+        return None
 
     def clean_up() -> None:  # the process that started the engine is ending
         fetching.stop()
@@ -65,6 +73,7 @@ def staged(ahead: dict[str, Any]) -> str | None:
     prefetch to end), or None (fetched into the page cache, or not here: the load reads the source)."""
     if ahead.get("cache_dir") is None or ahead.get("host") != socket.gethostname():
         return None
+    log.info("streamload: waiting for the weights being fetched since the engine started (into %s)", ahead["cache_dir"])
     report = prefetch.wait(Path(ahead["done"]), int(ahead["pid"]))
     if not report.get("ok"):
         log.warning("streamload: fetching the weights while the engine started did not finish: %s", report["error"])

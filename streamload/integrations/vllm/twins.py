@@ -159,6 +159,8 @@ class _Placement:
                     return None  # no such parameter, or one both layers share: not a twin's own
                 pair = pairs[param] = (ours, theirs.detach().as_subclass(torch.Tensor))
             ours, theirs = pair
+            if not _within(copy.dest, ours):
+                return None  # a view of another dtype, or reaching past its parameter: offsets do not carry over
             offset = theirs.storage_offset() + copy.dest.storage_offset() - ours.storage_offset()
             copies[name] = Copy(theirs.as_strided(copy.dest.shape, copy.dest.stride(), offset), copy.part)
         return copies
@@ -182,6 +184,17 @@ def _placement(learned: Learned, layers: Layers, index: int, owners: Mapping[int
     if not modules:  # nothing placed (a pipeline-parallel rank's missing layer): no model layer to compare
         return None
     return _Placement(index, copies, list(modules))
+
+
+def _within(view: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether `view` has `param`'s dtype and lies inside its elements (so that the same offsets and
+    strides at a twin's parameter of the same shape land inside that one)."""
+    if view.dtype != param.dtype or view.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+        return False
+    first = view.storage_offset() - param.storage_offset()
+    reach = sum((n - 1) * st for n, st in zip(view.shape, view.stride(), strict=True)) if view.numel() else 0
+    extent = sum((n - 1) * st for n, st in zip(param.shape, param.stride(), strict=True)) + 1
+    return first >= 0 and first + reach < extent
 
 
 def _renamed(name: str, twin_prefix: str, index: int) -> str:
@@ -221,8 +234,6 @@ def _alike(a: Any, b: Any, own: _Own, seen: dict[tuple[int, int], bool], depth: 
         return False
     if isinstance(a, str):  # a layer's own name (`prefix`, `layer_name`): the twin's own
         return a == b or own.renamed(a) == b
-    if type(a) is int and (a, b) == own.indices:  # a layer's own index (`layer_idx`)
-        return True
     if isinstance(a, _PLAIN):
         return bool(a == b)
     key = (id(a), id(b))
@@ -246,7 +257,9 @@ def _alike_objects(a: Any, b: Any, own: _Own, seen: dict[tuple[int, int], bool],
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_alike(x, y, own, seen, depth + 1) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_alike(a[k], b[k], own, seen, depth + 1) for k in a)
+        return a.keys() == b.keys() and all(
+            _own_index(k, a[k], b[k], own) or _alike(a[k], b[k], own, seen, depth + 1) for k in a
+        )
     if isinstance(a, (set, frozenset)):
         return a == b
     if isinstance(a, types.MethodType):
@@ -265,6 +278,18 @@ def _alike_objects(a: Any, b: Any, own: _Own, seen: dict[tuple[int, int], bool],
     if isinstance(a, nn.Module):  # hooks are the process's, not the layer's settings
         state_a, state_b = _settings(state_a), _settings(state_b)
     return _alike(state_a, state_b, own, seen, depth + 1)
+
+
+def _own_index(key: object, a: object, b: object, own: _Own) -> bool:
+    """A setting that is each layer's own index (`layer_idx`, `layer_id`): by its name, not only its
+    value (a 0/1 switch of layers 0 and 1 is not their index)."""
+    return (
+        isinstance(key, str)
+        and any(word in key for word in ("idx", "index", "layer_id"))
+        and type(a) is int
+        and type(b) is int
+        and (a, b) == own.indices
+    )
 
 
 def _settings(state: dict[str, Any]) -> dict[str, Any]:
