@@ -129,7 +129,15 @@ def _interrupted(script: str, ready: str, settle: float = 0.0) -> tuple[int, str
     passed); its exit code and stderr."""
     import signal
 
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell that starts jobs in the background has them ignore SIGINT, and children inherit that:
+    # the child gets Python's usual Ctrl-C handling whatever started the tests.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == ready
     time.sleep(settle)
     proc.send_signal(signal.SIGINT)
