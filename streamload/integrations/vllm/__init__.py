@@ -425,9 +425,9 @@ class StreamloadModelLoader(BaseModelLoader):
                     exc,
                 )
                 learned = None
-        if learned is not None:
-            if forced is None and not pays(infos, shapes.keys() - learned.trusted):  # twins too few
-                learned = None
+            else:
+                if forced is None and not pays(infos, shapes.keys() - learned.trusted):  # twins too few
+                    learned = None
         last_load.plan_seconds = time.perf_counter() - start
         last_load.diverged = {}
         world = _tp_rank_world()[1]
