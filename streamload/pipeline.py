@@ -22,7 +22,7 @@ import torch
 from .collector import collector_paused
 from .defaults import Tuning
 from .device import Delivered, Device
-from .errors import IntegrityError, StreamloadError
+from .errors import IntegrityError, ReadError, StreamloadError
 from .limits import Staging, shared_limits
 from .plan import Batch, Plan
 from .read import Reader
@@ -131,7 +131,12 @@ class Pipeline:
                     self._end()
                     return None
                 filling = self._filling.popleft()
-                filling.reads.wait()
+                try:
+                    filling.reads.wait()
+                except StreamloadError:
+                    raise
+                except Exception as exc:  # a reader's error that does not say which file (a library's)
+                    raise _named(exc, filling.batch) from exc
                 if self._stop.is_set():
                     raise Stopped("the stream was closed")
                 made = self._instantiate(filling)
@@ -276,6 +281,12 @@ class Pipeline:
                 self._staging.give_back()
                 self.device.close()  # after the budget is given back: slots kept for later streams fit in it
                 self._files = self._pool = None
+
+
+def _named(exc: Exception, batch: Batch) -> ReadError:
+    """A reader's error as a ReadError naming the batch's files (readers' own name file and offset)."""
+    paths = ", ".join(sorted({str(p.item.info.path) for p in batch.pieces}))
+    return ReadError(f"{paths}: reading failed: {type(exc).__name__}: {exc}")
 
 
 def _surface(exc: BaseException) -> BaseException:

@@ -80,6 +80,19 @@ def span_groups(batch: Batch, chunk_bytes: int) -> list[list[Span]]:
     return groups
 
 
+def extents(group: list[Span]) -> list[tuple[int, int]]:
+    """The file ranges (start, end) a group of spans of one file covers, in file order, touching ones
+    merged. A group is in plan order, which need not be file order (layer 9 then layer 10 of a file that
+    stores `layers.10` first), so its first span's start and last span's end do not bound it."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted((s.file_offset, s.end) for s in group):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def _cut(span: Span, chunk_bytes: int) -> Iterable[Span]:
     if span.length <= chunk_bytes:
         yield span

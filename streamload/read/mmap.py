@@ -21,7 +21,7 @@ import torch
 
 from ..plan import Batch
 from ..storage import LocalFiles
-from .base import Span, Work, read_error, span_groups
+from .base import Span, Work, extents, read_error, span_groups
 from .resident import PAGE, resident
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: fault pages in without touching them from user space
@@ -47,8 +47,7 @@ class MmapReader:
         work: list[Work] = []
         for group in span_groups(batch, self.chunk_bytes):
             fd = files.fd(group[0].path)
-            start, end = group[0].file_offset, group[-1].end
-            if resident(fd, start, end - start):
+            if all(resident(fd, start, end - start) for start, end in extents(group)):
                 work.append(sum(span.length for span in group))  # left to the consumer's faults
             else:
                 work.append(functools.partial(_populate_all, fd, files.mapping(group[0].path), group))
@@ -61,7 +60,10 @@ def _populate_all(fd: int, mapping: torch.UntypedStorage, group: list[Span]) -> 
 
 def _populate(fd: int, mapping: torch.UntypedStorage, span: Span) -> int:
     # Start readahead of the whole range at once (a deep queue), then wait for it page by page.
-    os.posix_fadvise(fd, span.file_offset, span.length, os.POSIX_FADV_WILLNEED)
+    try:
+        os.posix_fadvise(fd, span.file_offset, span.length, os.POSIX_FADV_WILLNEED)
+    except OSError as exc:
+        raise read_error(span.path, span.file_offset, exc.strerror or str(exc)) from exc
     start = mapping.data_ptr() + span.file_offset
     end = start + span.length
     aligned = start - start % PAGE

@@ -20,7 +20,7 @@ import torch
 
 from ..plan import Batch
 from ..storage import LocalFiles
-from .base import Job, Span, eof_error, read_error, span_groups, writable_bytes
+from .base import Job, Span, eof_error, extents, read_error, span_groups, writable_bytes
 from .resident import cached
 
 COLD_BYTES = 32 << 20  # the largest request for bytes not in the page cache
@@ -71,8 +71,8 @@ def _by_residency(files: LocalFiles, groups: list[list[Span]]) -> Iterator[tuple
     run: list[Span] = []
     size = 0
     for group in groups:
-        start, end = group[0].file_offset, group[-1].end
-        if cached(files.fd(group[0].path), start, end - start):
+        fd = files.fd(group[0].path)
+        if all(cached(fd, start, end - start) for start, end in extents(group)):
             if run:
                 yield False, run
                 run, size = [], 0
@@ -90,8 +90,12 @@ def _by_residency(files: LocalFiles, groups: list[list[Span]]) -> Iterator[tuple
 
 def _read_spans(fd: int, group: list[Span], slot: memoryview, readahead: bool = False) -> int:
     if readahead:  # one deep queue for the whole run, not the kernel's small readahead windows
-        start, end = group[0].file_offset, group[-1].end
-        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+        for start, end in extents(group):
+            try:
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            except OSError as exc:
+                why = f"readahead of {end - start} bytes: {exc.strerror or exc}"
+                raise read_error(group[0].path, start, why) from exc
     return sum(_read_span(fd, span, slot) for span in group)
 
 
