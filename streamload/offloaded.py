@@ -63,7 +63,7 @@ class _KeptOpen:
     def sidecar(self, near: Any, name: str) -> bytes | None:
         return self.storage.sidecar(near, name)
 
-    def open(self, headers: Any) -> Any:
+    def open(self, headers: Any, partly: Any = ()) -> Any:
         with self._lock:
             if self._files is None:
                 self._files = _Shared(self.storage.open(self._headers))

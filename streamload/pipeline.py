@@ -176,7 +176,7 @@ class Pipeline:
         self._started = True
         plan, device, t = self.plan, self.device, self.tuning
         self.stats.start()
-        self._files = self.storage.open(plan.files)
+        self._files = self.storage.open(plan.files, partly=plan.read_in_part)
         self._pool = ReaderPool(t.threads, self.stats.add_read)
         nslots = min(t.slots, max(1, len(plan.batches)))
         slot_bytes = t.slot_bytes + device.padding

@@ -24,8 +24,10 @@ class RangeServer:
     without Range support at all (`ranges=False`, like `python -m http.server`), or with Last-Modified
     but no ETag (`etags=False`)."""
 
-    def __init__(self, root: Path, ranges: bool = True, etags: bool = True) -> None:
+    def __init__(self, root: Path, ranges: bool = True, etags: bool = True, rate: float | None = None) -> None:
         self.root, self.ranges, self.etags = root, ranges, etags
+        self.rate = rate  # bytes a second, per response (a store capped per connection); None: as fast as it goes
+        self.sent = 0  # body bytes of data requests sent
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         self._lock = threading.Lock()
@@ -85,8 +87,11 @@ class RangeServer:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
                     return
+                if start >= 1 << 18:
+                    with server._lock:
+                        server.sent += len(data)
                 try:
-                    self.wfile.write(data)
+                    server._send(self.wfile, data)
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up (a cancelled load)
                     self.close_connection = True
 
@@ -101,6 +106,18 @@ class RangeServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self._thread.start()
+
+    def _send(self, out: Any, data: bytes) -> None:
+        if self.rate is None:
+            out.write(data)
+            return
+        start, step = time.monotonic(), 64 << 10
+        for at in range(0, len(data), step):
+            out.write(data[at : at + step])
+            out.flush()
+            ahead = start + (at + step) / self.rate - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
 
     def _fault(self) -> Fault | None:
         with self._lock:

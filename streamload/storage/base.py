@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path, PurePath
 from typing import NamedTuple, Protocol
 
@@ -19,6 +19,9 @@ from ..format import FileHeader
 PathLike = str | os.PathLike[str]
 Source = PathLike | Sequence[PathLike]
 INDEX_NAME = "model.safetensors.index.json"
+
+
+Partly = Callable[[], Collection[PurePath]] | None  # the files a load reads in part
 
 
 class Listing(NamedTuple):
@@ -59,8 +62,10 @@ class Storage(Protocol):
         """The validated header of one file, with the identity its later reads are checked against."""
         ...
 
-    def open(self, headers: dict[PurePath, FileHeader]) -> Files:
-        """Open the files a plan reads, checking each is still the one whose header was read."""
+    def open(self, headers: dict[PurePath, FileHeader], partly: Partly = None) -> Files:
+        """Open the files a plan reads, checking each is still the one whose header was read; `partly`
+        tells those it does not read every byte of (asked only where a cache keeps copies: a plan of
+        many tensors takes milliseconds to tell)."""
         ...
 
     def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import HeaderError, MissingFileError, ReadError, SourceError
 from ..format import FIRST_READ, FileHeader, header_from
-from .base import INDEX_NAME, Digest, Listing, Source, file_list, is_hex, parse_index
+from .base import INDEX_NAME, Digest, Listing, Partly, Source, file_list, is_hex, parse_index
 
 
 class LocalStorage:
@@ -49,7 +49,7 @@ class LocalStorage:
             os.close(fd)
         return header._replace(identity=file_identity(st))
 
-    def open(self, headers: dict[PurePath, FileHeader]) -> LocalFiles:
+    def open(self, headers: dict[PurePath, FileHeader], partly: Partly = None) -> LocalFiles:
         return LocalFiles(headers)
 
     def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:

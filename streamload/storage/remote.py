@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import MissingFileError, ReadError, SourceError, UnsupportedError
 from ..format import FIRST_READ, FileHeader, header_from
-from .base import INDEX_NAME, Digest, Listing, Source, file_list, is_hex, parse_index
+from .base import INDEX_NAME, Digest, Listing, Partly, Source, file_list, is_hex, parse_index
 from .pace import SMALLEST, Pace, Timer, pace_of
 
 if TYPE_CHECKING:
-    from .cache import CacheWriter
+    from .cache import Copies
 
 T = TypeVar("T")
 SCHEMES = ("s3", "http", "https")
@@ -147,8 +147,8 @@ class ObjectStorage:
             self._heads[path] = (bytes(head) + more)[: header.data_start]
         return header
 
-    def open(self, headers: dict[PurePath, FileHeader]) -> ObjectFiles:
-        return ObjectFiles(self, headers)
+    def open(self, headers: dict[PurePath, FileHeader], partly: Partly = None) -> ObjectFiles:
+        return ObjectFiles(self, headers, partly)
 
     def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:
         from .cache import lookup
@@ -177,11 +177,9 @@ class ObjectStorage:
             log.warning("streamload: %s: taken as absent: %s", path, exc)
             return None
         if self.cache_dir is not None:
-            from .cache import cache_path
+            from .cache import cache_path, keep
 
-            local = cache_path(self.cache_dir, path)
-            local.parent.mkdir(parents=True, exist_ok=True)
-            local.write_bytes(bytes(data))
+            keep(cache_path(self.cache_dir, path), bytes(data))
         return bytes(data)
 
     def _path(self, url: str) -> ObjectPath:
@@ -260,23 +258,26 @@ class ObjectStorage:
 class ObjectFiles:
     """The objects one load reads, with the identity each must keep; reads can be cancelled."""
 
-    def __init__(self, storage: ObjectStorage, headers: dict[PurePath, FileHeader]) -> None:
+    def __init__(self, storage: ObjectStorage, headers: dict[PurePath, FileHeader], partly: Partly = None) -> None:
         self.storage = storage
         self._identity = {path: h.identity for path, h in headers.items()}
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._stopped = threading.Event()
         _loop().call_soon_threadsafe(storage.pace.restart)
-        self._copies: dict[PurePath, CacheWriter] = {}
+        self._copies: Copies | None = None
         if storage.cache_dir is not None:
-            from .cache import CacheWriter
+            from .cache import Copies
 
-            for path, h in headers.items():
-                self._copies[path] = CacheWriter(storage.cache_dir, h, storage._heads[path])
+            self._copies = Copies(storage.cache_dir, headers, storage._heads, partly() if partly else ())
 
     def read(self, path: PurePath, offset: int, length: int) -> list[memoryview]:
         """`length` bytes of the object at `offset`, from the version whose header was read: in ranges of
         the store's request size (storage/pace.py), fetched at once, returned in order."""
         assert isinstance(path, ObjectPath)
+        copies = self._copies
+        fd = None if copies is None else copies.local(path)
+        if fd is not None:  # a complete copy in the cache (or one another writer just completed)
+            return [_pread(fd, path, offset, length)]
         size = self.storage.pace.request_bytes()
         spans = [(at, min(size, offset + length - at)) for at in range(offset, offset + length, size)]
 
@@ -291,10 +292,9 @@ class ObjectFiles:
                 raise
 
         views = self.storage.wait(every(), path, self._pending, self._stopped)
-        copy = self._copies.get(path)
-        if copy is not None:  # here, not on the loop thread, which serves every request
+        if copies is not None:  # here, not on the loop thread, which serves every request
             for (at, _), view in zip(spans, views, strict=True):
-                copy.write(at, view)
+                copies.write(path, at, view)
         return views
 
     async def _range(self, path: ObjectPath, span: tuple[int, int]) -> memoryview:
@@ -316,13 +316,31 @@ class ObjectFiles:
 
     def cancel(self) -> None:
         self._stopped.set()
+        if self._copies is not None:
+            self._copies.stopped.set()  # a wait for another writer ends too
         for future in list(self._pending):
             future.cancel()  # drops the request: its connection is closed
 
     def close(self) -> None:
         self.cancel()
-        for copy in self._copies.values():
-            copy.close()
+        if self._copies is not None:
+            self._copies.close()
+
+
+def _pread(fd: int, path: PurePath, offset: int, length: int) -> memoryview:
+    """`length` bytes at `offset` of a complete local copy of the object at `path`."""
+    out = bytearray(length)
+    view = memoryview(out)
+    done = 0
+    while done < length:
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise ReadError(f"{path}: reading its cached copy at offset {offset + done} failed: {exc}") from exc
+        if n == 0:
+            raise ReadError(f"{path}: its cached copy ends at {offset + done} (cut short since it was completed?)")
+        done += n
+    return view
 
 
 # -- the loop thread and the requests -----------------------------------------------------------------
