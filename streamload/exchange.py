@@ -396,8 +396,11 @@ class Exchange:
         log.warning("streamload: %s; this rank reads the rest from storage itself", why)
 
     def close(self) -> None:
-        self._buffer = None
-        self._backend = None
+        """Let go of everything of torch.distributed's it holds (the group, the store, a survivors'
+        group): a stream kept after the load (`with iter(...) as stream`, then `stream.stats`) must not
+        keep them alive past the caller's `destroy_process_group`, nor until the interpreter's exit."""
+        self._buffer = self._stream = None
+        self._backend = self._store = self._pg = self.group = None
 
 
 class CooperativeReader:

@@ -400,3 +400,36 @@ def test_a_fleet_of_two_processes_loads_cooperatively(model: Path, tmp_path: Pat
     total = sum(t.nbytes for t in streamload.inspect(model).tensors.values())
     assert all(r["ok"] for r in results)
     assert sum(r["read"] for r in results) == total  # a share each, not the checkpoint each
+
+
+def test_cooperative_jobs_under_torchrun_exit_cleanly(model: Path) -> None:
+    """A torchrun job as users write one (examples/tensor_parallel.py: the stream kept for its stats,
+    then `destroy_process_group` and exit), several times: every rank exits 0, none aborts at exit."""
+    import subprocess
+    import sys
+
+    example = Path(__file__).parents[1] / "examples" / "tensor_parallel.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(example), str(model), "--cooperative"]  # fmt: skip
+    for _ in range(3):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0 and "terminate called" not in out, out[-3000:]
+        assert out.count("tensors exact") == 2, out[-3000:]
+
+
+def test_a_closed_cooperative_stream_holds_nothing_of_torch_distributed(model: Path, tmp_path: Path) -> None:
+    import gc
+
+    from streamload.exchange import Exchange
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        exchange = Exchange(None, torch.device("cpu"))
+        held = (exchange._pg, exchange._store)
+        assert held[0] is not None
+        exchange.close()
+        assert not [r for r in gc.get_referrers(held[0]) if r is exchange or r is vars(exchange)]
+        assert all(v is None for v in (exchange._pg, exchange._store, exchange._backend, exchange.group))
+    finally:
+        dist.destroy_process_group()
