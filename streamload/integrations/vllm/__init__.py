@@ -317,13 +317,14 @@ class StreamloadModelLoader(BaseModelLoader):
                 yield pair
         except Exception as exc:  # the stream's error (or the headers')
             failure = exc
-        ok, touched = restore.vote(failure is None, touched, world)
+        ranks = restore.Ranks.of_engine()
+        ok, touched = ranks.vote(failure is None, touched)
         if ok:
             restore.SERVED[model] = restore.Served.of(self._where, model_config)
             return
-        said = restore.reasons("" if failure is None else str(failure), world)  # on every rank, while all are here
+        said = ranks.reasons("" if failure is None else str(failure))  # on every rank, while all are here
         previous = restore.SERVED.get(model)
-        why = failure or StreamloadError("another tensor-parallel rank failed")
+        why = failure or StreamloadError("another rank of the engine failed")
         wanted = getattr(self, "_where", None) or model_config.model
         try:
             restore.put_back_layers(model, model_config)
@@ -341,10 +342,9 @@ class StreamloadModelLoader(BaseModelLoader):
             if previous is not None:
                 previous.put_back(model_config)
         served = previous.where if previous is not None else "the weights it had"
-        rank = _tp_rank_world()[0]
-        because = str(why) if world == 1 else "; ".join(f"rank {r}: {text}" for r, text in enumerate(said) if text)
+        because = str(why) if ranks.world == 1 else "; ".join(f"rank {r}: {t}" for r, t in enumerate(said) if t)
         message = f"reloading from {wanted} failed; serving {served} again: {because}"
-        if rank < world - 1:  # the last rank raises it (restore.py: why only one)
+        if not ranks.last:  # the last rank raises it (restore.py: why only one)
             log.error("streamload: %s", message)
             return
         raise StreamloadError(message) from why
