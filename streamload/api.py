@@ -230,11 +230,13 @@ def load(source: Source, **options: Unpack[Options]) -> dict[str, torch.Tensor]:
         raise
 
 
-def inspect(source: Source) -> Checkpoint:
+def inspect(source: Source, cache_dir: PathLike | None = None) -> Checkpoint:
     """Headers only, no tensor data: files, tensors (dtype, shape, byte range) and metadata.
 
     Args:
         source: as for `iter` (local or remote).
+        cache_dir: as for `iter`: a remote checkpoint the cache holds whole is the cache's copy (a
+            load of the `Checkpoint` returned reads it there).
 
     Returns:
         A `Checkpoint`: `files` (validated headers), `tensors` by name, `metadata`, `nbytes`.
@@ -246,7 +248,7 @@ def inspect(source: Source) -> Checkpoint:
         >>> ckpt = streamload.inspect("model.safetensors")  # doctest: +SKIP
         >>> {n: t.shape for n, t in ckpt.tensors.items()}  # doctest: +SKIP
     """
-    return open_checkpoint(source)
+    return open_checkpoint(source, cache_dir)
 
 
 def _check_into_device(plan: Plan, dev: torch.device) -> None:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .convert import Conversion
+from .device import resolve
 from .errors import StreamloadError, UnsupportedError
 from .layer_keys import layer_of
 from .layer_stream import LayerStream, layers
@@ -165,6 +167,52 @@ class _InPlaceFiller(_Filler):
         self.filled.update(names)  # written in place: tied names share the storage
 
 
+class _ConvertingFiller(_Filler):
+    """Assigns as `_Filler` does, through a `Conversion`: a renamed tensor goes to its target's name; a
+    target several tensors fill is allocated once (the parameter's dtype, on the stream's device), each
+    source is read straight into its region (`into=`), and the target is assigned once all have come."""
+
+    def __init__(self, module: nn.Module, conversion: Conversion) -> None:
+        super().__init__(module)
+        self.conversion = conversion
+        self._fused: dict[str, torch.Tensor] = {}
+        self._sources = conversion.fused()
+        self._left: dict[str, int] = {t: len(s) for t, s in self._sources.items()}
+
+    def destinations(self, options: Options, checkpoint: Checkpoint) -> Options:
+        if options.get("into"):
+            raise UnsupportedError("load_into(conversion=...) makes the stream's destinations itself: leave out into=")
+        if options.get("shard") is not None and self._left:
+            raise UnsupportedError("load_into(conversion=...) with tensors merged into one cannot shard= yet")
+        self.conversion.check(
+            {n: checkpoint.tensors[n].shape for n in self.conversion.regions if n in checkpoint.tensors}
+        )
+        device = resolve(options.get("device"))
+        into: dict[str, torch.Tensor] = {}
+        for target, sources in self._sources.items():
+            if target not in self.group_of:
+                continue  # reported by check_names (strict) or left unexpected
+            like = self._get(target)
+            whole = torch.empty(self.conversion.shapes[target], dtype=like.dtype, device=device)
+            self._fused[target] = whole
+            into |= {s: self.conversion.regions[s].of(whole) for s in sources if s in checkpoint.tensors}
+        return {**options, "into": into} if into else options
+
+    def start(self, groups: LayerStream, strict: bool) -> None:
+        if strict:
+            self.check_names(self.conversion.targets(i.name for i in groups.stream.plan.items))
+
+    def assign(self, name: str, tensor: torch.Tensor) -> None:
+        target = self.conversion.target_of(name)
+        whole = self._fused.get(target)
+        if whole is None:
+            super().assign(target, tensor)
+            return
+        self._left[target] -= 1  # the bytes are in its region already
+        if self._left[target] == 0:
+            super().assign(target, whole)
+
+
 # torch's CPU allocator aligns every allocation to 64 bytes; a view of a file mapping sits at its file
 # offset, which safetensors aligns to 8 only.
 ALIGNMENT = 64
@@ -246,9 +294,13 @@ def _short(names: list[str], most: int = 20) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _filler(module: nn.Module, in_place: bool, caller: str) -> _Filler | _InPlaceFiller:
+def _filler(module: nn.Module, in_place: bool, caller: str, conversion: Conversion | None = None) -> _Filler:
     if not isinstance(module, nn.Module):
         raise TypeError(f"{caller} fills a torch.nn.Module, not {type(module).__name__}: build the model first")
+    if conversion is not None and conversion.regions:
+        if in_place:
+            raise UnsupportedError(f"{caller}(conversion=...) assigns new tensors: in_place=True is not built yet")
+        return _ConvertingFiller(module, conversion)
     return _InPlaceFiller(module) if in_place else _Filler(module)
 
 
@@ -259,6 +311,7 @@ def load_into(
     strict: bool = True,
     in_place: bool = False,
     on_layer: Callable[[str, nn.Module | None], Any] | None = None,
+    conversion: Conversion | None = None,
     **options: Unpack[Options],
 ) -> LoadResult:
     """Fill `module`'s parameters and buffers from a checkpoint as the tensors arrive.
@@ -278,6 +331,9 @@ def load_into(
         in_place: write into the existing parameters and buffers (same shapes; `device` defaults to
             theirs; no `dtype`) instead of assigning new tensors.
         on_layer: called with (key, submodule) as soon as a layer is complete, while later ones load.
+        conversion: checkpoint names -> the regions of the module's tensors they fill (`streamload.convert`):
+            renames, module lists merged into one tensor, concatenations, each source read straight
+            into its place.
         **options: the options of `iter` (`Options`: device, dtype, include, ...).
 
     Returns:
@@ -291,7 +347,7 @@ def load_into(
         ...     model = MyModel(config)
         >>> streamload.load_into(model, "model/", device="cuda", on_layer=lambda k, m: warm_up(m))  # doctest: +SKIP
     """
-    filler = _filler(module, in_place, "load_into")
+    filler = _filler(module, in_place, "load_into", conversion)
     checkpoint = open_checkpoint(source, options.get("cache_dir"))  # headers once; the stream reuses them
     with layers(checkpoint, **filler.destinations(options, checkpoint)) as groups:
         filler.start(groups, strict)
@@ -308,10 +364,11 @@ async def aload_into(
     strict: bool = True,
     in_place: bool = False,
     on_layer: OnLayer | None = None,
+    conversion: Conversion | None = None,
     **options: Unpack[Options],
 ) -> LoadResult:
     """`load_into` for async code; `on_layer` may be a coroutine function."""
-    filler = _filler(module, in_place, "aload_into")
+    filler = _filler(module, in_place, "aload_into", conversion)
     checkpoint = open_checkpoint(source, options.get("cache_dir"))  # headers once; the stream reuses them
     async with layers(checkpoint, **filler.destinations(options, checkpoint)) as groups:
         filler.start(groups, strict)

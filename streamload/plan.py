@@ -6,7 +6,7 @@ import fnmatch
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 
@@ -146,15 +146,31 @@ def select(names: Iterable[str], include: Patterns = None, exclude: Patterns = N
     return [n for n in names if (inc is None or inc(n)) and not (exc is not None and exc(n))]
 
 
-def out_dtype(info: TensorInfo, stored: torch.dtype, dtype: DTypeOption) -> torch.dtype:
+def out_dtype(info: TensorInfo, stored: torch.dtype, dtype: DTypeOption | DTypeRules) -> torch.dtype:
     """The dtype to hand out: `dtype` applies to floating-point tensors only (not fp8, ints, bool)."""
     if dtype is None or not info.dtype.floating:
         return stored
     if isinstance(dtype, (torch.dtype, str)):
         target: torch.dtype | str | None = dtype
     else:
-        target = next((d for pat, d in dtype.items() if fnmatch.fnmatchcase(info.name, pat)), None)
+        rules = dtype if isinstance(dtype, DTypeRules) else DTypeRules.of(dtype)
+        target = rules.exact.get(info.name)
+        if target is None:
+            target = next((d for pat, d in rules.wild if fnmatch.fnmatchcase(info.name, pat)), None)
     return stored if target is None else as_torch_dtype(target)
+
+
+class DTypeRules(NamedTuple):
+    """A {pattern: dtype} option made ready once for a plan's every tensor: plain names are looked up
+    (exact names first: the more specific rule), only patterns are matched."""
+
+    exact: dict[str, Any]
+    wild: list[tuple[str, Any]]
+
+    @staticmethod
+    def of(dtype: Mapping[str, Any]) -> DTypeRules:
+        exact = {p: d for p, d in dtype.items() if not any(c in p for c in "*?[")}
+        return DTypeRules(exact, [(p, d) for p, d in dtype.items() if p not in exact])
 
 
 @collector_paused
@@ -189,7 +205,8 @@ def make_plan(
         raise ValueError(f"slot size must be a positive multiple of {SLOT_ALIGN} bytes, not {slot_bytes}")
     infos = ordered(checkpoint, select(checkpoint.tensors, include, exclude), order)
     spec = shard.resolved() if shard is not None else None  # (shard.py is imported only by those who shard)
-    items = tuple(item for t in infos if (item := _item(t, dtype, spec)) is not None)
+    rules = DTypeRules.of(dtype) if isinstance(dtype, Mapping) else dtype
+    items = tuple(item for t in infos if (item := _item(t, rules, spec)) is not None)
     if into:
         items = tuple(_into(item, into[item.name]) if item.name in into else item for item in items)
     used = {t.path for t in infos}
@@ -235,7 +252,7 @@ def _check_dtype_option(dtype: DTypeOption) -> None:
             )
 
 
-def _item(info: TensorInfo, dtype: DTypeOption, shard: ShardSpec | None) -> Item | None:
+def _item(info: TensorInfo, dtype: DTypeOption | DTypeRules, shard: ShardSpec | None) -> Item | None:
     stored = info.dtype.torch_dtype
     shape = torch_shape(info.dtype, info.shape)
     if stored is None or shape is None:

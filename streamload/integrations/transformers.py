@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 from streamload import device as devices
+from streamload.api import inspect
+from streamload.convert import Conversion, Region, Step
 from streamload.dtypes import as_torch_dtype
 from streamload.errors import UnsupportedError
 from streamload.module import OnLayer, empty_weights, load_into
@@ -83,9 +86,160 @@ def from_pretrained(
         else:
             model = _build(transformers, config, kwargs)
     tied(model)
-    load_into(model, source, device=dev, dtype=dtype, strict=strict, on_layer=on_layer, **options)
+    checkpoint = inspect(source, options.get("cache_dir"))
+    placed = conversion(model, {n: t.shape for n, t in checkpoint.tensors.items()})
+    if dtype is not None:  # each tensor as its parameter was built (transformers keeps some in float32)
+        dtype = _dtypes(model, placed, checkpoint.tensors, dtype)
+    load_into(
+        model, checkpoint, device=dev, dtype=dtype, strict=strict, on_layer=on_layer, conversion=placed, **options
+    )
     model.to(dev)  # the buffers the constructor made on the CPU; parameters are there already
     return model.eval()
+
+
+def conversion(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> Conversion:
+    """Where transformers' own `from_pretrained` would put each checkpoint tensor of `shapes` in
+    `model`, from its conversion rules for this model (renames, module lists merged into one tensor,
+    concatenations, transposes) and its own key matching, as data. A rule that computes (or that
+    splits a tensor between parameters) is refused before a byte is read, naming the model type and
+    the operation. Before transformers 5 (no conversion rules): nothing to convert."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    except ImportError:
+        return Conversion()
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    regions: dict[str, Region] = {}
+    merged: dict[str, tuple[Any, dict[str, list[str]]]] = {}  # target -> (converter, {source pattern: keys})
+    for key in sorted(shapes, key=dot_natural_key):  # transformers' own order: experts 0, 1, ..., 10
+        target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        if target not in meta and key in meta:
+            target, pattern = rename_source_key(key, [], [], prefix, meta)
+        if target not in meta:
+            continue  # an unexpected key: load_into says so
+        if pattern is None:
+            if target != key:
+                regions[key] = Region(target)
+            continue
+        converter, inputs = merged.setdefault(target, (by_pattern[pattern], {}))
+        inputs.setdefault(pattern, []).append(key)
+    fused: dict[str, tuple[int, ...]] = {}
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    for target, (converter, inputs) in merged.items():
+        tree = _placed(converter, inputs, shapes, tuple(meta[target].shape), model_type, target)
+        fused[target] = tree.shape
+        regions |= {key: Region(target, steps) for key, steps in tree.leaves(())}
+    return Conversion(regions, fused)
+
+
+def _dtypes(model: nn.Module, placed: Conversion, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """{checkpoint name: dtype} as transformers' own loader chooses it for the model tensor the name
+    lands in: its dtype plan (`_keep_in_fp32_modules_strict`: a router's bias stays float32), else
+    the tensor's own dtype where the model was built in another, else `dtype` ("*")."""
+    own = {n: t.dtype for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_floating_point()}
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    search = None
+    if plan:
+        from transformers.core_model_loading import build_glob_alternation
+
+        alternation, by_group, _ = build_glob_alternation(list(plan))
+        search = alternation.search
+    kept: dict[str, torch.dtype] = {}
+    for n in names:
+        target = placed.target_of(n)
+        if search is not None and (found := search(target)) is not None:
+            kept[n] = plan[by_group[found.lastgroup]]
+        elif target in own and own[target] != dtype:
+            kept[n] = own[target]
+    return {**kept, "*": dtype}
+
+
+class _Node:
+    """A tensor a conversion builds, as a tree: a source (`key`), or parts stacked, concatenated or
+    transposed (`how`, the dims), with the shape it has."""
+
+    def __init__(self, shape: tuple[int, ...], key: str = "", how: str = "", dims: tuple[int, ...] = (),
+                 parts: list[_Node] | None = None) -> None:  # fmt: skip
+        self.shape, self.key, self.how, self.dims, self.parts = shape, key, how, dims, parts or []
+
+    def leaves(self, steps: tuple[Step, ...]) -> list[tuple[str, tuple[Step, ...]]]:
+        """(source, the steps from the whole tensor to its region), for every source under this node."""
+        if self.key:
+            return [(self.key, steps)]
+        out: list[tuple[str, tuple[Step, ...]]] = []
+        at = 0
+        for i, part in enumerate(self.parts):
+            if self.how == "stack":
+                out += part.leaves((*steps, ("select", self.dims[0], i, 0)))
+            elif self.how == "cat":
+                n = part.shape[self.dims[0]]
+                out += part.leaves((*steps, ("narrow", self.dims[0], at, n)))
+                at += n
+            else:  # transpose: the part is the whole transposed back
+                out += part.leaves((*steps, ("transpose", self.dims[0], self.dims[1], 0)))
+        return out
+
+
+def _placed(
+    converter: Any, inputs: dict[str, list[str]], shapes: dict[str, tuple[int, ...]], target_shape: tuple[int, ...],
+    model_type: str, target: str,
+) -> _Node:  # fmt: skip
+    """transformers' chain of operations for one target, run on shapes and names instead of tensors
+    (each operation as transformers' own `convert` treats its inputs)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
+
+    values: dict[str, _Node | list[_Node]] = {
+        p: [_Node(tuple(shapes[k]), k) for k in keys] for p, keys in inputs.items()
+    }
+    targets = converter.target_patterns
+    for op in converter.operations:
+        if isinstance(op, MergeModulelist):
+            out: dict[str, _Node | list[_Node]] = {}
+            for pattern, value in values.items():
+                parts = value if isinstance(value, list) else [value]
+                shape = (*parts[0].shape[: op.dim], len(parts), *parts[0].shape[op.dim :])
+                if any(p.shape != parts[0].shape for p in parts):
+                    raise UnsupportedError(f"{model_type}: {target!r}: the tensors merged differ in shape")
+                out[targets[0] if len(values) == 1 else pattern] = _Node(
+                    shape, how="stack", dims=(op.dim,), parts=parts
+                )
+            values = out
+        elif isinstance(op, Concatenate):
+            parts = []
+            for pattern in converter.source_patterns:  # transformers keeps the patterns' order
+                value = values.get(pattern)
+                parts += [] if value is None else value if isinstance(value, list) else [value]
+            shape = list(parts[0].shape)
+            shape[op.dim] = sum(p.shape[op.dim] for p in parts)
+            values = {targets[0]: _Node(tuple(shape), how="cat", dims=(op.dim,), parts=parts)}
+        elif isinstance(op, Transpose) and len(values) == 1:
+            value = next(iter(values.values()))
+            part = value[0] if isinstance(value, list) else value
+            if op.check_dims and part.shape == target_shape:
+                continue  # transformers leaves a tensor already of the parameter's shape as it is
+            shape = list(part.shape)
+            shape[op.dim0], shape[op.dim1] = shape[op.dim1], shape[op.dim0]
+            values = {targets[0]: _Node(tuple(shape), how="transpose", dims=(op.dim0, op.dim1), parts=[part])}
+        else:
+            raise UnsupportedError(
+                f"{model_type}: transformers converts {target!r} with {type(op).__name__}, which streamload does "
+                "not place while streaming (it computes, or splits a tensor between parameters); nothing was read"
+            )
+    if len(values) != 1:
+        raise UnsupportedError(f"{model_type}: {target!r}: transformers' conversion leaves {len(values)} tensors")
+    value = next(iter(values.values()))
+    node = value if isinstance(value, _Node) else value[0] if len(value) == 1 else None
+    if node is None or node.shape != target_shape:
+        got = None if node is None else list(node.shape)
+        raise UnsupportedError(
+            f"{model_type}: {target!r} would be {got} from the checkpoint, the model's is {list(target_shape)}"
+        )
+    return node
 
 
 def skipped_init(transformers: Any) -> contextlib.AbstractContextManager[Any]:

@@ -1,0 +1,152 @@
+"""Converting while streaming (`streamload.convert`, transformers 5's conversion rules): tiny models of
+the types transformers converts, saved by transformers itself (experts one by one, multimodal models
+under their older names) and in the model's own fused layout, loaded by `streamload.from_pretrained`:
+the same names, every value bit-equal to transformers' own `from_pretrained`, the same logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import streamload
+from streamload.convert import Conversion, Region
+from streamload.errors import UnsupportedError
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.conversion_mapping", reason="transformers 5 converts checkpoints while loading")
+
+TEXT = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256}  # fmt: skip
+VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "image_size": 32, "patch_size": 8}  # fmt: skip
+CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"moe_intermediate_size": 32, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, **TEXT},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, **TEXT},
+    # MLA, a shared expert, a first dense layer, a router bias transformers keeps in float32
+    "deepseek_v3": {**TEXT, "num_hidden_layers": 3, "first_k_dense_replace": 1, "num_key_value_heads": 4,
+                    "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                    "n_group": 1, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "v_head_dim": 16},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, **TEXT},
+    "glm4_moe": {"moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                 "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "head_dim": 16, **TEXT},
+    "llava": {"text_config": {"model_type": "llama", **TEXT},
+              "vision_config": {"model_type": "clip_vision_model", **VISION}, "image_token_index": 255},
+    "gemma3": {"text_config": {"model_type": "gemma3_text", "head_dim": 16, **TEXT},
+               "vision_config": {"model_type": "siglip_vision_model", **VISION}, "mm_tokens_per_image": 4,
+               "image_token_index": 255},
+}  # fmt: skip
+MULTIMODAL = {"llava", "gemma3"}
+
+
+def build(model_type: str) -> nn.Module:
+    config = transformers.AutoConfig.for_model(model_type, **CONFIGS[model_type])
+    auto = transformers.AutoModelForImageTextToText if model_type in MULTIMODAL else transformers.AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = auto.from_config(config)
+    model.config.architectures = [type(model).__name__]
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path]:
+    """(model type, transformers' own save: the checkpoint layout, the model's own fused layout)."""
+    from safetensors.torch import save_model
+
+    model = build(request.param)
+    hub = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(hub)
+    fused = tmp_path_factory.mktemp(request.param + "-fused")
+    model.config.save_pretrained(fused)
+    save_model(model, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    return request.param, hub, fused
+
+
+def reference(model_type: str, path: Path) -> nn.Module:
+    auto = transformers.AutoModelForImageTextToText if model_type in MULTIMODAL else transformers.AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=torch.bfloat16).eval()
+
+
+def assert_identical(got: nn.Module, ref: nn.Module) -> None:
+    g, r = got.state_dict(), ref.state_dict()
+    assert g.keys() == r.keys()
+    for name, t in r.items():
+        assert g[name].dtype == t.dtype and g[name].shape == t.shape, name
+        assert torch.equal(g[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+    ids = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(got(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("layout", ["hub", "fused"])
+def test_from_pretrained_equals_transformers(saved: tuple[str, Path, Path], layout: str) -> None:
+    model_type, hub, fused = saved
+    path = hub if layout == "hub" else fused
+    got = streamload.from_pretrained(path, device="cpu", dtype=torch.bfloat16)
+    assert_identical(got, reference(model_type, path))
+
+
+def test_experts_land_in_place_and_layers_are_whole_when_handed_out(tmp_path: Path) -> None:
+    model = build("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    ref = reference("qwen3_moe", tmp_path)
+    seen: list[str] = []
+
+    def on_layer(key: str, layer: nn.Module | None) -> None:
+        assert layer is not None
+        for name, p in layer.named_parameters():
+            assert not p.is_meta and torch.equal(p, ref.get_parameter(f"{key}.{name}")), f"{key}.{name}"
+        seen.append(key)
+
+    got = streamload.from_pretrained(tmp_path, device="cpu", dtype=torch.bfloat16, on_layer=on_layer)
+    assert seen == ["model.layers.0", "model.layers.1"]
+    experts = got.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape == (4, 64, 64) and experts.gate_up_proj.is_contiguous()
+    assert_identical(got, ref)
+
+
+def test_a_conversion_that_computes_is_refused_before_a_byte_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import Interleave, WeightConverter
+
+    model = build("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    interleaved = WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", [Interleave(dim=1)])
+    monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", lambda model, **kw: [interleaved])
+    with pytest.raises(UnsupportedError, match=r"qwen3_moe: transformers converts .*down_proj.* with Interleave"):
+        streamload.from_pretrained(tmp_path, device="cpu", reader="posix", threads=1)
+
+
+class Fused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.empty(3, 4, 2, device="meta"))
+        self.norm = nn.Parameter(torch.empty(2, device="meta"))
+
+
+def test_load_into_with_a_conversion_of_ones_own(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    parts = {f"w.{e}": torch.randn(4, 2, generator=torch.Generator().manual_seed(e)) for e in range(3)}
+    save_file({**parts, "ln": torch.ones(2)}, tmp_path / "m.safetensors")
+    model = Fused()
+    conv = Conversion.merge("experts", [f"w.{e}" for e in range(3)], (4, 2)) | Conversion.rename({"ln": "norm"})
+    streamload.load_into(model, tmp_path / "m.safetensors", device="cpu", conversion=conv)
+    assert torch.equal(model.experts, torch.stack([parts[f"w.{e}"] for e in range(3)]))
+    assert torch.equal(model.norm, torch.ones(2))
+
+
+def test_a_conversion_that_leaves_a_hole_or_mismatches_is_refused() -> None:
+    conv = Conversion.merge("experts", ["w.0", "w.1"], (4, 2))
+    with pytest.raises(UnsupportedError, match="'w.1' has shape \\[4, 3\\], its place in 'experts' \\[4, 2\\]"):
+        conv.check({"w.0": (4, 2), "w.1": (4, 3)})
+    holed = Conversion(dict(conv.regions), {"experts": (3, 4, 2)})
+    with pytest.raises(UnsupportedError, match="filled by 2 tensors of 16 elements in all, not 24"):
+        holed.check({"w.0": (4, 2), "w.1": (4, 2)})
+    assert Region("t", (("narrow", 1, 2, 2), ("transpose", 0, 1, 0))).shape_in((3, 4)) == (2, 3)
