@@ -7,7 +7,8 @@ transformers' own loader, side by side, each run in a fresh process, warm and co
 
 The checkpoint is transformers' own save of a Qwen3-MoE built from a config with the hub model's
 layer and expert counts (48 layers x 128 experts: 18,867 tensors, experts one by one as on the hub).
-Each run reports the seconds from the call to a ready model (imports done before) and the peak RSS
+Each run reports the seconds from the call to a ready model (imports done before, the model's own
+modules included) and the peak RSS
 above the process's after its imports; the table gives medians and streamload / transformers ratios.
 """
 
@@ -22,15 +23,18 @@ from pathlib import Path
 
 RUN = """
 import json, resource, sys, time
-how, folder = sys.argv[1], sys.argv[2]
+how, folder, reader = sys.argv[1], sys.argv[2], sys.argv[3]
 import torch, transformers
 import streamload
+config = transformers.AutoConfig.from_pretrained(folder)  # transformers' lazy imports, before the clock:
+transformers.AutoModelForCausalLM.from_config  # the config's and the model's modules (both loaders need them)
+transformers.AutoModelForCausalLM._model_mapping[type(config)]
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 base = rss()
 start = time.perf_counter()
 if how == "streamload":
-    model = streamload.from_pretrained(folder, device="cpu", dtype=torch.bfloat16)
+    model = streamload.from_pretrained(folder, device="cpu", dtype=torch.bfloat16, reader=reader)
 else:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
 seconds = time.perf_counter() - start
@@ -58,12 +62,13 @@ def make(folder: Path, hidden: int, moe: int, layers: int, experts: int) -> None
     print(f"wrote {folder}: {len(checkpoint.tensors)} tensors, {checkpoint.nbytes / 1e9:.2f} GB")
 
 
-def run(how: str, folder: Path, cold: bool) -> dict[str, float]:
+def run(how: str, folder: Path, cold: bool, reader: str = "auto") -> dict[str, float]:
     if cold:
         from streamload.bench import evict
 
         evict([str(f) for f in folder.glob("*.safetensors")])
-    out = subprocess.run([sys.executable, "-c", RUN, how, str(folder)], capture_output=True, text=True, check=True)
+    cmd = [sys.executable, "-c", RUN, how, str(folder), reader]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -76,22 +81,25 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--reader", default="auto", help="streamload's reader (posix: a bounded ring, no file mapping)")
     ap.add_argument("--modes", nargs="+", default=["warm", "cold"], choices=["warm", "cold"])
     args = ap.parse_args()
     if args.make:
         make(args.folder, args.hidden, args.moe, args.layers, args.experts)
         return
     size = sum(f.stat().st_size for f in args.folder.glob("*.safetensors"))
-    print(f"{args.folder}: {size / 1e9:.3f} GB; median of {args.runs}, fresh processes, alternating")
+    print(
+        f"{args.folder}: {size / 1e9:.3f} GB; median of {args.runs}, fresh processes, alternating; reader {args.reader}"
+    )
     print("| mode | streamload s | transformers s | ratio | streamload peak extra | transformers peak extra | "
           "streamload / checkpoint bytes |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for mode in args.modes:
         got: dict[str, list[dict[str, float]]] = {"streamload": [], "transformers": []}
-        run("streamload", args.folder, False)  # page cache and imports as the mode wants them
+        run("streamload", args.folder, False, args.reader)  # the page cache and the imports' files warm
         for _ in range(args.runs):
             for how in got:
-                got[how].append(run(how, args.folder, mode == "cold"))
+                got[how].append(run(how, args.folder, mode == "cold", args.reader))
         s = statistics.median(r["seconds"] for r in got["streamload"])
         t = statistics.median(r["seconds"] for r in got["transformers"])
         sm = statistics.median(r["peak_extra"] for r in got["streamload"])

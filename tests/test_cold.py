@@ -182,3 +182,13 @@ def test_extents_bound_a_group_out_of_file_order() -> None:
         Span(p, 400, ((200, 8),)),
     ]
     assert extents(group) == [(100, 200), (400, 408), (900, 1000)]
+
+
+@pytest.mark.parametrize("reader", ["posix", "direct"])
+def test_a_read_of_more_tensors_than_one_preadv_takes(tmp_path: Path, reader: str) -> None:
+    """3,000 tensors of 6 bytes, contiguous in the file and apart in the slot (each aligned): one span
+    of more buffers than a preadv takes (IOV_MAX, 1024 on Linux), read in several calls."""
+    tensors = {f"t.{i}": random_tensor(torch.float16, (3,), seed=i) for i in range(3000)}
+    save_file(tensors, tmp_path / "m.safetensors")
+    got = streamload.load(tmp_path / "m.safetensors", device="cpu", reader=reader, chunk_bytes=8 << 20)
+    assert all(same_bits(got[n], t) for n, t in tensors.items())

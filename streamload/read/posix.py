@@ -26,6 +26,7 @@ from .resident import cached
 COLD_BYTES = 32 << 20  # the largest request for bytes not in the page cache
 DIRECT_BYTES = 16 << 20  # the largest O_DIRECT request: each reader thread that makes one keeps a buffer this size
 DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffers are multiples of the logical block size
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers one preadv takes (Linux: 1024)
 _RETRIES = 100  # EINTR/EAGAIN in a row before a read is given up
 _BACKOFF = 0.001  # seconds, times the retries so far (up to 10)
 
@@ -103,7 +104,7 @@ def _read_span(fd: int, span: Span, slot: memoryview) -> int:
     buffers = [slot[at : at + n] for at, n in span.parts]
     offset, done, total = span.file_offset, 0, span.length
     while done < total:
-        n = _preadv(fd, span, buffers, offset)
+        n = _preadv(fd, span, buffers[:IOV_MAX], offset)  # more buffers than that in one call is EINVAL
         if n == 0:
             raise eof_error(span.path, offset)
         done += n
