@@ -150,3 +150,19 @@ def test_a_conversion_that_leaves_a_hole_or_mismatches_is_refused() -> None:
     with pytest.raises(UnsupportedError, match="filled by 2 tensors of 16 elements in all, not 24"):
         holed.check({"w.0": (4, 2), "w.1": (4, 2)})
     assert Region("t", (("narrow", 1, 2, 2), ("transpose", 0, 1, 0))).shape_in((3, 4)) == (2, 3)
+
+
+def test_verify_checks_every_converted_byte(tmp_path: Path) -> None:
+    import hashlib
+
+    model = build("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    shard = tmp_path / "model.safetensors"
+    digest = hashlib.sha256(shard.read_bytes()).hexdigest()
+    got = streamload.from_pretrained(tmp_path, device="cpu", dtype=torch.bfloat16, verify={shard.name: digest})
+    assert_identical(got, reference("qwen3_moe", tmp_path))
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0x01  # inside the last tensor's bytes
+    shard.write_bytes(bytes(data))
+    with pytest.raises(streamload.IntegrityError, match="model.safetensors"):
+        streamload.from_pretrained(tmp_path, device="cpu", dtype=torch.bfloat16, verify={shard.name: digest})
