@@ -168,13 +168,15 @@ class _InPlaceFiller(_Filler):
 
 
 class _ConvertingFiller(_Filler):
-    """Assigns as `_Filler` does, through a `Conversion`: a renamed tensor goes to its target's name; a
-    target several tensors fill is allocated once (the parameter's dtype, on the stream's device), each
-    source is read straight into its region (`into=`), and the target is assigned once all have come."""
+    """Fills as `_Filler` (or, `in_place`, as `_InPlaceFiller`) does, through a `Conversion`: a renamed
+    tensor goes to its target's name; a target several tensors fill is allocated once (the
+    parameter's dtype, on the stream's device) or, in place, is the module's own, and each source is
+    read straight into its region (`into=`); the target counts as filled once all have come."""
 
-    def __init__(self, module: nn.Module, conversion: Conversion) -> None:
+    def __init__(self, module: nn.Module, conversion: Conversion, in_place: bool) -> None:
         super().__init__(module)
         self.conversion = conversion
+        self.in_place = in_place
         self._fused: dict[str, torch.Tensor] = {}
         self._sources = conversion.fused()
         self._left: dict[str, int] = {t: len(s) for t, s in self._sources.items()}
@@ -184,18 +186,29 @@ class _ConvertingFiller(_Filler):
             raise UnsupportedError("load_into(conversion=...) makes the stream's destinations itself: leave out into=")
         if options.get("shard") is not None and self._left:
             raise UnsupportedError("load_into(conversion=...) with tensors merged into one cannot shard= yet")
-        self.conversion.check(
-            {n: checkpoint.tensors[n].shape for n in self.conversion.regions if n in checkpoint.tensors}
-        )
-        device = resolve(options.get("device"))
+        stored = checkpoint.tensors
+        self.conversion.check({n: stored[n].shape for n in self.conversion.regions if n in stored})
         into: dict[str, torch.Tensor] = {}
+        if self.in_place:
+            own = {n: t.detach() for n in self.kind if (t := self._get(n)) is not None}
+            on_meta = [n for n, t in own.items() if t.is_meta]
+            if on_meta:
+                raise UnsupportedError(f"load_into(in_place=True): {_short(on_meta, 5)} are on the meta device")
+            into = {n: own[t] for n in stored if (t := self.conversion.target_of(n)) in own and t not in self._left}
+            devices = {t.device for t in own.values()}
+            if options.get("device") is None and len(devices) == 1:
+                options = {**options, "device": devices.pop()}
+            if options.get("dtype") is not None:
+                raise UnsupportedError("load_into(in_place=True) converts each tensor to its parameter's own dtype")
+        device = resolve(options.get("device"))
         for target, sources in self._sources.items():
             if target not in self.group_of:
                 continue  # reported by check_names (strict) or left unexpected
             like = self._get(target)
-            whole = torch.empty(self.conversion.shapes[target], dtype=like.dtype, device=device)
+            whole = like.detach() if self.in_place else torch.empty(self.conversion.shapes[target], dtype=like.dtype,
+                                                                    device=device)  # fmt: skip
             self._fused[target] = whole
-            into |= {s: self.conversion.regions[s].of(whole) for s in sources if s in checkpoint.tensors}
+            into |= {s: self.conversion.regions[s].of(whole) for s in sources if s in stored}
         return {**options, "into": into} if into else options
 
     def start(self, groups: LayerStream, strict: bool) -> None:
@@ -205,12 +218,15 @@ class _ConvertingFiller(_Filler):
     def assign(self, name: str, tensor: torch.Tensor) -> None:
         target = self.conversion.target_of(name)
         whole = self._fused.get(target)
-        if whole is None:
+        if whole is not None:
+            self._left[target] -= 1  # the bytes are in its region already
+            if self._left[target] > 0:
+                return
+            tensor = whole
+        if self.in_place:
+            _InPlaceFiller.assign(self, target, tensor)  # written in place already
+        else:
             super().assign(target, tensor)
-            return
-        self._left[target] -= 1  # the bytes are in its region already
-        if self._left[target] == 0:
-            super().assign(target, whole)
 
 
 # torch's CPU allocator aligns every allocation to 64 bytes; a view of a file mapping sits at its file
@@ -298,9 +314,7 @@ def _filler(module: nn.Module, in_place: bool, caller: str, conversion: Conversi
     if not isinstance(module, nn.Module):
         raise TypeError(f"{caller} fills a torch.nn.Module, not {type(module).__name__}: build the model first")
     if conversion is not None and conversion.regions:
-        if in_place:
-            raise UnsupportedError(f"{caller}(conversion=...) assigns new tensors: in_place=True is not built yet")
-        return _ConvertingFiller(module, conversion)
+        return _ConvertingFiller(module, conversion, in_place)
     return _InPlaceFiller(module) if in_place else _Filler(module)
 
 

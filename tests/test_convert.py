@@ -166,3 +166,23 @@ def test_verify_checks_every_converted_byte(tmp_path: Path) -> None:
     shard.write_bytes(bytes(data))
     with pytest.raises(streamload.IntegrityError, match="model.safetensors"):
         streamload.from_pretrained(tmp_path, device="cpu", dtype=torch.bfloat16, verify={shard.name: digest})
+
+
+def test_a_converted_checkpoint_reloads_in_place(tmp_path: Path) -> None:
+    """A model's fused experts rewritten in place from a checkpoint stored expert by expert (a reload):
+    every parameter keeps its storage, and ends equal to the new checkpoint's."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    build("qwen3_moe").save_pretrained(first)
+    model = streamload.from_pretrained(first, device="cpu", dtype=torch.bfloat16)
+    newer = build("qwen3_moe")
+    with torch.no_grad():
+        for p in newer.parameters():
+            p.add_(1.0)
+    newer.save_pretrained(second)
+    addresses = {n: p.data_ptr() for n, p in model.named_parameters()}
+    placed = streamload.integrations.transformers.conversion(
+        model, {n: t.shape for n, t in streamload.inspect(second).tensors.items()}
+    )
+    streamload.load_into(model, second, in_place=True, conversion=placed)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == addresses
+    assert_identical(model, reference("qwen3_moe", second))
