@@ -186,3 +186,21 @@ def test_a_converted_checkpoint_reloads_in_place(tmp_path: Path) -> None:
     streamload.load_into(model, second, in_place=True, conversion=placed)
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == addresses
     assert_identical(model, reference("qwen3_moe", second))
+
+
+def test_a_mixture_of_experts_over_http_converted_and_cached(tmp_path: Path) -> None:
+    from .servers import RangeServer
+
+    pytest.importorskip("obstore")
+    local = tmp_path / "www" / "moe"
+    build("qwen3_moe").save_pretrained(local, max_shard_size="200KB")
+    ref = reference("qwen3_moe", local)
+    server = RangeServer(tmp_path / "www")
+    try:
+        for _ in range(2):  # from the store, then from the cache it filled
+            got = streamload.from_pretrained(f"{server.url}/moe/", device="cpu", dtype=torch.bfloat16,
+                                             cache_dir=tmp_path / "cache")  # fmt: skip
+            assert_identical(got, ref)
+        assert len(list((tmp_path / "cache").rglob("*.safetensors"))) == len(list(local.glob("*.safetensors")))
+    finally:
+        server.close()
