@@ -23,7 +23,7 @@ from pathlib import Path
 
 RUN = """
 import json, resource, sys, time
-how, folder, reader = sys.argv[1], sys.argv[2], sys.argv[3]
+how, folder, reader, ring = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 import torch, transformers
 import streamload
 config = transformers.AutoConfig.from_pretrained(folder)  # transformers' lazy imports, before the clock:
@@ -34,7 +34,8 @@ def rss():
 base = rss()
 start = time.perf_counter()
 if how == "streamload":
-    model = streamload.from_pretrained(folder, device="cpu", dtype=torch.bfloat16, reader=reader)
+    tuning = {"ring_bytes": ring} if ring else {}
+    model = streamload.from_pretrained(folder, device="cpu", dtype=torch.bfloat16, reader=reader, **tuning)
 else:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
 seconds = time.perf_counter() - start
@@ -62,12 +63,12 @@ def make(folder: Path, hidden: int, moe: int, layers: int, experts: int) -> None
     print(f"wrote {folder}: {len(checkpoint.tensors)} tensors, {checkpoint.nbytes / 1e9:.2f} GB")
 
 
-def run(how: str, folder: Path, cold: bool, reader: str = "auto") -> dict[str, float]:
+def run(how: str, folder: Path, cold: bool, reader: str = "auto", ring: str = "") -> dict[str, float]:
     if cold:
         from streamload.bench import evict
 
         evict([str(f) for f in folder.glob("*.safetensors")])
-    cmd = [sys.executable, "-c", RUN, how, str(folder), reader]
+    cmd = [sys.executable, "-c", RUN, how, str(folder), reader, ring]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -82,6 +83,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--reader", default="auto", help="streamload's reader (posix: a bounded ring, no file mapping)")
+    ap.add_argument("--ring-bytes", default="", help="streamload's ring (default: from the machine)")
     ap.add_argument("--modes", nargs="+", default=["warm", "cold"], choices=["warm", "cold"])
     args = ap.parse_args()
     if args.make:
@@ -96,10 +98,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for mode in args.modes:
         got: dict[str, list[dict[str, float]]] = {"streamload": [], "transformers": []}
-        run("streamload", args.folder, False, args.reader)  # the page cache and the imports' files warm
+        run("streamload", args.folder, False, args.reader, args.ring_bytes)  # the page cache and imports warm
         for _ in range(args.runs):
             for how in got:
-                got[how].append(run(how, args.folder, mode == "cold", args.reader))
+                got[how].append(run(how, args.folder, mode == "cold", args.reader, args.ring_bytes))
         s = statistics.median(r["seconds"] for r in got["streamload"])
         t = statistics.median(r["seconds"] for r in got["transformers"])
         sm = statistics.median(r["peak_extra"] for r in got["streamload"])

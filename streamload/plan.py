@@ -154,23 +154,38 @@ def out_dtype(info: TensorInfo, stored: torch.dtype, dtype: DTypeOption | DTypeR
         target: torch.dtype | str | None = dtype
     else:
         rules = dtype if isinstance(dtype, DTypeRules) else DTypeRules.of(dtype)
-        target = rules.exact.get(info.name)
-        if target is None:
-            target = next((d for pat, d in rules.wild if fnmatch.fnmatchcase(info.name, pat)), None)
+        target = rules.match(info.name)
     return stored if target is None else as_torch_dtype(target)
 
 
 class DTypeRules(NamedTuple):
-    """A {pattern: dtype} option made ready once for a plan's every tensor: plain names are looked up
-    (exact names first: the more specific rule), only patterns are matched."""
+    """A {pattern: dtype} option made ready once for a plan's every tensor: the first rule that
+    matches a name decides, as in the option's order, but a plain name is looked up, and only the
+    patterns before it are matched (a load of thousands of names, each its own rule, stays linear)."""
 
-    exact: dict[str, Any]
-    wild: list[tuple[str, Any]]
+    exact: dict[str, tuple[int, Any]]  # plain name -> (its place among the rules, dtype)
+    wild: list[tuple[int, str, Any]]
 
     @staticmethod
     def of(dtype: Mapping[str, Any]) -> DTypeRules:
-        exact = {p: d for p, d in dtype.items() if not any(c in p for c in "*?[")}
-        return DTypeRules(exact, [(p, d) for p, d in dtype.items() if p not in exact])
+        exact: dict[str, tuple[int, Any]] = {}
+        wild: list[tuple[int, str, Any]] = []
+        for i, (p, d) in enumerate(dtype.items()):
+            if any(c in p for c in "*?["):
+                wild.append((i, p, d))
+            else:
+                exact.setdefault(p, (i, d))
+        return DTypeRules(exact, wild)
+
+    def match(self, name: str) -> Any:
+        """The dtype of the first rule that matches `name` (None: none does, or it says "as stored")."""
+        hit = self.exact.get(name)
+        for i, pattern, d in self.wild:
+            if hit is not None and i > hit[0]:
+                break
+            if fnmatch.fnmatchcase(name, pattern):
+                return d
+        return None if hit is None else hit[1]
 
 
 @collector_paused

@@ -88,6 +88,9 @@ def test_dtype_mapping(every_dtype: Path) -> None:
     assert got["t.float64"].dtype == torch.float64
     assert got["t.float16"].dtype == torch.bfloat16
     assert got["t.int8"].dtype == torch.int8
+    # The first rule that matches decides, a plain name's or a pattern's, whatever their kinds.
+    got = streamload.load(every_dtype, device="cpu", dtype={"t.*": torch.float16, "t.float64": torch.float32})
+    assert got["t.float64"].dtype == torch.float16 and got["big"].dtype != torch.float16
 
 
 @pytest.mark.parametrize("reader", READERS)

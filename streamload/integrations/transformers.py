@@ -215,6 +215,10 @@ def _placed(
                 value = values.get(pattern)
                 parts += [] if value is None else value if isinstance(value, list) else [value]
             shape = list(parts[0].shape)
+            if any(len(p.shape) != len(shape) or [*p.shape[: op.dim], *p.shape[op.dim + 1 :]] != [
+                    *shape[: op.dim], *shape[op.dim + 1 :]] for p in parts):  # fmt: skip
+                shown = ", ".join(str(list(p.shape)) for p in parts)
+                raise UnsupportedError(f"{model_type}: {target!r}: the tensors concatenated differ in shape ({shown})")
             shape[op.dim] = sum(p.shape[op.dim] for p in parts)
             values = {targets[0]: _Node(tuple(shape), how="cat", dims=(op.dim,), parts=parts)}
         elif isinstance(op, Transpose) and len(values) == 1:
