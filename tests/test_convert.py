@@ -204,3 +204,16 @@ def test_a_mixture_of_experts_over_http_converted_and_cached(tmp_path: Path) -> 
         assert len(list((tmp_path / "cache").rglob("*.safetensors"))) == len(list(local.glob("*.safetensors")))
     finally:
         server.close()
+
+
+def test_a_mixture_of_experts_from_a_hub_cache_verified_by_its_blob_names(tmp_path: Path) -> None:
+    from .test_verify import hub_cache
+
+    saved = tmp_path / "saved"
+    build("qwen3_moe").save_pretrained(saved, max_shard_size="200KB")
+    ref = reference("qwen3_moe", saved)
+    snapshot = hub_cache(saved, tmp_path / "models--org--moe")
+    for extra in saved.iterdir():  # config.json, the index: as the hub cache keeps them, beside the links
+        extra.rename(snapshot / extra.name)
+    got = streamload.from_pretrained(snapshot, device="cpu", dtype=torch.bfloat16, verify=True)
+    assert_identical(got, ref)
