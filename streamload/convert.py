@@ -27,9 +27,8 @@ import torch
 
 from .errors import UnsupportedError
 
-Step = tuple[
-    str, int, int, int
-]  # ("select", dim, index, 0) | ("narrow", dim, start, length) | ("transpose", d0, d1, 0)
+# ("select", dim, index, 0), ("narrow", dim, start, length) or ("transpose", dim0, dim1, 0)
+Step = tuple[str, int, int, int]
 
 
 @dataclass(frozen=True)

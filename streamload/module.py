@@ -74,6 +74,14 @@ class _Filler:
             table[attr] = new
             self.filled.add(alias)
 
+    def written(self, name: str) -> None:
+        """`name` was written in place: it (and the names tied to it) count as filled."""
+        names = self.group_of.get(name)
+        if names is None:
+            self.result.unexpected_keys.append(name)
+            return
+        self.filled.update(names)  # tied names share the storage
+
     def _owner(self, name: str) -> tuple[nn.Module, str]:
         path, _, attr = name.rpartition(".")
         return self.modules[path], attr
@@ -142,29 +150,35 @@ class _InPlaceFiller(_Filler):
     writes the staged bytes straight into each destination (`iter(into=...)`), converting to its dtype."""
 
     def destinations(self, options: Options, checkpoint: Checkpoint) -> Options:
-        if options.get("dtype") is not None:
-            raise UnsupportedError(
-                "load_into(in_place=True) converts each tensor to its parameter's own dtype: leave out dtype="
-            )
-        tensors = {name: self._get(name) for name in self.kind}
-        on_meta = [n for n, t in tensors.items() if t is not None and t.is_meta]
-        if on_meta:
-            raise UnsupportedError(
-                f"load_into(in_place=True) writes into the module's tensors, but {_short(on_meta, 5)} "
-                "are on the meta device: load without in_place to assign new tensors"
-            )
-        into = {n: t.detach() for n, t in tensors.items() if t is not None and n in checkpoint.tensors}
-        devices = {t.device for t in into.values()}
-        if options.get("device") is None and len(devices) == 1:
-            options = {**options, "device": devices.pop()}
-        return {**options, "into": into}
+        own = _own_tensors(self, options)
+        return _writing_into(options, {n: t for n, t in own.items() if n in checkpoint.tensors})
 
     def assign(self, name: str, tensor: torch.Tensor) -> None:
-        names = self.group_of.get(name)
-        if names is None:
-            self.result.unexpected_keys.append(name)
-            return
-        self.filled.update(names)  # written in place: tied names share the storage
+        self.written(name)
+
+
+def _own_tensors(filler: _Filler, options: Options) -> dict[str, torch.Tensor]:
+    """The module's tensors, to be written in place (none may be on meta, and no dtype= is given)."""
+    if options.get("dtype") is not None:
+        raise UnsupportedError(
+            "load_into(in_place=True) converts each tensor to its parameter's own dtype: leave out dtype="
+        )
+    tensors = {name: filler._get(name) for name in filler.kind}
+    on_meta = [n for n, t in tensors.items() if t is not None and t.is_meta]
+    if on_meta:
+        raise UnsupportedError(
+            f"load_into(in_place=True) writes into the module's tensors, but {_short(on_meta, 5)} "
+            "are on the meta device: load without in_place to assign new tensors"
+        )
+    return {n: t.detach() for n, t in tensors.items() if t is not None}
+
+
+def _writing_into(options: Options, into: dict[str, torch.Tensor]) -> Options:
+    """The stream's options that write into `into` (device: theirs, where they share one and none is given)."""
+    devices = {t.device for t in into.values()}
+    if options.get("device") is None and len(devices) == 1:
+        options = {**options, "device": devices.pop()}
+    return {**options, "into": into}
 
 
 class _ConvertingFiller(_Filler):
@@ -188,28 +202,20 @@ class _ConvertingFiller(_Filler):
             raise UnsupportedError("load_into(conversion=...) with tensors merged into one cannot shard= yet")
         stored = checkpoint.tensors
         self.conversion.check({n: stored[n].shape for n in self.conversion.regions if n in stored})
-        into: dict[str, torch.Tensor] = {}
-        if self.in_place:
-            own = {n: t.detach() for n in self.kind if (t := self._get(n)) is not None}
-            on_meta = [n for n, t in own.items() if t.is_meta]
-            if on_meta:
-                raise UnsupportedError(f"load_into(in_place=True): {_short(on_meta, 5)} are on the meta device")
-            into = {n: own[t] for n in stored if (t := self.conversion.target_of(n)) in own and t not in self._left}
-            devices = {t.device for t in own.values()}
-            if options.get("device") is None and len(devices) == 1:
-                options = {**options, "device": devices.pop()}
-            if options.get("dtype") is not None:
-                raise UnsupportedError("load_into(in_place=True) converts each tensor to its parameter's own dtype")
+        own = _own_tensors(self, options) if self.in_place else {}
+        into = {n: own[t] for n in stored if (t := self.conversion.target_of(n)) in own and t not in self._left}
         device = resolve(options.get("device"))
         for target, sources in self._sources.items():
             if target not in self.group_of:
                 continue  # reported by check_names (strict) or left unexpected
-            like = self._get(target)
-            whole = like.detach() if self.in_place else torch.empty(self.conversion.shapes[target], dtype=like.dtype,
-                                                                    device=device)  # fmt: skip
+            whole = (
+                own[target]
+                if self.in_place
+                else torch.empty(self.conversion.shapes[target], dtype=self._get(target).dtype, device=device)
+            )
             self._fused[target] = whole
             into |= {s: self.conversion.regions[s].of(whole) for s in sources if s in stored}
-        return {**options, "into": into} if into else options
+        return _writing_into(options, into) if into else options
 
     def start(self, groups: LayerStream, strict: bool) -> None:
         if strict:
@@ -224,7 +230,7 @@ class _ConvertingFiller(_Filler):
                 return
             tensor = whole
         if self.in_place:
-            _InPlaceFiller.assign(self, target, tensor)  # written in place already
+            self.written(target)
         else:
             super().assign(target, tensor)
 

@@ -26,7 +26,7 @@ from .errors import StreamloadError, UnsupportedError
 from .format import TensorInfo
 from .layer_keys import group_of, layer_of, layer_rank
 from .limits import shared_limits
-from .plan import DTypeOption, out_dtype
+from .plan import DTypeOption, DTypeRules, out_dtype
 from .source import Checkpoint, Source, open_checkpoint
 
 if TYPE_CHECKING:
@@ -384,7 +384,7 @@ def offload(
         if banned in options:
             raise UnsupportedError(f"offload chooses what to read itself: {banned}= is not an option here")
     checkpoint = open_checkpoint(source, options.get("cache_dir"))  # type: ignore[arg-type]
-    target = options.get("dtype")
+    target = DTypeRules.ready(options.get("dtype"))
     sizes = {n: _out_bytes(t, target) for n, t in checkpoint.tensors.items()}
     by_key: dict[str, list[str]] = {}
     for name in checkpoint.tensors:
@@ -435,7 +435,7 @@ def offload(
                      host_cache, dict(options))  # fmt: skip
 
 
-def _out_bytes(info: TensorInfo, dtype: DTypeOption) -> int:
+def _out_bytes(info: TensorInfo, dtype: DTypeOption | DTypeRules) -> int:
     """Bytes a tensor takes as handed out: `dtype=` applies as the plan applies it (patterns too)."""
     stored = info.dtype.torch_dtype
     out = stored if stored is None else out_dtype(info, stored, dtype)

@@ -177,6 +177,11 @@ class DTypeRules(NamedTuple):
                 exact.setdefault(p, (i, d))
         return DTypeRules(exact, wild)
 
+    @staticmethod
+    def ready(dtype: DTypeOption | DTypeRules) -> DTypeOption | DTypeRules:
+        """`dtype` as `out_dtype` takes it for many tensors: a {pattern: dtype} made rules once."""
+        return DTypeRules.of(dtype) if isinstance(dtype, Mapping) else dtype
+
     def match(self, name: str) -> Any:
         """The dtype of the first rule that matches `name` (None: none does, or it says "as stored")."""
         hit = self.exact.get(name)
@@ -220,7 +225,7 @@ def make_plan(
         raise ValueError(f"slot size must be a positive multiple of {SLOT_ALIGN} bytes, not {slot_bytes}")
     infos = ordered(checkpoint, select(checkpoint.tensors, include, exclude), order)
     spec = shard.resolved() if shard is not None else None  # (shard.py is imported only by those who shard)
-    rules = DTypeRules.of(dtype) if isinstance(dtype, Mapping) else dtype
+    rules = DTypeRules.ready(dtype)
     items = tuple(item for t in infos if (item := _item(t, rules, spec)) is not None)
     if into:
         items = tuple(_into(item, into[item.name]) if item.name in into else item for item in items)

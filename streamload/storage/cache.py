@@ -51,11 +51,18 @@ def cache_path(cache_dir: Path, path: PurePath) -> Path:
 def complete(local: Path, header: FileHeader) -> bool:
     """Whether `local` is a whole copy of the version of the object whose header was read."""
     try:
+        return _vouched(local, local.stat(), header)
+    except OSError:
+        return False
+
+
+def _vouched(local: Path, st: os.stat_result, header: FileHeader) -> bool:
+    """Whether `local`'s record vouches for the file `st` describes as a whole copy of `header`'s version."""
+    try:
         record = json.loads(Path(str(local) + RECORD).read_text())
-        stat = local.stat()
     except (OSError, ValueError):
         return False
-    return record == {**_record(header), **_file(stat)} and stat.st_size == header.size
+    return record == {**_record(header), **_file(st)} and st.st_size == header.size
 
 
 def lookup(cache_dir: Path, headers: Sequence[FileHeader]) -> list[Path] | None:
@@ -273,10 +280,8 @@ class Copies:
         except OSError:
             return False
         try:
-            record = json.loads(Path(str(final) + RECORD).read_text())
-            st = os.fstat(fd)
-            ok = record == {**_record(self._headers[path]), **_file(st)} and st.st_size == record["size"]
-        except (OSError, ValueError):
+            ok = _vouched(final, os.fstat(fd), self._headers[path])
+        except OSError:
             ok = False
         if ok:
             self._fds[path] = fd
