@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import UnsupportedError
+from .shard import SKIP, ShardSpec, Slice
 
 # ("select", dim, index, 0), ("narrow", dim, start, length) or ("transpose", dim0, dim1, 0)
 Step = tuple[str, int, int, int]
@@ -118,3 +119,99 @@ class Conversion:
 
     def targets(self, names: Iterable[str]) -> set[str]:
         return {self.target_of(n) for n in names}
+
+    def only(self, names: Iterable[str]) -> Conversion:
+        """The part of this conversion that converts `names` (a block, the tensors a load includes)."""
+        regions = {n: r for n in names if (r := self.regions.get(n)) is not None}
+        targets = {r.target for r in regions.values()}
+        return Conversion(regions, {t: shape for t, shape in self.shapes.items() if t in targets})
+
+    def sharded(self, spec: ShardSpec, shapes: Mapping[str, Sequence[int]]) -> tuple[Conversion, ShardSpec]:
+        """This rank's conversion under `spec`, whose rules name the model's tensors (the targets),
+        and the spec for the checkpoint's tensors that reads each source's part of the rank's part.
+
+        The rank keeps `tensor_split(target, world_size, dim)[rank]` of every target, whether the
+        checkpoint stores it whole or in pieces: a split over a merged dimension (experts) keeps the
+        rank's sources whole and reads no other's; a split crossing concatenated pieces reads each
+        piece's overlap with the rank's part. Fused targets get the rank's shape; `shapes`: the stored
+        shape of every source present.
+
+        >>> c = Conversion.merge("w", ["w.0", "w.1", "w.2", "w.3"], (2, 3))
+        >>> mine, spec = c.sharded(ShardSpec({"w": 0}, rank=1, world_size=2), {f"w.{e}": (2, 3) for e in range(4)})
+        >>> mine.shapes["w"], sorted(mine.regions), spec.slice("w.0", (2, 3))
+        ((2, 2, 3), ['w.2', 'w.3'], 'skip')
+        """
+        spec = spec.resolved()
+        regions: dict[str, Region] = {}
+        local: dict[str, tuple[int, ...]] = {}
+        answers: dict[str, Slice | str | None] = {}
+        for source, region in self.regions.items():
+            if source not in shapes:
+                continue
+            full = self.shapes.get(region.target, tuple(shapes[source]))
+            part = spec.slice(region.target, tuple(full))
+            if region.target in self.shapes and part != SKIP:
+                local[region.target] = _kept(full, part)
+            if not isinstance(part, Slice):  # whole, or not kept at all
+                answers[source] = part
+                if part is None:
+                    regions[source] = region
+                continue
+            placed = _within(region.steps, part, tuple(shapes[source]))
+            if placed is None:
+                answers[source] = SKIP
+            else:
+                answers[source], regions[source] = placed[0], Region(region.target, placed[1])
+
+        def rule(name: str, shape: tuple[int, ...]) -> Slice | str | int | None:
+            return answers[name] if name in answers else spec.dim(name, shape)  # type: ignore[return-value]
+
+        return Conversion(regions, local), ShardSpec(rule, spec.rank, spec.world_size, spec.full_shape)
+
+
+def _kept(shape: Sequence[int], part: Slice | str | None) -> tuple[int, ...]:
+    """The shape of the rank's part of a tensor of `shape`."""
+    if not isinstance(part, Slice):
+        return tuple(shape)
+    return (*shape[: part.dim], part.length, *shape[part.dim + 1 :])
+
+
+Placed = tuple[Slice | None, tuple[Step, ...]]
+
+
+def _within(steps: Sequence[Step], part: Slice, source: tuple[int, ...]) -> Placed | None:
+    """A source's region `steps` (in the whole target) made this rank's: (the part of the source to
+    read, None for all of it; the steps of its region in the rank's part of the target), or None
+    where the source lies outside the rank's part. The split dimension is followed through the
+    steps, with the rank's interval in the coordinates of the view at hand; in the rank's tensor,
+    coordinate 0 of that dimension is always the interval's start."""
+    dim: int | None = part.dim
+    low, high = part.start, part.start + part.length
+    out: list[Step] = []
+    for kind, a, b, c in steps:
+        if dim is None:  # the split dimension is resolved: the rest as it is
+            out.append((kind, a, b, c))
+        elif kind == "select":
+            if a == dim:
+                if not low <= b < high:
+                    return None
+                out.append(("select", a, b - low, 0))
+                dim = None
+            else:
+                dim -= a < dim
+                out.append((kind, a, b, c))
+        elif kind == "narrow":
+            if a == dim:
+                start, end = max(low, b), min(high, b + c)
+                if end <= start:
+                    return None
+                out.append(("narrow", a, start - low, end - start))
+                low, high = start - b, end - b
+            else:
+                out.append((kind, a, b, c))
+        else:  # transpose
+            dim = b if a == dim else a if b == dim else dim
+            out.append((kind, a, b, c))
+    if dim is None or high - low == source[dim]:
+        return None, tuple(out)
+    return Slice(dim, low, high - low), tuple(out)

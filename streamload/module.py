@@ -192,20 +192,22 @@ class _ConvertingFiller(_Filler):
         self.conversion = conversion
         self.in_place = in_place
         self._fused: dict[str, torch.Tensor] = {}
-        self._sources = conversion.fused()
-        self._left: dict[str, int] = {t: len(s) for t, s in self._sources.items()}
+        self._left: dict[str, int] = {}
 
     def destinations(self, options: Options, checkpoint: Checkpoint) -> Options:
         if options.get("into"):
             raise UnsupportedError("load_into(conversion=...) makes the stream's destinations itself: leave out into=")
-        if options.get("shard") is not None and self._left:
-            raise UnsupportedError("load_into(conversion=...) with tensors merged into one cannot shard= yet")
         stored = checkpoint.tensors
-        self.conversion.check({n: stored[n].shape for n in self.conversion.regions if n in stored})
+        shapes = {n: stored[n].shape for n in self.conversion.regions if n in stored}
+        self.conversion.check(shapes)
+        if (shard := options.get("shard")) is not None:  # the rank's part of each target, from its sources' parts
+            self.conversion, spec = self.conversion.sharded(shard, shapes)
+            options = {**options, "shard": spec}
+        sources = self.conversion.fused()
         own = _own_tensors(self, options) if self.in_place else {}
-        into = {n: own[t] for n in stored if (t := self.conversion.target_of(n)) in own and t not in self._left}
+        into = {n: own[t] for n in stored if (t := self.conversion.target_of(n)) in own and t not in sources}
         device = resolve(options.get("device"))
-        for target, sources in self._sources.items():
+        for target, parts in sources.items():
             if target not in self.group_of:
                 continue  # reported by check_names (strict) or left unexpected
             whole = (
@@ -214,7 +216,11 @@ class _ConvertingFiller(_Filler):
                 else torch.empty(self.conversion.shapes[target], dtype=self._get(target).dtype, device=device)
             )
             self._fused[target] = whole
-            into |= {s: self.conversion.regions[s].of(whole) for s in sources if s in stored}
+            self._left[target] = len(parts)
+            into |= {s: self.conversion.regions[s].of(whole) for s in parts}
+            if not parts:  # a rank's empty part of it: nothing to read
+                self._left[target] = 1
+                self.assign(target, whole)
         return _writing_into(options, into) if into else options
 
     def start(self, groups: LayerStream, strict: bool) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from . import device as devices
 from .api import iter as stream_tensors
+from .convert import Conversion
 from .errors import StreamloadError, UnsupportedError
 from .format import TensorInfo
 from .layer_keys import group_of, layer_of, layer_rank
@@ -109,9 +110,10 @@ class _Fetched(NamedTuple):
 class _Block(NamedTuple):
     key: str
     module: nn.Module
-    names: tuple[str, ...]
+    names: tuple[str, ...]  # the checkpoint's
     nbytes: int
-    slots: dict[str, _Slot]
+    slots: dict[str, _Slot]  # by the model's names
+    conversion: Conversion  # the block's sources -> its tensors (empty: as stored)
 
 
 class OffloadStats(NamedTuple):
@@ -262,18 +264,35 @@ class Offloaded:
         if files is None:
             return False
         for name, t in tensors.items():
-            info = self.checkpoint.tensors[name]
+            info = self.checkpoint.tensors.get(name)
+            if info is None:  # a tensor of the model's own (converted): no view of the file
+                return False
             if info.nbytes and t.untyped_storage().data_ptr() != files.mapping(info.path).data_ptr():
                 return False
         return True
 
     def _stream(self, block: _Block, device: torch.device | str) -> Iterator[tuple[str, torch.Tensor]]:
-        stream = stream_tensors(self.checkpoint, device=device, include=list(block.names), **self.options)
+        """The block's tensors under the model's names; a tensor several sources fill is allocated
+        for this fetch and handed on once every source is read into its region."""
+        convert = block.conversion
+        fused = {t: torch.empty(shape, dtype=block.slots[t].placeholder.dtype, device=device)
+                 for t, shape in convert.shapes.items()}  # fmt: skip
+        left = {t: len(sources) for t, sources in convert.fused().items()}
+        into = {s: r.of(fused[r.target]) for s, r in convert.regions.items() if r.target in fused}
+        stream = stream_tensors(self.checkpoint, device=device, include=list(block.names), **self.options,
+                                **({"into": into} if into else {}))  # fmt: skip
         with self._lock:
             self._streams.add(stream)
         try:
             with stream:
-                yield from stream
+                for name, t in stream:
+                    target = convert.target_of(name)
+                    if target not in fused:
+                        yield target, t
+                        continue
+                    left[target] -= 1  # its bytes are in its region already
+                    if left[target] == 0:
+                        yield target, fused[target]
         finally:
             with self._lock:
                 self._streams.discard(stream)
@@ -344,6 +363,7 @@ def offload(
     device: str | torch.device | None = None,
     ahead: int = 1,
     host_cache: bool = False,
+    conversion: Conversion | None = None,
     **options: Unpack[Options],
 ) -> Offloaded:
     """Run `model` (built with `empty_weights`) with at most `budget_bytes` of weights on `device`.
@@ -357,6 +377,9 @@ def offload(
         ahead: how many blocks are fetched before the one that runs.
         host_cache: (GPU) keep each streamed block in pinned host memory after its first fetch, and
             fetch it from there (a host-to-device copy) instead of from storage.
+        conversion: checkpoint names -> the regions of the model's tensors they fill, as for
+            `load_into` (a mixture of experts stored expert by expert, fused in the model): a
+            block's fused tensors are allocated for each fetch and every source read into its place.
         **options: the options of `iter` (dtype, reader, threads, ...).
 
     Returns:
@@ -386,9 +409,10 @@ def offload(
     checkpoint = open_checkpoint(source, options.get("cache_dir"))  # type: ignore[arg-type]
     target = DTypeRules.ready(options.get("dtype"))
     sizes = {n: _out_bytes(t, target) for n, t in checkpoint.tensors.items()}
+    convert = conversion or Conversion()
     by_key: dict[str, list[str]] = {}
-    for name in checkpoint.tensors:
-        by_key.setdefault(group_of(name), []).append(name)
+    for name in checkpoint.tensors:  # by the module the tensor lands in (a rename may move it)
+        by_key.setdefault(group_of(convert.target_of(name)), []).append(name)
     # in the order the forward runs them (the files may hold layer 10 before layer 2)
     layer_keys = sorted((k for k in by_key if layer_of(k + ".") is not None), key=lambda k: layer_rank(k + "."))
     fixed = [n for k, names in by_key.items() if k not in layer_keys for n in names]
@@ -415,9 +439,12 @@ def offload(
     from .module import _Filler, load_into
 
     # what the model needs and the checkpoint lacks (tied weights count as present), before any read
-    _Filler(model).check_names(checkpoint.tensors, fix="check that the checkpoint is this model's")
+    if convert.regions:
+        convert.check({n: t.shape for n, t in checkpoint.tensors.items() if n in convert.regions})
+    names = convert.targets(checkpoint.tensors)
+    _Filler(model).check_names(names, fix="check that the checkpoint is this model's")
     # buffers no checkpoint holds (rotary inv_freq) must come from the constructor, not stay on meta
-    empty = [n for n, b in model.named_buffers() if b.is_meta and n not in checkpoint.tensors]
+    empty = [n for n, b in model.named_buffers() if b.is_meta and n not in names]
     if empty:
         shown = ", ".join(repr(n) for n in empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
         raise StreamloadError(
@@ -427,9 +454,10 @@ def offload(
         )
 
     if keep:
-        load_into(model, checkpoint, device=dev, include=keep, strict=False, **options)  # type: ignore[misc]
+        load_into(model, checkpoint, device=dev, include=keep, strict=False, conversion=convert.only(keep),
+                  **options)  # type: ignore[misc]  # fmt: skip
     _materialise_buffers(model, dev)
-    blocks = [_block(model, key, by_key[key], block_bytes[key]) for key in streamed]
+    blocks = [_block(model, key, by_key[key], block_bytes[key], convert.only(by_key[key])) for key in streamed]
     resident_bytes = fixed_bytes + sum(block_bytes[k] for k in resident)
     return Offloaded(model, checkpoint, blocks, dev, budget_bytes, resident_bytes, len(resident), ahead,
                      host_cache, dict(options))  # fmt: skip
@@ -450,10 +478,10 @@ def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
             model.get_submodule(owner)._buffers[attr] = b.to(device)
 
 
-def _block(model: nn.Module, key: str, names: list[str], nbytes: int) -> _Block:
+def _block(model: nn.Module, key: str, names: list[str], nbytes: int, conversion: Conversion) -> _Block:
     module = model.get_submodule(key)
     slots = {}
-    for name in names:
+    for name in sorted(conversion.targets(names)):
         owner_path, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_path)
         parameter = attr in owner._parameters
@@ -461,7 +489,7 @@ def _block(model: nn.Module, key: str, names: list[str], nbytes: int) -> _Block:
         if current is None or not current.is_meta:
             raise StreamloadError(f"offload: {name} should be on the meta device (build the model in empty_weights())")
         slots[name] = _Slot(owner, attr, parameter, current)
-    return _Block(key, module, tuple(names), nbytes, slots)
+    return _Block(key, module, tuple(names), nbytes, slots, conversion)
 
 
 __all__ = ["OffloadStats", "Offloaded", "offload"]

@@ -217,3 +217,72 @@ def test_a_mixture_of_experts_from_a_hub_cache_verified_by_its_blob_names(tmp_pa
         extra.rename(snapshot / extra.name)
     got = streamload.from_pretrained(snapshot, device="cpu", dtype=torch.bfloat16, verify=True)
     assert_identical(got, ref)
+
+
+TP = {"*.mlp.experts.gate_up_proj": 1, "*.mlp.experts.down_proj": 2, "*.self_attn.q_proj.weight": 0,
+      "*.embed_tokens.weight": 1, "*.shared_experts.gate_proj.weight": 0}  # fmt: skip
+EP = {"*.mlp.experts.*": 0}
+
+
+@pytest.mark.parametrize("rules", [TP, EP], ids=["tensor", "expert"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_shard_rules_on_the_fused_layout_give_each_rank_its_part_of_every_target(
+    tmp_path: Path, model_type: str, rules: dict[str, int]
+) -> None:
+    """A ShardSpec written against the model's own (fused) names gives each rank
+    `tensor_split(transformers' tensor, world, dim)[rank]` from either layout: its experts alone for a
+    split over experts, each piece's overlap with its part where the split crosses gate and up (3 ranks
+    split 2I=64 into 22/21/21 rows, so rank 1's part holds the end of gate and the start of up)."""
+    model = build(model_type)
+    hub, fused = tmp_path / "hub", tmp_path / "fused"
+    model.save_pretrained(hub)
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(fused)
+    save_model(model, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    ref = reference(model_type, hub).state_dict()
+    for path in (hub, fused):
+        for rank in range(3):
+            spec = streamload.ShardSpec(rules, rank, 3)
+            got = streamload.from_pretrained(path, device="cpu", dtype=torch.bfloat16, shard=spec).state_dict()
+            assert got.keys() == ref.keys()
+            for name, t in ref.items():
+                part = spec.resolved().slice(name, tuple(t.shape))
+                want = t if part is None else t.narrow(part.dim, part.start, part.length)
+                assert got[name].dtype == want.dtype and torch.equal(got[name], want), (path.name, rank, name)
+
+
+def test_a_converted_mixture_of_experts_runs_offloaded(tmp_path: Path) -> None:
+    """`offload` with a conversion: the experts of each streamed layer read into fused tensors made for
+    the fetch, the first layer resident; logits and generated tokens those of transformers' model."""
+    from streamload.integrations.transformers import conversion
+
+    build("qwen3_moe").save_pretrained(tmp_path, max_shard_size="200KB")
+    ref = reference("qwen3_moe", tmp_path)
+    with streamload.empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(ref.config, dtype=torch.bfloat16).eval()
+    placed = conversion(model, {n: t.shape for n, t in streamload.inspect(tmp_path).tensors.items()})
+    checkpoint = streamload.inspect(tmp_path)
+    layer = sum(t.numel * 2 for n, t in checkpoint.tensors.items() if n.startswith("model.layers.1."))  # bf16
+    outside = sum(t.numel * 2 for n, t in checkpoint.tensors.items() if not n.startswith("model.layers."))
+    ids = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(1))
+    with streamload.offload(model, tmp_path, device="cpu", budget_bytes=outside + layer * 7 // 2, conversion=placed,
+                            dtype=torch.bfloat16, reader="posix") as off, torch.no_grad():  # fmt: skip
+        assert off.stats.resident_blocks == 1 and off.stats.offloaded_blocks == 1
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+        want = ref.generate(ids, max_new_tokens=3, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False), want)
+        assert off.stats.fetches >= 4
+    assert all(p.is_meta for p in model.model.layers[1].parameters())
+
+
+def test_a_mixture_of_experts_from_s3_converted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from .servers import s3_server, upload
+
+    pytest.importorskip("moto")
+    local = tmp_path / "moe"
+    build("qwen3_moe").save_pretrained(local, max_shard_size="200KB")
+    with s3_server(monkeypatch) as s3:
+        upload(s3, "models", "moe/", local)
+        got = streamload.from_pretrained("s3://models/moe/", device="cpu", dtype=torch.bfloat16)
+    assert_identical(got, reference("qwen3_moe", local))
