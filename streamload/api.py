@@ -114,15 +114,16 @@ def iter(
             raise ValueError(f"into= names tensors the checkpoint does not hold: {', '.join(map(repr, absent[:5]))}"
                              f"{' ...' if len(absent) > 5 else ''}")  # fmt: skip
     total = checkpoint.nbytes
+    copies = bool(into) and 2 * sum(checkpoint.tensors[n].nbytes for n in into) >= total
     tuning = defaults.tuning(
-        dev.type, total, ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes
+        dev.type, total, ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes, copies=copies
     )
     tuning.check()
     check_fits(tuning.slot_bytes, "a ring slot")
     first = checkpoint.files[0].path if checkpoint.files else None
     exchange = _exchange(cooperative, dev)
     lands, why = _lands(exchange, verify)
-    read, make = route(dev, reader, checkpoint.storage.kind, tuning, first, total, lands, why)
+    read, make = route(dev, reader, checkpoint.storage.kind, tuning, first, total, lands, why, copies)
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
     share = None
     if exchange is not None:
@@ -152,6 +153,8 @@ def iter(
         share=share,
         into=into,
         first_batch=checkpoint.storage.first_batch,
+        # a destination's bytes read straight into it, where no one looks at them in the slot
+        land=getattr(read, "lands", False) and chosen is None and exchange is None,
     )
     _check_into_device(plan, dev)
     if not plan.items and checkpoint.tensors and (include is not None or exclude is not None):

@@ -41,6 +41,7 @@ class Item(NamedTuple):
     read_whole: bool = False  # the ranges are the whole tensor: take `part` of it after reading
     into: torch.Tensor | None = None  # an existing tensor the bytes are written into (in place), delivered as is
     full_shape: bool = False  # delivered in the full tensor's shape, only `part` written (ShardSpec.full_shape)
+    lands: bool = False  # the reader writes the bytes straight into `into`: no slot holds them, nothing copies
 
     @property
     def name(self) -> str:
@@ -206,6 +207,7 @@ def make_plan(
     share: Share | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
     first_batch: int = 0,
+    land: bool = False,
 ) -> Plan:
     """Select, order and pack the tensors of `checkpoint` into batches of at most `slot_bytes`;
     with `shard`, only this rank's part of each tensor (and only its bytes are read).
@@ -216,7 +218,9 @@ def make_plan(
 
     `share` (cooperative loading) is asked which whole-tensor reads every rank makes; those are
     packed into shared batches of their own, laid out alike on every rank whatever else a rank reads.
-    `into` names existing tensors to write in place (their dtype is the one delivered).
+    `into` names existing tensors to write in place (their dtype is the one delivered); with `land`
+    (a reader that can, a load whose bytes no one else looks at in the slot) those in host memory
+    that take the stored bytes as they are are read straight into (`Item.lands`).
     """
     if order not in ("layer", "file"):
         raise ValueError(f"order must be 'layer' or 'file', not {order!r}")
@@ -228,7 +232,7 @@ def make_plan(
     rules = DTypeRules.ready(dtype)
     items = tuple(item for t in infos if (item := _item(t, rules, spec)) is not None)
     if into:
-        items = tuple(_into(item, into[item.name]) if item.name in into else item for item in items)
+        items = tuple(_into(item, into[item.name], land) if item.name in into else item for item in items)
     used = {t.path for t in infos}
     files = {f.path: f for f in checkpoint.files if f.path in used}
     if share is None:
@@ -311,8 +315,9 @@ def converts(stored: torch.dtype, dest: torch.dtype) -> bool:
     return dest == stored or (stored.is_floating_point and dest.is_floating_point)
 
 
-def _into(item: Item, dest: torch.Tensor) -> Item:
-    """`item` written into `dest`: same shape (this rank's part), a dtype the stored one converts to."""
+def _into(item: Item, dest: torch.Tensor, land: bool = False) -> Item:
+    """`item` written into `dest`: same shape (this rank's part), a dtype the stored one converts to;
+    read straight into it (`land`) where it is contiguous host memory of the stored dtype."""
     where = f"{item.info.path}: tensor {item.name!r}"
     if item.full_shape:
         raise UnsupportedError(f"{where}: into= and ShardSpec(full_shape=True) do not go together")
@@ -328,7 +333,8 @@ def _into(item: Item, dest: torch.Tensor) -> Item:
         )
     if dest.is_meta:
         raise UnsupportedError(f"{where}: cannot load in place into a tensor on the meta device")
-    return item._replace(out=dest.dtype, into=dest)
+    lands = land and dest.device.type == "cpu" and dest.dtype == item.stored and dest.is_contiguous()
+    return item._replace(out=dest.dtype, into=dest, lands=lands and not item.read_whole)
 
 
 def _pack(items: Sequence[Item], slot_bytes: int, first_batch: int = 0, shared: bool = False) -> list[Batch]:

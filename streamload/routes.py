@@ -34,6 +34,7 @@ class Load(NamedTuple):
     first_file: PurePath | None
     total_bytes: int
     chosen: bool  # named by the caller (a builder raises) rather than tried by auto (it returns None)
+    copies: bool = False  # most bytes are copied into tensors that exist already (into=)
 
 
 class ReaderRow(NamedTuple):
@@ -71,10 +72,15 @@ def _kvikio(load: Load) -> Reader | None:
     return kv
 
 
-def _mmap(load: Load) -> Reader:
+def _mmap(load: Load) -> Reader | None:
+    """On the CPU, mapping wins (measured, docs/benchmarks.md): tensors are views of the page cache.
+    Not under auto where the bytes are copied into tensors of their own anyway: the mapped pages
+    would hold the checkpoint in the process a second time until the load ends."""
     from .read import MmapReader
 
-    return MmapReader(load.tuning.chunk_bytes)  # measured (docs/benchmarks.md): on the CPU, mapping wins
+    if load.copies and not load.chosen:
+        return None
+    return MmapReader(load.tuning.chunk_bytes)
 
 
 def _direct(load: Load) -> Reader | None:
@@ -135,6 +141,7 @@ def route(
     total_bytes: int = 0,
     lands: Collection[Into] = ("host", "mapped", "device"),
     why: str = "",
+    copies: bool = False,
 ) -> tuple[Reader, Device]:
     """The reader and device for a load. `lands`: where the load needs the bytes to land, and `why`
     (cooperative loading over a host-memory process group exchanges them in host staging slots,
@@ -147,7 +154,7 @@ def route(
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UnsupportedError(f"device {dev}: this torch sees no CUDA device")
     chosen = reader != "auto"
-    load = Load(dev, tuning, first_file, total_bytes, chosen)
+    load = Load(dev, tuning, first_file, total_bytes, chosen, copies)
     for row in READERS:
         if chosen and row.name != reader:
             continue

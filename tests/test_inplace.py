@@ -195,3 +195,37 @@ def test_fp8_weights_and_scales_in_place_at_a_ranks_rows(tmp_path: Path, reader:
         got = dict(stream)
     assert got["w.weight"] is into["w.weight"] and same_bits(into["w.weight"], weight[128:])
     assert same_bits(into["w.weight_scale_inv"], scale[1:])
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
+def test_destinations_in_host_memory_are_read_straight_into(tmp_path: Path, cold: bool) -> None:
+    """With the posix reader, a contiguous destination of the stored dtype gets its bytes from the
+    read itself (`Item.lands`): no slot holds them and nothing copies them. Tensors larger than a slot
+    and than a request, small ones side by side, views inside one larger tensor, a transposed view
+    and another dtype (those two through the slot): all bit-exact against load_file."""
+    from streamload.bench import evict
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {"big": torch.randn(300, 70, generator=g), "t": torch.randn(8, 6, generator=g),
+               **{f"e.{k}": torch.randn(5, 7, generator=g) for k in range(6)}, "half": torch.randn(33, generator=g)}  # fmt: skip
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path))
+    fused = torch.zeros(6, 5, 7)
+    into = {"big": torch.empty(300, 70), "t": torch.empty(6, 8).t(), "half": torch.empty(33, dtype=torch.float64),
+            **{f"e.{k}": fused[k] for k in range(6)}}  # fmt: skip
+    if cold:
+        evict([str(path)])
+    with streamload.iter(path, device="cpu", reader="posix", into=into, ring_bytes=64 << 10, slots=2,
+                         chunk_bytes=16 << 10) as stream:  # fmt: skip
+        landed = {i.name for i in stream.plan.items if i.lands}
+        got = dict(stream)
+    assert landed == {"big", *(f"e.{k}" for k in range(6))}
+    for name, t in tensors.items():
+        assert got[name] is into[name] and torch.equal(got[name], t.to(into[name].dtype)), name
+    assert torch.equal(fused, torch.stack([tensors[f"e.{k}"] for k in range(6)]))
+    import hashlib
+
+    digest = {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
+    with streamload.iter(path, device="cpu", reader="posix", into=dict(into), verify=digest) as stream:
+        assert not any(i.lands for i in stream.plan.items)  # verify= hashes the bytes in the slot
+        assert all(torch.equal(t, tensors[n].to(t.dtype)) for n, t in stream)

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from ..errors import ReadError
-from ..plan import Batch
+from ..plan import Batch, Piece
 
 Job = Callable[[], int]  # blocking; runs on a reader thread; returns the bytes it brought in
 Work = Job | int  # a job, or the length of a range already in place (resident pages): nothing to run
@@ -29,12 +29,19 @@ class Reader(Protocol):
         ...
 
 
+Where = int | memoryview  # a slot offset, or (`Item.lands`) the destination's own bytes
+
+
 class Span(NamedTuple):
-    """Bytes contiguous in one file, scattered to `parts` = [(slot_offset, length)] in order."""
+    """Bytes contiguous in one file, scattered to `parts` = [(where, length)] in order: `where` is an
+    offset in the slot, or the bytes of the tensor they land in (only for readers that land them)."""
 
     path: PurePath
     file_offset: int
-    parts: tuple[tuple[int, int], ...]
+    parts: tuple[tuple[Where, int], ...]
+
+    def buffers(self, slot: memoryview) -> list[memoryview]:
+        return [slot[at : at + n] if isinstance(at, int) else at for at, n in self.parts]
 
     @property
     def length(self) -> int:
@@ -50,7 +57,7 @@ def spans(batch: Batch, chunk_bytes: int) -> Iterable[Span]:
     so that one large tensor is read by several threads at once."""
     path: PurePath | None = None
     start = end = 0
-    parts: list[tuple[int, int]] = []
+    parts: list[tuple[Where, int]] = []
     for p in batch.pieces:
         if p.length == 0:
             continue
@@ -60,7 +67,7 @@ def spans(batch: Batch, chunk_bytes: int) -> Iterable[Span]:
             parts = []
         if not parts:
             path, start, end = info.path, p.file_offset, p.file_offset
-        parts.append((p.slot_offset, p.length))
+        parts.append((landing(p) if p.item.lands else p.slot_offset, p.length))
         end += p.length
     if parts:
         yield from _cut(Span(path, start, tuple(parts)), chunk_bytes)  # type: ignore[arg-type]
@@ -78,6 +85,12 @@ def span_groups(batch: Batch, chunk_bytes: int) -> list[list[Span]]:
         groups[-1].append(span)
         size += span.length
     return groups
+
+
+def landing(piece: Piece) -> memoryview:
+    """The bytes of the piece's destination it fills (`Item.lands`)."""
+    assert piece.item.into is not None
+    return writable_bytes(piece.item.into)[piece.offset : piece.offset + piece.length]
 
 
 def extents(group: list[Span]) -> list[tuple[int, int]]:
@@ -98,10 +111,12 @@ def _cut(span: Span, chunk_bytes: int) -> Iterable[Span]:
         yield span
         return
     file_offset = span.file_offset
-    for slot_offset, length in span.parts:
+    for where, length in span.parts:
         for at in range(0, length, chunk_bytes):
             n = min(chunk_bytes, length - at)
-            yield Span(span.path, file_offset + at, ((slot_offset + at, n),))
+            yield Span(
+                span.path, file_offset + at, ((where + at if isinstance(where, int) else where[at : at + n], n),)
+            )
         file_offset += length
 
 

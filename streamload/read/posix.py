@@ -33,6 +33,7 @@ _BACKOFF = 0.001  # seconds, times the retries so far (up to 10)
 
 class PosixReader:
     name = "posix"
+    lands = True  # reads a piece straight into its destination where the plan says so (`Item.lands`)
 
     def __init__(self, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
@@ -58,6 +59,7 @@ class DirectReader(PosixReader):
     system allows it; elsewhere as `PosixReader` does)."""
 
     name = "direct"
+    lands = False  # its cold reads go through a bounce buffer to slot offsets
 
     def _cold(self, files: LocalFiles, group: list[Span], view: memoryview) -> Job:
         fd = files.direct_fd(group[0].path)
@@ -101,7 +103,7 @@ def _read_spans(fd: int, group: list[Span], slot: memoryview, readahead: bool = 
 
 
 def _read_span(fd: int, span: Span, slot: memoryview) -> int:
-    buffers = [slot[at : at + n] for at, n in span.parts]
+    buffers = span.buffers(slot)
     offset, done, total = span.file_offset, 0, span.length
     while done < total:
         n = _preadv(fd, span, buffers[:IOV_MAX], offset)  # more buffers than that in one call is EINVAL
