@@ -1,4 +1,4 @@
-"""The `streamload` command: demo, inspect, digest, load, bench."""
+"""The `streamload` command: demo, inspect, digest, load, bench, serve, vllm-check."""
 
 from __future__ import annotations
 
@@ -94,6 +94,18 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", action="store_true",
                        help="time streamload alone on a grid of threads x request size x ring around its defaults, "
                             "and print the best setting as options to pass")  # fmt: skip
+    serve = sub.add_parser(
+        "serve", help="start fetching a server's weights, then run the server (streamload serve -- vllm serve ...)",
+        description="Start fetching the weights at once (object storage into a staging directory or "
+        "--cache-dir, local files into the page cache), then run COMMAND with the fetch named in its "
+        "environment: streamload's vLLM load format adopts it instead of starting its own after vLLM's "
+        "imports. The weights' source is --source, else the command's --model-loader-extra-config "
+        "'{\"source\": ...}', else its model when that is a path or URL. Exits with COMMAND's status.",
+    )  # fmt: skip
+    serve.add_argument("--source", default=None, help="the weights (default: from the command's arguments)")
+    serve.add_argument("--cache-dir", type=Path, default=None, help="keep the download here (default: a "
+                       "staging directory, removed once the engine has loaded and when the command ends)")  # fmt: skip
+    serve.add_argument("server", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the server to run")
     check = sub.add_parser("vllm-check", help="load a model through vLLM's default loader and through streamload, "
                            "and compare every parameter", description="Load MODEL twice in real vLLM engines, with "
                            "vLLM's default loader and with load_format='streamload', and compare every parameter "
@@ -146,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args)
         elif args.command == "vllm-check":
             return _vllm_check(args)
+        elif args.command == "serve":
+            from .serve import serve
+
+            command = args.server[1:] if args.server[:1] == ["--"] else args.server
+            return serve(command, args.source, args.cache_dir)
     except (StreamloadError, ValueError) as exc:
         print(f"streamload: error: {exc}", file=sys.stderr)
         return 1

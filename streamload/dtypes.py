@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import UnsupportedError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported when a dtype's torch side is first asked for, not with this module: reading and
+# validating headers (a fetch process, the format, the storages) needs none (~2.5 s of imports).
 
 
 class DType(NamedTuple):
@@ -14,9 +18,17 @@ class DType(NamedTuple):
 
     name: str
     bits: int
-    torch_dtype: torch.dtype | None
+    torch_name: str  # the torch dtype's name ("" where torch has none)
     floating: bool  # subject to the `dtype=` conversion (fp8, complex and packed types are not)
-    packed: int  # how many format elements one torch element holds (2 for F4 as float4_e2m1fn_x2)
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return _torch()[self.name][0]
+
+    @property
+    def packed(self) -> int:
+        """How many format elements one torch element holds (2 for F4 as float4_e2m1fn_x2)."""
+        return _torch()[self.name][1]
 
     def nbytes(self, numel: int) -> int | None:
         """Bytes that `numel` elements take, or None when they do not fill whole bytes."""
@@ -24,42 +36,47 @@ class DType(NamedTuple):
         return bits // 8 if bits % 8 == 0 else None
 
 
-def _opt(name: str) -> torch.dtype | None:
-    return getattr(torch, name, None)
-
-
-_TABLE: list[tuple[str, int, torch.dtype | None, bool]] = [
-    ("F64", 64, torch.float64, True),
-    ("F32", 32, torch.float32, True),
-    ("F16", 16, torch.float16, True),
-    ("BF16", 16, torch.bfloat16, True),
-    ("I64", 64, torch.int64, False),
-    ("I32", 32, torch.int32, False),
-    ("I16", 16, torch.int16, False),
-    ("I8", 8, torch.int8, False),
-    ("U64", 64, _opt("uint64"), False),
-    ("U32", 32, _opt("uint32"), False),
-    ("U16", 16, _opt("uint16"), False),
-    ("U8", 8, torch.uint8, False),
-    ("BOOL", 8, torch.bool, False),
-    ("C64", 64, torch.complex64, False),
-    ("F8_E4M3", 8, _opt("float8_e4m3fn"), False),
-    ("F8_E5M2", 8, _opt("float8_e5m2"), False),
-    ("F8_E4M3FNUZ", 8, _opt("float8_e4m3fnuz"), False),
-    ("F8_E5M2FNUZ", 8, _opt("float8_e5m2fnuz"), False),
-    ("F8_E8M0", 8, _opt("float8_e8m0fnu"), False),
-    ("F6_E2M3", 6, None, False),
-    ("F6_E3M2", 6, None, False),
-    ("F4", 4, _opt("float4_e2m1fn_x2"), False),
+_TABLE: list[tuple[str, int, str, bool]] = [
+    ("F64", 64, "float64", True),
+    ("F32", 32, "float32", True),
+    ("F16", 16, "float16", True),
+    ("BF16", 16, "bfloat16", True),
+    ("I64", 64, "int64", False),
+    ("I32", 32, "int32", False),
+    ("I16", 16, "int16", False),
+    ("I8", 8, "int8", False),
+    ("U64", 64, "uint64", False),
+    ("U32", 32, "uint32", False),
+    ("U16", 16, "uint16", False),
+    ("U8", 8, "uint8", False),
+    ("BOOL", 8, "bool", False),
+    ("C64", 64, "complex64", False),
+    ("F8_E4M3", 8, "float8_e4m3fn", False),
+    ("F8_E5M2", 8, "float8_e5m2", False),
+    ("F8_E4M3FNUZ", 8, "float8_e4m3fnuz", False),
+    ("F8_E5M2FNUZ", 8, "float8_e5m2fnuz", False),
+    ("F8_E8M0", 8, "float8_e8m0fnu", False),
+    ("F6_E2M3", 6, "", False),
+    ("F6_E3M2", 6, "", False),
+    ("F4", 4, "float4_e2m1fn_x2", False),
 ]
 
+DTYPES: dict[str, DType] = {name: DType(name, bits, td, fl) for name, bits, td, fl in _TABLE}
+_TORCH_SIDE: dict[str, tuple[torch.dtype | None, int]] = {}
 
-def _packed(bits: int, td: torch.dtype | None) -> int:
-    return 1 if td is None else max(1, td.itemsize * 8 // bits)
 
+def _torch() -> dict[str, tuple[torch.dtype | None, int]]:
+    """name -> (this torch's dtype or None, elements per torch element), made once (it is asked per tensor)."""
+    if not _TORCH_SIDE:
+        import torch
 
-# `packed` computed once here: it is asked of each tensor a plan makes
-DTYPES: dict[str, DType] = {name: DType(name, bits, td, fl, _packed(bits, td)) for name, bits, td, fl in _TABLE}
+        made = {}
+        for name, bits, torch_name, _ in _TABLE:
+            td = getattr(torch, torch_name, None) if torch_name else None
+            td = td if isinstance(td, torch.dtype) else None
+            made[name] = (td, 1 if td is None else max(1, td.itemsize * 8 // bits))
+        _TORCH_SIDE.update(made)  # whole, at once: another thread sees it empty or complete
+    return _TORCH_SIDE
 
 
 def torch_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -76,6 +93,8 @@ def torch_shape(dtype: DType, shape: tuple[int, ...]) -> tuple[int, ...] | None:
 
 def as_torch_dtype(value: torch.dtype | str) -> torch.dtype:
     """A torch dtype, or its name ("float16", "torch.bfloat16"), as the command line takes it."""
+    import torch
+
     if isinstance(value, torch.dtype):
         return value
     found = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else None

@@ -4,6 +4,10 @@ storage into a cache directory. The load that follows then reads from memory or 
 
     python -m streamload.prefetch SOURCE --done FILE [--cache-dir DIR] [--budget BYTES]
 
+A server's weights, fetched from the moment its process starts (`ahead`: one line before `from vllm
+import LLM`, or `streamload serve -- vllm serve ...`), are published in the environment (`ENV`) for
+the load format to adopt instead of starting a fetch of its own.
+
 The process reads local files into the page cache, the files a load reads (without torch: it
 starts in milliseconds; mapped, so pages cached already cost no copy), and object storage as a load
 does (`streamload.iter` on the CPU, handing nothing on: each file is written whole into `cache_dir`,
@@ -21,13 +25,19 @@ import atexit
 import json
 import mmap
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+ENV = "STREAMLOAD_FETCH"  # the fetch this process (or the one that started it) began: JSON, see `ahead`
 
 
 @dataclass
@@ -77,6 +87,73 @@ def start(source: str, done: Path, cache_dir: Path | None = None, budget: int | 
     return prefetch
 
 
+def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Start fetching `source` for a server this process is about to start, and publish the fetch in
+    the environment (`ENV`), where streamload's vLLM load format, in this process or any it starts,
+    adopts it instead of starting another. Call it first, before importing vLLM (seconds of imports
+    that the download then overlaps):
+
+    >>> import streamload.prefetch; streamload.prefetch.ahead("s3://bucket/llama/")  # doctest: +SKIP
+    >>> from vllm import LLM  # doctest: +SKIP
+
+    Local files are read into the page cache; object storage is written into `cache_dir`, or without
+    one into a private staging directory on local disk, removed once the engine has loaded (or when
+    this process exits). The fetch ends with this process. Returns what the loader needs to find the
+    weights (also the value of `ENV`)."""
+    remote = "://" in source
+    work = Path(tempfile.mkdtemp(prefix="streamload-prefetch-"))
+    staging: Path | None = None
+    try:
+        if remote:
+            staging = Path(cache_dir) if cache_dir else work / "staged"
+            staging.mkdir(parents=True, exist_ok=True)
+        fetching = start(source, work / "done.json", staging)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+    def clean_up() -> None:  # the process that started the fetch is ending
+        fetching.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    atexit.register(clean_up)
+    started = {
+        "source": source,
+        "host": socket.gethostname(),
+        "pid": fetching.pid,
+        "done": str(work / "done.json"),
+        "cache_dir": str(staging) if staging is not None else None,
+        "owned": staging is not None and not cache_dir,
+    }
+    os.environ[ENV] = json.dumps(started)
+    return started
+
+
+def adopt(source: str) -> dict[str, Any] | None:
+    """The fetch of `source` this process's environment names (`ahead`), if it runs on this host,
+    taken out of the environment (an engine adopts it once: a later one loads on its own); else None
+    (another source: the caller fetches its own)."""
+    try:
+        started = json.loads(os.environ.get(ENV, ""))
+    except ValueError:
+        return None
+    if not isinstance(started, dict) or started.get("host") != socket.gethostname():
+        return None
+    if not _same_source(str(started.get("source", "")), source):
+        return None
+    os.environ.pop(ENV, None)
+    return started
+
+
+def _same_source(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
 def wait(done: Path, pid: int, timeout: float | None = None) -> dict[str, object]:
     """Block until the prefetch of process `pid` reports in `done` (its report), it ends without one,
     or `timeout` seconds pass (then `{"ok": False, ...}`)."""
@@ -117,27 +194,50 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def fetch(source: str, cache_dir: Path | None = None, budget: int | None = None) -> dict[str, object]:
+def fetch(
+    source: str, cache_dir: Path | None = None, budget: int | None = None, threads: int | None = None
+) -> dict[str, object]:
     """Read `source` once, keeping nothing (the page cache, or `cache_dir` for object storage, keeps
-    the bytes); the report `wait` returns."""
+    the bytes); the report `wait` returns. No torch is imported: the first request is out within
+    milliseconds of the process's start."""
     if "://" not in source:
         return _fetch_local(Path(source), budget)
-    import shutil
+    return _fetch_objects(source, cache_dir, budget, threads)
 
-    from .api import iter as stream
+
+FETCH_BYTES = 8 << 20  # one read of an object's bytes (the store's pace cuts it into its own requests)
+
+
+def _fetch_objects(source: str, cache_dir: Path | None, budget: int | None, threads: int | None) -> dict[str, object]:
+    """Every file of `source` into `cache_dir`, file after file (each complete, and usable by a load
+    waiting for it, as early as it can be), by as many reads at once as a load makes."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .defaults import reader_threads
     from .source import open_checkpoint
 
     checkpoint = open_checkpoint(source, cache_dir)
+    if checkpoint.storage.kind == "local":  # every file is in the cache already
+        return {"ok": True, "bytes": 0}
     if budget is None and cache_dir is not None:
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
         budget = shutil.disk_usage(cache_dir).free
     if budget is not None and checkpoint.nbytes > budget:
         return _over(checkpoint.nbytes, budget)
-    with stream(checkpoint, device="cpu", cache_dir=cache_dir) as tensors:
-        for _ in tensors:
-            pass
-        read = tensors.stats.bytes_read
-    return {"ok": True, "bytes": read}
+    files = checkpoint.storage.open({h.path: h for h in checkpoint.files})
+    reads = [(h.path, at, min(FETCH_BYTES, h.size - at)) for h in checkpoint.files
+             for at in range(h.data_start, h.size, FETCH_BYTES)]  # fmt: skip
+    pool = ThreadPoolExecutor(threads or reader_threads(), thread_name_prefix="streamload-fetch")
+    try:
+        got = sum(sum(len(v) for v in views) for views in pool.map(lambda r: files.read(*r), reads))
+    except BaseException:
+        files.cancel()  # the reads in flight end at once
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        files.close()
+    return {"ok": True, "bytes": got}
 
 
 def _fetch_local(source: Path, budget: int | None) -> dict[str, object]:
@@ -207,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--done", type=Path, required=True, help="the report (JSON) written when it ends")
     parser.add_argument("--cache-dir", type=Path)
     parser.add_argument("--budget", type=int)
+    parser.add_argument("--threads", type=int, help="reads at once from object storage (default: as a load)")
     parser.add_argument("--watch", type=int, help="end when the process of this id ends (`start`)")
     args = parser.parse_args(argv)
     if args.watch is not None:  # started by `start`: detach (the starter exits at once) and watch it
@@ -217,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         watcher = threading.Thread(target=_end_with, args=(args.watch,), daemon=True)
         watcher.start()
     try:
-        report = fetch(args.source, args.cache_dir, args.budget)
+        report = fetch(args.source, args.cache_dir, args.budget, args.threads)
     except Exception as exc:  # reported, not raised: the load that follows goes on without it
         report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     partial = args.done.with_name(args.done.name + ".partial")

@@ -30,6 +30,7 @@ class RangeServer:
         self.sent = 0  # body bytes of data requests sent
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
+        self.arrived: list[float] = []  # time.time() of each request
         self._lock = threading.Lock()
         server = self
 
@@ -48,6 +49,7 @@ class RangeServer:
             def _serve(self, body: bool) -> None:
                 wanted = self.headers.get("Range")
                 server.requests.append((self.command, self.path, wanted))
+                server.arrived.append(time.time())
                 file = server.root / self.path.lstrip("/").split("?")[0]
                 if not file.is_file():
                     self._status(404)

@@ -207,7 +207,8 @@ def test_destinations_in_host_memory_are_read_straight_into(tmp_path: Path, cold
 
     g = torch.Generator().manual_seed(3)
     tensors = {"big": torch.randn(300, 70, generator=g), "t": torch.randn(8, 6, generator=g),
-               **{f"e.{k}": torch.randn(5, 7, generator=g) for k in range(6)}, "half": torch.randn(33, generator=g)}  # fmt: skip
+               **{f"e.{k}": torch.randn(5, 7, generator=g) for k in range(6)},
+               "half": torch.randn(33, generator=g)}  # fmt: skip
     path = tmp_path / "m.safetensors"
     save_file(tensors, str(path))
     fused = torch.zeros(6, 5, 7)

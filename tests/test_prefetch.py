@@ -5,6 +5,7 @@ running when the process that started it dies."""
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
 import signal
@@ -161,3 +162,38 @@ def test_stopping_never_signals_a_process_that_is_not_a_prefetch(tmp_path: Path)
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_fetch_from_object_storage_imports_no_torch_and_completes_file_after_file(tmp_path: Path) -> None:
+    """The fetch process reads headers and bytes without torch (seconds of imports before its first
+    request otherwise), and it fetches the shards in order, so the first is complete (a load waiting
+    for it can read it) while later ones still download."""
+    store = tmp_path / "store" / "m"
+    store.mkdir(parents=True)
+    tensors = {f"model.layers.{i}.w": torch.full((256, 1024), float(i)) for i in range(4)}  # 1 MiB each
+    for i in range(2):
+        save_file(
+            {k: v for k, v in tensors.items() if int(k.split(".")[2]) // 2 == i}, str(store / f"s{i}.safetensors")
+        )
+    index = {"weight_map": {k: f"s{int(k.split('.')[2]) // 2}.safetensors" for k in tensors}}
+    (store / "model.safetensors.index.json").write_text(json.dumps(index))
+    server = RangeServer(tmp_path / "store", rate=2 << 20)  # 2 MiB a file: a second each, one read at a time
+    cache, done = tmp_path / "cache", tmp_path / "done.json"
+    code = ("import sys; from streamload import prefetch; rc = prefetch.main(sys.argv[1:]); "
+            "print('torch' in sys.modules); sys.exit(rc)")  # fmt: skip
+    try:
+        argv = [f"{server.url}/m/", "--done", str(done), "--cache-dir", str(cache), "--threads", "1"]
+        child = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, text=True)
+        first, second = (cache / "http" / server.url.split("//")[1].replace(":", "_") / "m" / f"s{i}.safetensors"
+                         for i in range(2))  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not first.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert first.exists() and not second.exists()  # the first shard complete, the second still under way
+        out, _ = child.communicate(timeout=60)
+        assert child.returncode == 0 and out.strip() == "False"  # no torch in the fetch process
+        state = streamload.load(f"{server.url}/m/", device="cpu", cache_dir=cache)
+        assert all(torch.equal(state[k], v) for k, v in tensors.items())
+        assert second.read_bytes() == (store / "s1.safetensors").read_bytes()
+    finally:
+        server.close()

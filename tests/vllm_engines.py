@@ -524,9 +524,15 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
 
     server = RangeServer(root)  # weights over HTTP (ranged GETs), configs from the local directory
     try:
-        # Fetched while the engine starts (ahead.py), then read locally by the loader.
+        # Fetched from before the engine was built (prefetch.ahead; adopted by the format), each file
+        # read by the loader as soon as it is complete.
+        from streamload import prefetch
+
+        started = prefetch.ahead(f"{server.url}/llama/")
         llm = engine(paths["llama"], "streamload", model_loader_extra_config={"source": f"{server.url}/llama/"})
-        run = {"tokens": tokens(llm), "state": state(llm), "data_requests": server.data_requests()}
+        run = {"tokens": tokens(llm), "state": state(llm), "data_requests": server.data_requests(),
+               "sent": server.sent, "ahead": started, "env_left": prefetch.ENV in os.environ,
+               "checkpoint": sum(f.stat().st_size for f in paths["llama"].glob("*.safetensors"))}  # fmt: skip
         staged = run["state"][0]["report"]["staged"]
         run["staged_left"] = bool(staged) and Path(staged).exists()
         close(llm)

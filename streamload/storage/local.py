@@ -6,12 +6,14 @@ import os
 import stat
 import threading
 from pathlib import Path, PurePath
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import HeaderError, MissingFileError, ReadError, SourceError
 from ..format import FIRST_READ, FileHeader, header_from
 from .base import INDEX_NAME, Digest, Listing, Partly, Source, file_list, is_hex, parse_index
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LocalStorage:
@@ -175,6 +177,8 @@ class LocalFiles:
                 if not os.path.exists(name):  # no /proc: the name it is
                     name = str(path)
                 size = self._headers[path].size
+                import torch  # (listing and headers need none: a fetch process imports no torch)
+
                 storage = torch.UntypedStorage.from_file(name, shared=False, nbytes=size)
                 self._maps[path] = storage
             return storage

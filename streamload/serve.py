@@ -1,0 +1,90 @@
+"""`streamload serve -- vllm serve ...`: a server's weights fetched from the moment its command starts.
+
+The fetch starts first (`prefetch.ahead`: no torch, its first request out within a fraction of a
+second), then the server runs as a child process with the fetch named in its environment, where
+streamload's vLLM load format adopts it; a server started without this prefix fetches only once vLLM
+has imported itself and built its load config (seconds later). This process stays to forward signals
+to the server and to clean up after it: the fetch and a private staging directory end with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import prefetch
+from .errors import StreamloadError
+
+# Passed on to the server (a supervisor signals this process only). Not SIGINT: a terminal's Ctrl-C
+# reaches the whole process group, the server included, and passed on it would be a second Ctrl-C.
+FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def serve(command: Sequence[str], source: str | None = None, cache_dir: Path | None = None) -> int:
+    """Run `command` with its weights (`source`, else found in its arguments) fetched from now on;
+    its exit status (128 + the signal's number where a signal ended it)."""
+    if not command:
+        raise ValueError(
+            "streamload serve: give the server's command after --, e.g. streamload serve -- vllm serve MODEL"
+        )
+    source, cache_dir = _weights(command, source, cache_dir)
+    if source is None:
+        print("streamload serve: no weights to fetch ahead found in the command (pass --source); running it as it is",
+              file=sys.stderr)  # fmt: skip
+    elif "://" not in source and not os.path.exists(source):
+        raise ValueError(f"streamload serve: {source}: no such file or directory, nor a URL")
+    else:
+        prefetch.ahead(source, cache_dir)  # cleaned up at this process's exit (atexit)
+    try:
+        child = subprocess.Popen(list(command))
+    except OSError as exc:
+        raise StreamloadError(f"streamload serve: cannot run {command[0]!r}: {exc.strerror or exc}") from None
+    previous = {sig: signal.signal(sig, lambda sig, _: _forward(child, sig)) for sig in FORWARDED}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server has it: wait for it
+    try:
+        status = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - status if status < 0 else status
+
+
+def _forward(child: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        child.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _weights(command: Sequence[str], source: str | None, cache_dir: Path | None) -> tuple[str | None, Path | None]:
+    """The weights' source and cache directory: as given, else from vLLM's arguments in `command`
+    (`--model-loader-extra-config` JSON: "source", "cache_dir"; else the model: `serve MODEL`, `--model`)."""
+    args = list(command)
+    extra: dict[str, object] = {}
+    model = None
+    for i, arg in enumerate(args):
+        value = args[i + 1] if i + 1 < len(args) else None
+        if arg.startswith("--model-loader-extra-config"):
+            text = arg.split("=", 1)[1] if "=" in arg else value
+            try:
+                extra = dict(json.loads(text or ""))
+            except (ValueError, TypeError):
+                raise ValueError(
+                    f"streamload serve: --model-loader-extra-config is not a JSON object: {text!r}"
+                ) from None
+        elif arg == "--model" or arg.startswith("--model="):
+            model = arg.split("=", 1)[1] if "=" in arg else value
+        elif arg == "serve" and model is None and value is not None and not value.startswith("-"):
+            model = value
+    if cache_dir is None and extra.get("cache_dir"):
+        cache_dir = Path(str(extra["cache_dir"]))
+    if source or extra.get("source"):
+        return str(source or extra["source"]), cache_dir
+    if model is not None and ("://" in model or os.path.exists(model)):
+        return model, cache_dir
+    return None, cache_dir  # a hub id: vLLM downloads it itself
