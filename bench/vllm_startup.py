@@ -8,7 +8,11 @@ creation to its first token:
 - `dummy`: vLLM with `load_format="dummy"`: the engine's own start-up, nothing read;
 - `download`: `streamload.load(url)` alone, imports included;
 - `streamload, prefetch off`: the loader reads when vLLM calls it (after the engine has started);
-- `streamload`: the default: the weights start moving where vLLM builds its load config (ahead.py).
+- `streamload`: the plugin alone: the weights start moving where vLLM builds its load config (ahead.py);
+- `streamload, ahead`: the script's first line is `streamload.prefetch.ahead(url)`, before vLLM's
+  import (what `streamload serve -- vllm serve ...` does for a server); the format adopts that fetch.
+
+`--in-process` runs the engine in the script's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
 
 Target: streamload <= 1.15x max(dummy, download). The streamload cases' first tokens are compared
 with vLLM's own loader reading the same files locally. Needs root and nginx (tests/netsim.py).
@@ -34,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent)]
 
-CASES = ("dummy", "download", "streamload, prefetch off", "streamload")
+CASES = ("dummy", "download", "streamload, prefetch off", "streamload", "streamload, ahead")
 
 
 def since_start() -> float:
@@ -46,6 +50,10 @@ def since_start() -> float:
 
 
 def one(case: str, model: str, url: str, tp: int, compiled: bool) -> None:
+    if case == "streamload, ahead":  # the first line of the script
+        from streamload import prefetch
+
+        prefetch.ahead(url)
     if case == "download":
         import streamload
 
@@ -58,7 +66,7 @@ def one(case: str, model: str, url: str, tp: int, compiled: bool) -> None:
     if case == "local":
         kwargs["load_format"] = "safetensors"
     elif case.startswith("streamload"):
-        kwargs["model_loader_extra_config"] = {"source": url, "prefetch": case == "streamload"}
+        kwargs["model_loader_extra_config"] = {"source": url, "prefetch": case != "streamload, prefetch off"}
     if tp > 1:
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=not compiled, dtype="bfloat16",
@@ -79,6 +87,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--compiled", action="store_true", help="without enforce_eager: vLLM compiles")
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--in-process", action="store_true", help="the engine in the script's process")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     args = parser.parse_args()
     if args.one:
         return one(args.one[0], args.one[1], args.one[2], args.tp, args.compiled)
@@ -94,20 +104,22 @@ def main() -> None:
         sys.exit(f"cannot simulate a network here: {why}")
     model = args.model.resolve()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+    if args.in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.tp > 1:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tp)))
     flags = ["--tp", str(args.tp)] + (["--compiled"] if args.compiled else [])
     local = _run(["--one", "local", str(model), ""], flags, env, None)
-    results: dict[str, list[dict[str, Any]]] = {case: [] for case in CASES}
+    results: dict[str, list[dict[str, Any]]] = {case: [] for case in args.cases}
     with Net(model, nodes=1, storage_mbit=args.storage_mbit, first_byte_ms=args.first_byte_ms) as net:
         for i in range(args.runs):
-            for case in CASES:
+            for case in args.cases:
                 done = _run(["--one", case, str(model), net.url], flags, {**net.env(), **env}, net)
                 results[case].append(done)
                 shown = done.get("error") or f"{done['first_token']:.1f} s"
                 print(f"run {i + 1} {case:25} {shown}", flush=True)
     size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-    how = "compiled" if args.compiled else "eager"
+    how = ("compiled" if args.compiled else "eager") + (", in-process" if args.in_process else "")
     print(f"\n{size / 1e9:.2f} GB at {args.storage_mbit:g} Mbit/s (first byte {args.first_byte_ms:g} ms), "
           f"TP={args.tp}, {how}, median of {args.runs}; process start to first token:")  # fmt: skip
     median = {

@@ -106,6 +106,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-dir", type=Path, default=None, help="keep the download here (default: a "
                        "staging directory, removed once the engine has loaded and when the command ends)")  # fmt: skip
     serve.add_argument("server", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the server to run")
+    compiled = sub.add_parser(
+        "compile-cache", help="publish vLLM's compiled artifacts beside a checkpoint, for nodes that start cold",
+        description="Pack vLLM's torch.compile cache (VLLM_CACHE_ROOT, ~/.cache/vllm) into "
+        "CHECKPOINT/streamload-compile-cache/<key>.tar, <key> naming this node's vLLM, torch and Python "
+        "versions, CPU architecture and ISA (or GPU). A node starting with load_format='streamload' fetches "
+        "the archive for its own key with the weights and installs what its cache lacks before vLLM compiles; "
+        "copy or upload the folder with the checkpoint.",
+    )  # fmt: skip
+    compiled.add_argument("action", choices=["publish"])
+    compiled.add_argument("checkpoint", type=Path, help="the local checkpoint directory to publish beside")
+    compiled.add_argument("--cache-root", type=Path, default=None, help="vLLM's cache root (default: VLLM_CACHE_ROOT)")
     check = sub.add_parser("vllm-check", help="load a model through vLLM's default loader and through streamload, "
                            "and compare every parameter", description="Load MODEL twice in real vLLM engines, with "
                            "vLLM's default loader and with load_format='streamload', and compare every parameter "
@@ -158,6 +169,15 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args)
         elif args.command == "vllm-check":
             return _vllm_check(args)
+        elif args.command == "compile-cache":
+            try:
+                from .integrations.vllm import compiled as compiled_cache
+            except ImportError as exc:
+                raise StreamloadError(f"compile-cache needs vLLM: pip install -e '.[vllm]' ({exc})") from None
+            try:
+                print(compiled_cache.publish(args.checkpoint, args.cache_root))
+            except FileNotFoundError as exc:
+                raise StreamloadError(str(exc)) from None
         elif args.command == "serve":
             from .serve import serve
 

@@ -18,6 +18,7 @@ point, in every vLLM process; user code imports nothing. Options come as `model_
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import time
@@ -73,6 +74,7 @@ class Report:
     unused: int = 0  # tensors the model does not use: never read
     bytes_fair: int = 0  # 1/world of each tensor the ranks split plus every other tensor read: the goal
     staged: str = ""  # where the first load read weights fetched while the engine started (ahead.py)
+    compile_cache: str = ""  # what the first load did with compiled artifacts published beside the weights
     why_whole: dict[str, str] = field(default_factory=dict)  # a few unpredicted tensors, and why
     diverged: dict[str, str] = field(default_factory=dict)  # what the real call did unlike its dry run (then redone)
 
@@ -93,6 +95,7 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "cooperative": bool,  # tensor-parallel ranks divide what several of them read whole (default False)
     "verify": (bool, dict),  # check the bytes against known digests as they are read (as iter's verify=)
     "prefetch": (bool, dict),  # fetch while the engine starts (default true; the engine fills in a dict, ahead.py)
+    "compile_cache": bool,  # install compiled artifacts published beside the weights (default true, compiled.py)
 }
 # For models whose first load ran as its dry run predicted (checked by the replay): which part of each
 # checkpoint tensor (by name, shape and dtype) the model's loaders took, and which they never looked
@@ -389,20 +392,51 @@ class StreamloadModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         first = getattr(self, "_main", True)
-        started = self.options.get("prefetch") if first and not getattr(self, "_loaded", False) else None
+        starting = first and not getattr(self, "_loaded", False)
+        started = self.options.get("prefetch") if starting else None
         self._loaded = True
-        if not isinstance(started, dict):
-            last_load.staged = ""
-            return self._load_weights(model, model_config, first)
-        staged, options = ahead.staged(started), self.options  # waits for a download under way
-        last_load.staged = staged or ""
-        if staged is not None:
-            self.options = {**options, "cache_dir": staged}
+        # compiled artifacts published beside the weights, installed while they load (vLLM compiles after)
+        installing = self._compile_cache(model_config) if starting else None
         try:
-            self._load_weights(model, model_config, first)
+            if not isinstance(started, dict):
+                last_load.staged = ""
+                self._load_weights(model, model_config, first)
+                return
+            staged, options = ahead.staged(started), self.options
+            last_load.staged = staged or ""
+            if staged is not None:
+                self.options = {**options, "cache_dir": staged}
+            try:
+                self._load_weights(model, model_config, first)
+            finally:
+                self.options = options
+            ahead.loaded(started, *_all_ranks())
         finally:
-            self.options = options
-        ahead.loaded(started, *_all_ranks())
+            if installing is not None:
+                last_load.compile_cache = installing.result()
+
+    def _compile_cache(self, model_config: ModelConfig) -> concurrent.futures.Future[str] | None:
+        """Compiled artifacts published beside the weights, fetched and installed on a thread of its own."""
+        if self.options.get("compile_cache") is False:
+            return None
+        from . import compiled
+
+        source = str(self.options.get("source") or model_config.model)
+        if "://" not in source and not os.path.isdir(source):
+            return None  # a hub id: nothing of ours is published beside it
+
+        def install() -> str:
+            try:
+                return compiled.install(source)
+            except Exception as exc:  # an optimisation only: vLLM compiles as it would have
+                log.warning("streamload: compiled artifacts published beside %s not installed: %s", source, exc)
+                return f"not installed: {exc}"
+
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="streamload-compiled")
+        try:
+            return pool.submit(install)
+        finally:
+            pool.shutdown(wait=False)
 
     @collector_paused  # a many-tensor model's placement is tens of thousands of objects (twins.py)
     def _load_weights(self, model: nn.Module, model_config: ModelConfig, first: bool) -> None:

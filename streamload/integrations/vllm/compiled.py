@@ -1,0 +1,174 @@
+"""vLLM's compiled artifacts travel with the weights: published next to a checkpoint by a node that
+compiled, installed by a starting node whose cache lacks them, before vLLM compiles.
+
+vLLM keeps what torch.compile made under its cache root (`VLLM_CACHE_ROOT`, `~/.cache/vllm`):
+`torch_compile_cache/<hash>/...` (and, with AOT compilation, `torch_compile_cache/torch_aot_compile/
+<hash>/`, Inductor's own cache inside), each `<hash>` vLLM's key for a model, its configuration and
+the environment it compiles in. `publish` packs that folder into `streamload-compile-cache/<key>.tar`
+beside the checkpoint, `<key>` naming what makes the artifacts valid on another machine and which
+vLLM's own hash leaves out: vLLM, torch and Python versions, the CPU architecture and the ISA torch
+compiles for (or the GPU's compute capability). `install` fetches the archive for this node's key
+(local, S3, HTTP: as the weights are read) and puts every `<hash>` folder the local cache lacks in
+place, each whole by a rename; a folder the node has is never replaced, and vLLM uses an installed
+one only where its own hash matches. An archive for another key is never fetched; the keys published
+and how they differ are logged instead.
+
+    streamload compile-cache publish path/to/model      # on a node that has compiled the model
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import tarfile
+import tempfile
+from pathlib import Path, PurePath
+from typing import Any
+
+log = logging.getLogger("vllm.streamload")
+
+FOLDER = "streamload-compile-cache"
+INDEX = "index.json"
+CACHE = "torch_compile_cache"
+
+
+def node_key() -> dict[str, str]:
+    """What a compiled artifact needs of the machine that runs it, beyond vLLM's own hash."""
+    import torch
+    import vllm
+
+    if torch.cuda.is_available():
+        device = "cuda sm_{}{}".format(*torch.cuda.get_device_capability())
+    else:
+        device = f"cpu {torch.backends.cpu.get_cpu_capability()}"
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "python": "{}.{}".format(*sys.version_info[:2]),
+            "machine": platform.machine(), "device": device}  # fmt: skip
+
+
+def key_name(key: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    import vllm.envs as envs
+
+    return Path(envs.VLLM_CACHE_ROOT)
+
+
+def publish(checkpoint: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> Path:
+    """Pack `root`'s (default: vLLM's cache root) compiled artifacts into `checkpoint`'s
+    `streamload-compile-cache/<key>.tar` for this node's key, and list the key in its index.
+    Written under a temporary name and renamed: a reader sees an archive whole or none."""
+    source = Path(root) if root is not None else cache_root()
+    if not (source / CACHE).is_dir() or not any((source / CACHE).iterdir()):
+        raise FileNotFoundError(f"{source / CACHE}: no compiled artifacts to publish (run the engine once, compiled)")
+    key = node_key()
+    folder = Path(checkpoint) / FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{key_name(key)}.tar"
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".publishing-")
+    try:
+        with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
+            tar.add(source / CACHE, arcname=CACHE)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    index = _read_index(folder / INDEX)
+    index[key_name(key)] = key
+    tmp_index = folder / f".{INDEX}.{os.getpid()}"
+    tmp_index.write_text(json.dumps(index, indent=1, sort_keys=True))
+    os.replace(tmp_index, folder / INDEX)
+    return target
+
+
+def install(source: str, root: str | os.PathLike[str] | None = None, storage: Any = None) -> str:
+    """Fetch the archive published beside `source` for this node's key and install each of its
+    compiled folders that `root` (default: vLLM's cache root) lacks. Returns what happened, in words
+    (also logged): installed, nothing published for this node (and what was), or nothing to add."""
+    from streamload.storage import storage_for
+
+    storage = storage or storage_for(source)
+    near = _near(source)
+    key = node_key()
+    name = key_name(key)
+    data = storage.sidecar(near, f"{FOLDER}/{name}.tar")
+    if data is None:
+        raw = storage.sidecar(near, f"{FOLDER}/{INDEX}")
+        published = json.loads(raw) if raw else {}
+        if published:
+            differs = "; ".join(
+                f"{k}: " + ", ".join(f"{f} {v!r}" for f, v in sorted(other.items()) if key.get(f) != v)
+                for k, other in sorted(published.items())
+            )
+            said = f"no compiled artifacts published for this node ({key}); published: {differs}: compiling here"
+        else:
+            said = "no compiled artifacts published beside the checkpoint: compiling here"
+        log.info("streamload: %s", said)
+        return said
+    added = _unpack(data, Path(root) if root is not None else cache_root())
+    said = f"installed {len(added)} compiled folder(s) published beside the checkpoint ({name})" if added else (
+        "the compiled artifacts published beside the checkpoint are here already")  # fmt: skip
+    log.info("streamload: %s", said)
+    return said
+
+
+def _near(source: str) -> PurePath:
+    """A path beside which the published folder sits (`sidecar` takes its parent)."""
+    if "://" in source:
+        from streamload.storage.remote import ObjectPath
+
+        return ObjectPath(source if source.endswith((".safetensors", ".json")) else source.rstrip("/") + "/config.json")
+    path = Path(source)
+    return path if path.is_file() else path / "config.json"
+
+
+def _unpack(data: bytes, root: Path) -> list[Path]:
+    """Each compiled folder of the archive (`torch_compile_cache/<hash>`, and `.../torch_aot_compile/
+    <hash>`) that `root` lacks, unpacked beside it and renamed into place whole; the rest dropped."""
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".streamload-installing-"))
+    added: list[Path] = []
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+            tar.extractall(staging, filter="data")  # no absolute paths, links out or devices
+        for folder in _compiled_folders(staging / CACHE):
+            dest = root / CACHE / folder.relative_to(staging / CACHE)
+            if dest.exists():
+                continue  # the node's own: never replaced
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(folder, dest)  # whole, or not at all (another rank may have put it there first)
+                added.append(dest)
+            except OSError:
+                pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return added
+
+
+def _compiled_folders(cache: Path) -> list[Path]:
+    if not cache.is_dir():
+        return []
+    out = []
+    for entry in cache.iterdir():
+        if entry.name == "torch_aot_compile" and entry.is_dir():
+            out += [e for e in entry.iterdir() if e.is_dir()]
+        elif entry.is_dir():
+            out.append(entry)
+    return out
+
+
+def _read_index(path: Path) -> dict[str, dict[str, str]]:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return {}
