@@ -14,6 +14,11 @@ creation to its first token:
 
 `--in-process` runs the engine in the script's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
 
+`--compile-cache` (compiled): a node whose compile cache is empty, without and with the artifacts a
+warm node published beside the weights (`streamload compile-cache publish`), against the warm node:
+
+    python bench/vllm_startup.py /tmp/llama-300m --storage-mbit 200 --compile-cache --runs 2
+
 Target: streamload <= 1.15x max(dummy, download). The streamload cases' first tokens are compared
 with vLLM's own loader reading the same files locally. Needs root and nginx (tests/netsim.py).
 
@@ -28,9 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent)]
 
 CASES = ("dummy", "download", "streamload, prefetch off", "streamload", "streamload, ahead")
+COMPILE_CASES = ("empty cache", "empty cache, published", "warm cache")
 
 
 def since_start() -> float:
@@ -67,6 +75,9 @@ def one(case: str, model: str, url: str, tp: int, compiled: bool) -> None:
         kwargs["load_format"] = "safetensors"
     elif case.startswith("streamload"):
         kwargs["model_loader_extra_config"] = {"source": url, "prefetch": case != "streamload, prefetch off"}
+    elif case in COMPILE_CASES:
+        kwargs["load_format"] = "streamload"
+        kwargs["model_loader_extra_config"] = {"source": url, "compile_cache": case != "empty cache"}
     if tp > 1:
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=not compiled, dtype="bfloat16",
@@ -88,8 +99,13 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="without enforce_eager: vLLM compiles")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--in-process", action="store_true", help="the engine in the script's process")
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--cases", nargs="+", default=None, choices=CASES + COMPILE_CASES)
+    parser.add_argument("--compile-cache", action="store_true", help="cold compile caches, with and without "
+                        "the artifacts published beside the weights (implies --compiled)")  # fmt: skip
     args = parser.parse_args()
+    if args.compile_cache:
+        args.compiled = True
+    args.cases = args.cases or list(COMPILE_CASES if args.compile_cache else CASES)
     if args.one:
         return one(args.one[0], args.one[1], args.one[2], args.tp, args.compiled)
     if args.make:
@@ -109,15 +125,25 @@ def main() -> None:
     if args.tp > 1:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tp)))
     flags = ["--tp", str(args.tp)] + (["--compiled"] if args.compiled else [])
+    caches = Path(tempfile.mkdtemp(prefix="vllm-startup-caches-"))
+    if args.compile_cache:  # the warm node compiles once and publishes; every other run starts empty
+        env["VLLM_CACHE_ROOT"] = str(caches / "warm")
     local = _run(["--one", "local", str(model), ""], flags, env, None)
+    if args.compile_cache:
+        from streamload.integrations.vllm import compiled
+
+        print(f"published {compiled.publish(model, caches / 'warm')}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {case: [] for case in args.cases}
     with Net(model, nodes=1, storage_mbit=args.storage_mbit, first_byte_ms=args.first_byte_ms) as net:
         for i in range(args.runs):
             for case in args.cases:
-                done = _run(["--one", case, str(model), net.url], flags, {**net.env(), **env}, net)
+                root = caches / "warm" if case in ("warm cache",) else caches / f"empty-{i}-{case}"
+                cache = {"VLLM_CACHE_ROOT": str(root)} if args.compile_cache else {}
+                done = _run(["--one", case, str(model), net.url], flags, {**net.env(), **env, **cache}, net)
                 results[case].append(done)
                 shown = done.get("error") or f"{done['first_token']:.1f} s"
                 print(f"run {i + 1} {case:25} {shown}", flush=True)
+    shutil.rmtree(caches, ignore_errors=True)
     size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     how = ("compiled" if args.compiled else "eager") + (", in-process" if args.in_process else "")
     print(f"\n{size / 1e9:.2f} GB at {args.storage_mbit:g} Mbit/s (first byte {args.first_byte_ms:g} ms), "
@@ -127,8 +153,9 @@ def main() -> None:
         for c, rs in results.items()
         if all("error" not in r for r in rs)
     }
-    bound = max(median.get("dummy", 0.0), median.get("download", 0.0))
-    print("| case | first token (s) | x max(dummy, download) | tokens as vLLM's loader's |\n|---|---|---|---|")
+    bound = median.get("warm cache") or max(median.get("dummy", 0.0), median.get("download", 0.0))
+    against = "x the warm cache" if args.compile_cache else "x max(dummy, download)"
+    print(f"| case | first token (s) | {against} | tokens as vLLM's loader's |\n|---|---|---|---|")
     for case, runs in results.items():
         if case not in median:
             print(f"| {case} | did not run: {runs[0].get('error', '')[:100]} | | |")
