@@ -137,7 +137,11 @@ def main() -> None:
     with Net(model, nodes=1, storage_mbit=args.storage_mbit, first_byte_ms=args.first_byte_ms) as net:
         for i in range(args.runs):
             for case in args.cases:
-                root = caches / "warm" if case in ("warm cache",) else caches / f"empty-{i}-{case}"
+                root = (
+                    caches / "warm"
+                    if case in ("warm cache",)
+                    else caches / f"empty-{i}-{COMPILE_CASES.index(case) if case in COMPILE_CASES else 0}"
+                )  # no spaces: compilers take the path
                 cache = {"VLLM_CACHE_ROOT": str(root)} if args.compile_cache else {}
                 done = _run(["--one", case, str(model), net.url], flags, {**net.env(), **env, **cache}, net)
                 results[case].append(done)
