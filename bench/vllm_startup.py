@@ -14,8 +14,9 @@ creation to its first token:
 
 `--in-process` runs the engine in the script's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
 
-`--compile-cache` (compiled): a node whose compile cache is empty, without and with the artifacts a
-warm node published beside the weights (`streamload compile-cache publish`), against the warm node:
+`--compile-cache` (compiled, the fetch started first): a node whose compile cache is empty, without
+and with the artifacts a warm node published beside the weights (`streamload compile-cache
+publish`), against the warm node:
 
     python bench/vllm_startup.py /tmp/llama-300m --storage-mbit 200 --compile-cache --runs 2
 
@@ -58,7 +59,7 @@ def since_start() -> float:
 
 
 def one(case: str, model: str, url: str, tp: int, compiled: bool) -> None:
-    if case == "streamload, ahead":  # the first line of the script
+    if case == "streamload, ahead" or case in COMPILE_CASES:  # the first line of the script
         from streamload import prefetch
 
         prefetch.ahead(url)

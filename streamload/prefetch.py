@@ -65,7 +65,9 @@ class Prefetch:
             time.sleep(0.02)
 
 
-def start(source: str, done: Path, cache_dir: Path | None = None, budget: int | None = None) -> Prefetch:
+def start(
+    source: str, done: Path, cache_dir: Path | None = None, budget: int | None = None, model_infos: bool = False
+) -> Prefetch:
     """Start fetching `source` in a process of its own; it ends when this process does (or `stop`).
 
     It is not this process's child (a child that ends before its parent stays a zombie until reaped,
@@ -75,6 +77,8 @@ def start(source: str, done: Path, cache_dir: Path | None = None, budget: int | 
         argv += ["--cache-dir", str(cache_dir)]
     if budget is not None:
         argv += ["--budget", str(budget)]
+    if model_infos:
+        argv += ["--model-infos"]
     starter = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert starter.stdout is not None
     with starter.stdout:
@@ -107,7 +111,7 @@ def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None) -> dict[
         if remote:
             staging = Path(cache_dir) if cache_dir else work / "staged"
             staging.mkdir(parents=True, exist_ok=True)
-        fetching = start(source, work / "done.json", staging)
+        fetching = start(source, work / "done.json", staging, model_infos=True)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -143,6 +147,50 @@ def adopt(source: str) -> dict[str, Any] | None:
         return None
     os.environ.pop(ENV, None)
     return started
+
+
+MODEL_INFOS = "streamload-compile-cache/modelinfos.tar"  # beside the weights (`streamload compile-cache publish`)
+
+
+def install_model_infos(source: str) -> int:
+    """vLLM's cached inspections of model classes published beside `source`, put into its cache root
+    (`VLLM_CACHE_ROOT/modelinfos`) where absent, each whole by a rename; how many. vLLM inspects a
+    model's class in a subprocess before any load format runs (15 s here) unless its cache holds the
+    answer, which it checks against the model file's hash: so this runs in the fetch started first."""
+    import tarfile
+    from io import BytesIO
+
+    from .storage import storage_for
+
+    data = storage_for(source).sidecar(beside(source), MODEL_INFOS)
+    if data is None:
+        return 0
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = Path(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT") or os.path.join(home, "vllm")))
+    (root / "modelinfos").mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".streamload-installing-"))
+    added = 0
+    try:
+        with tarfile.open(fileobj=BytesIO(data), mode="r") as tar:
+            tar.extractall(staging, filter="data")
+        for info in (staging / "modelinfos").glob("*.json"):
+            dest = root / "modelinfos" / info.name
+            if not dest.exists():
+                os.rename(info, dest)
+                added += 1
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return added
+
+
+def beside(source: str) -> Path | Any:
+    """A path next to which files published beside the weights sit (storages' `sidecar` takes its parent)."""
+    if "://" in source:
+        from .storage.remote import ObjectPath
+
+        return ObjectPath(source if source.endswith((".safetensors", ".json")) else source.rstrip("/") + "/config.json")
+    path = Path(source)
+    return path if path.is_file() else path / "config.json"
 
 
 def _same_source(a: str, b: str) -> bool:
@@ -308,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path)
     parser.add_argument("--budget", type=int)
     parser.add_argument("--threads", type=int, help="reads at once from object storage (default: as a load)")
+    parser.add_argument("--model-infos", action="store_true", help="first install vLLM's model inspections "
+                        "published beside the weights (install_model_infos)")  # fmt: skip
     parser.add_argument("--watch", type=int, help="end when the process of this id ends (`start`)")
     args = parser.parse_args(argv)
     if args.watch is not None:  # started by `start`: detach (the starter exits at once) and watch it
@@ -317,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(0)
         watcher = threading.Thread(target=_end_with, args=(args.watch,), daemon=True)
         watcher.start()
+    if args.model_infos:
+        try:
+            install_model_infos(args.source)
+        except Exception:  # an optimisation only: vLLM inspects the model itself
+            pass
     try:
         report = fetch(args.source, args.cache_dir, args.budget, args.threads)
     except Exception as exc:  # reported, not raised: the load that follows goes on without it

@@ -82,3 +82,35 @@ def test_nothing_to_publish_is_one_line(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "streamload", "compile-cache", "publish", str(tmp_path), "--cache-root",
                           str(tmp_path / "empty")], capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 1 and "no compiled artifacts to publish" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_vllms_model_inspections_are_installed_by_the_fetch_started_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM inspects a model's class (in a subprocess, before any load format runs) unless its cache
+    root holds the answer: published with the compiled artifacts, the fetch started before vLLM's
+    import puts it there; one the node has is kept."""
+    from streamload import prefetch
+
+    node = tmp_path / "node-a"
+    _cache(node)
+    (node / "modelinfos").mkdir()
+    (node / "modelinfos" / "vllm-models-llama-LlamaForCausalLM.json").write_text('{"hash": "h", "modelinfo": {}}')
+    (node / "modelinfos" / "vllm-models-qwen2-Qwen2ForCausalLM.json").write_text('{"hash": "q"}')
+    model = tmp_path / "model"
+    compiled.publish(model, node)
+    cold = tmp_path / "node-b"
+    (cold / "modelinfos").mkdir(parents=True)
+    (cold / "modelinfos" / "vllm-models-qwen2-Qwen2ForCausalLM.json").write_text("its own")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(cold))
+    monkeypatch.delenv(prefetch.ENV, raising=False)
+    started = prefetch.ahead(str(model))
+    monkeypatch.delenv(prefetch.ENV, raising=False)
+    assert prefetch.wait(Path(started["done"]), started["pid"], timeout=60)["ok"]
+    assert sorted(p.name for p in (cold / "modelinfos").iterdir()) == [
+        "vllm-models-llama-LlamaForCausalLM.json", "vllm-models-qwen2-Qwen2ForCausalLM.json"]  # fmt: skip
+    assert (
+        cold / "modelinfos" / "vllm-models-llama-LlamaForCausalLM.json"
+    ).read_text() == '{"hash": "h", "modelinfo": {}}'
+    assert (cold / "modelinfos" / "vllm-models-qwen2-Qwen2ForCausalLM.json").read_text() == "its own"
+    assert [p.name for p in cold.iterdir()] == ["modelinfos"]  # no staging left

@@ -28,8 +28,10 @@ import shutil
 import sys
 import tarfile
 import tempfile
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any
+
+from streamload.prefetch import MODEL_INFOS, beside
 
 log = logging.getLogger("vllm.streamload")
 
@@ -82,6 +84,8 @@ def publish(checkpoint: str | os.PathLike[str], root: str | os.PathLike[str] | N
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if (source / "modelinfos").is_dir():  # vLLM's model inspections: installed by the fetch started first
+        _pack_model_infos(source / "modelinfos", Path(checkpoint) / MODEL_INFOS)
     index = _read_index(folder / INDEX)
     index[key_name(key)] = key
     tmp_index = folder / f".{INDEX}.{os.getpid()}"
@@ -97,7 +101,7 @@ def install(source: str, root: str | os.PathLike[str] | None = None, storage: An
     from streamload.storage import storage_for
 
     storage = storage or storage_for(source)
-    near = _near(source)
+    near = beside(source)
     key = node_key()
     name = key_name(key)
     data = storage.sidecar(near, f"{FOLDER}/{name}.tar")
@@ -119,16 +123,6 @@ def install(source: str, root: str | os.PathLike[str] | None = None, storage: An
         "the compiled artifacts published beside the checkpoint are here already")  # fmt: skip
     log.info("streamload: %s", said)
     return said
-
-
-def _near(source: str) -> PurePath:
-    """A path beside which the published folder sits (`sidecar` takes its parent)."""
-    if "://" in source:
-        from streamload.storage.remote import ObjectPath
-
-        return ObjectPath(source if source.endswith((".safetensors", ".json")) else source.rstrip("/") + "/config.json")
-    path = Path(source)
-    return path if path.is_file() else path / "config.json"
 
 
 def _unpack(data: bytes, root: Path) -> list[Path]:
@@ -165,6 +159,18 @@ def _compiled_folders(cache: Path) -> list[Path]:
         elif entry.is_dir():
             out.append(entry)
     return out
+
+
+def _pack_model_infos(folder: Path, target: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".publishing-")
+    try:
+        with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
+            for info in sorted(folder.glob("*.json")):
+                tar.add(info, arcname=f"modelinfos/{info.name}")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _read_index(path: Path) -> dict[str, dict[str, str]]:
