@@ -120,6 +120,10 @@ class Conversion:
     def targets(self, names: Iterable[str]) -> set[str]:
         return {self.target_of(n) for n in names}
 
+    def views(self, wholes: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each source's region of its target in `wholes` (targets several sources fill): what it is read into."""
+        return {s: r.of(wholes[r.target]) for s, r in self.regions.items() if r.target in wholes}
+
     def only(self, names: Iterable[str]) -> Conversion:
         """The part of this conversion that converts `names` (a block, the tensors a load includes)."""
         regions = {n: r for n in names if (r := self.regions.get(n)) is not None}

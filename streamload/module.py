@@ -217,10 +217,10 @@ class _ConvertingFiller(_Filler):
             )
             self._fused[target] = whole
             self._left[target] = len(parts)
-            into |= {s: self.conversion.regions[s].of(whole) for s in parts}
             if not parts:  # a rank's empty part of it: nothing to read
                 self._left[target] = 1
                 self.assign(target, whole)
+        into |= self.conversion.views(self._fused)
         return _writing_into(options, into) if into else options
 
     def start(self, groups: LayerStream, strict: bool) -> None:

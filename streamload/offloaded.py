@@ -278,7 +278,7 @@ class Offloaded:
         fused = {t: torch.empty(shape, dtype=block.slots[t].placeholder.dtype, device=device)
                  for t, shape in convert.shapes.items()}  # fmt: skip
         left = {t: len(sources) for t, sources in convert.fused().items()}
-        into = {s: r.of(fused[r.target]) for s, r in convert.regions.items() if r.target in fused}
+        into = convert.views(fused)
         stream = stream_tensors(self.checkpoint, device=device, include=list(block.names), **self.options,
                                 **({"into": into} if into else {}))  # fmt: skip
         with self._lock:

@@ -280,10 +280,10 @@ def _config(transformers: Any, source: str | Path) -> Any:
         return _read_config(transformers, source, source / "config.json")
     import tempfile
 
+    from streamload.prefetch import beside
     from streamload.storage import storage_for
-    from streamload.storage.remote import ObjectPath
 
-    near = ObjectPath(source if source.endswith((".safetensors", ".json")) else source.rstrip("/") + "/config.json")
+    near = beside(source)
     raw = storage_for(source).sidecar(near, "config.json")
     if raw is None:
         raise UnsupportedError(f"{near.parent}/config.json: no such object; from_pretrained needs the model's config")
