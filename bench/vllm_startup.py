@@ -10,7 +10,9 @@ creation to its first token:
 - `streamload, prefetch off`: the loader reads when vLLM calls it (after the engine has started);
 - `streamload`: the plugin alone: the weights start moving where vLLM builds its load config (ahead.py);
 - `streamload, ahead`: the script's first line is `streamload.prefetch.ahead(url)`, before vLLM's
-  import (what `streamload serve -- vllm serve ...` does for a server); the format adopts that fetch.
+  import (what `streamload serve -- vllm serve ...` does for a server); the format adopts that fetch;
+- `streamload, overlap`: as `ahead`, with `"overlap": true`: vLLM profiles, compiles and warms up
+  while the weights arrive; they are loaded in place after warm-up (integrations/vllm/overlap.py).
 
 `--in-process` runs the engine in the script's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
 
@@ -27,6 +29,8 @@ with vLLM's own loader reading the same files locally. Needs root and nginx (tes
     python bench/vllm_startup.py /tmp/llama-300m --storage-mbit 200 --runs 2
     python bench/vllm_startup.py /tmp/llama-300m --storage-mbit 200 --tp 2
     python bench/vllm_startup.py /tmp/llama-300m --storage-mbit 200 --compiled   # with vLLM's compilation
+    python bench/vllm_startup.py /tmp/llama-300m --storage-mbit 80 --in-process --compiled \
+        --cases dummy download "streamload, ahead" "streamload, overlap"
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent)]
 
-CASES = ("dummy", "download", "streamload, prefetch off", "streamload", "streamload, ahead")
+CASES = ("dummy", "download", "streamload, prefetch off", "streamload", "streamload, ahead", "streamload, overlap")
 COMPILE_CASES = ("empty cache", "empty cache, published", "warm cache")
 
 
@@ -59,7 +63,7 @@ def since_start() -> float:
 
 
 def one(case: str, model: str, url: str, tp: int, compiled: bool) -> None:
-    if case == "streamload, ahead" or case in COMPILE_CASES:  # the first line of the script
+    if case in ("streamload, ahead", "streamload, overlap") or case in COMPILE_CASES:  # the script's first line
         from streamload import prefetch
 
         prefetch.ahead(url)
@@ -76,6 +80,8 @@ def one(case: str, model: str, url: str, tp: int, compiled: bool) -> None:
         kwargs["load_format"] = "safetensors"
     elif case.startswith("streamload"):
         kwargs["model_loader_extra_config"] = {"source": url, "prefetch": case != "streamload, prefetch off"}
+        if case == "streamload, overlap":
+            kwargs["model_loader_extra_config"]["overlap"] = True
     elif case in COMPILE_CASES:
         kwargs["load_format"] = "streamload"
         kwargs["model_loader_extra_config"] = {"source": url, "compile_cache": case != "empty cache"}

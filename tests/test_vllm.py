@@ -459,3 +459,66 @@ def test_a_failed_reload_leaves_every_rank_serving_the_previous_weights(engines:
     assert "503" in failed["refused"]["error"] and failed["requests"] > 0
     assert "model-00003" in failed["missing"]["error"] or "missing" in failed["missing"]["error"]
     assert engines["llama/tp2/streamload/left"] == []
+
+
+def _same_weights(ours: dict[str, Any], theirs: dict[str, Any], rank: int = 0) -> None:
+    """Tokens, every parameter's bytes and what each CPU linear layer's packed copy computes."""
+    assert ours["tokens"] == theirs["tokens"]
+    mine, reference = ours["state"][rank], theirs["state"][rank]
+    assert {n: d for n, (_, d) in mine["params"].items()} == {n: d for n, (_, d) in reference["params"].items()}
+    assert mine["kernels"] and mine["kernels"] == reference["kernels"]
+    assert not mine["hooked"]  # the worker's warm-up hook is gone once it has run
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled", "eager/tp2"])
+def test_overlap_compiles_before_the_weights_and_serves_vllms_own_weights(engines: dict[str, Any], mode: str) -> None:
+    """`"overlap": True`: vLLM profiles, compiles and warms up before the weights are in; they are loaded
+    in place after warm-up through vLLM's layerwise reload. Tokens, parameters and the CPU's packed
+    linears equal vLLM's own loader's in the same mode, on every rank."""
+    ours, theirs = {
+        "eager": ("llama/overlap", "llama/safetensors"),
+        "compiled": ("llama/compiled/streamload", "llama/compiled/safetensors"),
+        "eager/tp2": ("llama/tp2/streamload-overlap", "llama/tp2/safetensors"),
+    }[mode]
+    ours, theirs = engines[ours], engines[theirs]
+    for rank in range(len(ours["state"])):
+        _same_weights(ours, theirs, rank)
+        assert _report(ours, rank)["bytes_read"] == _report(ours, rank)["bytes_total"] > 0
+
+
+def test_overlap_refuses_a_cpu_mixture_of_experts_whose_in_place_reload_vllm_gets_wrong(
+    engines: dict[str, Any],
+) -> None:
+    """vLLM 0.32's own `reload_weights` of the same weights into a CPU MoE engine serves other tokens
+    (it copies new experts over their prepacked layout without prepacking them): overlap, which loads
+    through that reload, refuses such a model, in one clear line, rather than serve those tokens.
+    When this comparison fails, vLLM has mended its reload: lift the refusal (overlap.refusal)."""
+    fresh, reloaded = engines["qwen2-moe/safetensors"], engines["qwen2-moe/safetensors/reloaded"]
+    assert reloaded["tokens"] != fresh["tokens"]
+    error = engines["qwen2-moe/overlap"]
+    assert "model_loader_extra_config 'overlap' cannot be used" in error
+    assert "mixture-of-experts layers on the CPU" in error
+
+
+def test_overlap_refuses_clearly_where_it_is_not_checked(tmp_path: Path, loader_class: Any, monkeypatch: Any) -> None:
+    """Outside a vLLM worker, and on a vLLM version it was not checked on, `overlap` is an error naming why,
+    before anything is read; the model is left as it was."""
+    import torch
+    import vllm
+    from safetensors.torch import save_file
+    from torch import nn
+
+    from streamload.errors import UnsupportedError
+
+    save_file({"w": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    model = nn.Linear(4, 1, bias=False)
+    before = model.weight.detach().clone()
+    config = SimpleNamespace(model=str(tmp_path), revision=None, model_weights="", quantization=None)
+    loader = loader_class(_load_config(model_loader_extra_config={"overlap": True, "prefetch": False}))
+    with pytest.raises(UnsupportedError, match="'overlap' cannot be used: the model is not being loaded by a vLLM"):
+        loader.load_weights(model, config)
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    loader = loader_class(_load_config(model_loader_extra_config={"overlap": True, "prefetch": False}))
+    with pytest.raises(UnsupportedError, match=r"checked on vLLM 0\.32\.0 only, and this is vLLM 0\.33\.0"):
+        loader.load_weights(model, config)
+    assert torch.equal(model.weight, before)

@@ -255,16 +255,11 @@ def command(argv: list[str]) -> dict[str, Any]:
 def engine(path: Path, load_format: str, **kwargs: Any) -> Any:
     from vllm import LLM
 
+    kwargs = {"enforce_eager": True, **{k: v for k, v in kwargs.items() if v is not None}}
     return LLM(
-        model=str(path),
-        load_format=load_format,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=256,
-        seed=0,
+        model=str(path), load_format=load_format, skip_tokenizer_init=True, dtype="float32", max_model_len=256, seed=0,
         **kwargs,
-    )
+    )  # fmt: skip
 
 
 def tokens(llm: Any) -> list[list[int]]:
@@ -281,12 +276,23 @@ def _model_state(worker: Any) -> dict[str, Any]:
 
     import streamload.integrations.vllm
 
+    def digest(t: torch.Tensor) -> str:
+        return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+
     model = worker.model_runner.get_model()
-    params = {
-        n: (p.data_ptr(), hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest())
-        for n, p in model.named_parameters()
-    }
-    return {"params": params, "report": vars(streamload.integrations.vllm.last_load).copy()}
+    params = {n: (p.data_ptr(), digest(p)) for n, p in model.named_parameters()}
+    # What the CPU's linear layers compute with lives outside their parameters (a packed copy held by
+    # `cpu_linear`, the weight parameter emptied): each one's output on a fixed input stands for it.
+    kernels = {}
+    with torch.no_grad():
+        for n, m in model.named_modules():
+            k = getattr(m, "input_size_per_partition", getattr(m, "input_size", None))
+            if callable(getattr(m, "cpu_linear", None)) and isinstance(k, int):
+                x = torch.linspace(-1, 1, 3 * k, dtype=torch.float32).reshape(3, k)
+                kernels[n] = digest(m.cpu_linear(x, m.weight, getattr(m, "bias", None)))
+    hooked = "compile_or_warm_up_model" in vars(getattr(worker, "worker", worker))
+    return {"params": params, "kernels": kernels, "hooked": hooked,
+            "report": vars(streamload.integrations.vllm.last_load).copy()}  # fmt: skip
 
 
 def state(llm: Any) -> list[dict[str, Any]]:
@@ -505,6 +511,9 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
     for name in ("llama", "qwen2-tied", "qwen2-moe"):
         llm = engine(paths[name], "safetensors")
         out[f"{name}/safetensors"] = {"tokens": tokens(llm), "state": state(llm)}
+        if name == "qwen2-moe":  # vLLM's own in-place reload of the same weights (why overlap refuses MoE)
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths[name])})
+            out[f"{name}/safetensors/reloaded"] = {"tokens": tokens(llm), "state": state(llm)}
         close(llm)
         llm = engine(paths[name], "streamload")
         out[f"{name}/streamload"] = {"tokens": tokens(llm), "state": state(llm)}
@@ -512,6 +521,17 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths["llama-new"])})
             out["llama/reloaded"] = {"tokens": tokens(llm), "state": state(llm)}
         close(llm)
+    # Compiled and warmed up before the weights are in, then loaded in place (overlap.py): eager and
+    # compiled, against vLLM's own loader in the same mode; a MoE on the CPU is refused.
+    llm = engine(paths["llama"], "streamload", model_loader_extra_config={"overlap": True})
+    out["llama/overlap"] = {"tokens": tokens(llm), "state": state(llm)}
+    close(llm)
+    for fmt, extra in (("safetensors", None), ("streamload", {"overlap": True})):
+        llm = engine(paths["llama"], fmt, enforce_eager=False, model_loader_extra_config=extra)
+        out[f"llama/compiled/{fmt}"] = {"tokens": tokens(llm), "state": state(llm)}
+        close(llm)
+    overlap_moe = {"model_loader_extra_config": {"overlap": True}}
+    out["qwen2-moe/overlap"] = error_of(lambda: engine(paths["qwen2-moe"], "streamload", **overlap_moe))
     llm = engine(paths["llama-new"], "safetensors")
     out["llama-new/safetensors"] = {"tokens": tokens(llm)}
     close(llm)
@@ -563,13 +583,19 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
     cooperative = {"model_loader_extra_config": {"cooperative": True}}
     out["check/deepseek-v2/tp2"] = checked(root / "deepseek-v2", tp=2, **cooperative)
 
-    tp = {"safetensors": {}, "streamload": {"verify": True}, "streamload-cooperative": {"cooperative": True}}
+    tp = {"safetensors": {}, "streamload": {"verify": True}, "streamload-cooperative": {"cooperative": True},
+          "streamload-overlap": {"overlap": True}}  # fmt: skip
     for name in ("llama", "qwen2-moe"):  # tensor parallel: two ranks, a core each
         for label, extra in tp.items():
+            if name == "qwen2-moe" and label == "streamload-overlap":  # refused on the CPU (above)
+                continue
             fmt = label.partition("-")[0]
             llm = engine(paths[name], fmt, tensor_parallel_size=2, distributed_executor_backend="mp",
                          model_loader_extra_config=extra)  # fmt: skip
             out[f"{name}/tp2/{label}"] = {"tokens": tokens(llm), "state": state(llm)}
+            if label == "streamload-overlap":
+                close(llm)
+                continue
             if name == "llama":  # a reload reads each rank's part, as the load did (vLLM's own: the reference)
                 llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths["llama-new"])})
                 out[f"{name}/tp2/{label}/reloaded"] = {"tokens": tokens(llm), "state": state(llm)}

@@ -53,7 +53,7 @@ from streamload.shard import SKIP, ShardSpec, Slice
 from streamload.source import Checkpoint, open_checkpoint
 from streamload.stats import Stats
 
-from . import ahead, restore, twins
+from . import ahead, overlap, restore, twins
 from .dryrun import Copy, Diverged, Learned, Replay, dry_run, replay
 
 log = logging.getLogger("vllm.streamload")  # under vLLM's logger: shown with vLLM's own lines
@@ -96,6 +96,7 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "verify": (bool, dict),  # check the bytes against known digests as they are read (as iter's verify=)
     "prefetch": (bool, dict),  # fetch while the engine starts (default true; the engine fills in a dict, ahead.py)
     "compile_cache": bool,  # install compiled artifacts published beside the weights (default true, compiled.py)
+    "overlap": bool,  # compile and warm up while the weights arrive, then load them in place (overlap.py)
 }
 # For models whose first load ran as its dry run predicted (checked by the replay): which part of each
 # checkpoint tensor (by name, shape and dtype) the model's loaders took, and which they never looked
@@ -398,22 +399,52 @@ class StreamloadModelLoader(BaseModelLoader):
         # compiled artifacts published beside the weights, installed while they load (vLLM compiles after)
         installing = self._compile_cache(model_config) if starting else None
         try:
-            if not isinstance(started, dict):
-                last_load.staged = ""
-                self._load_weights(model, model_config, first)
-                return
-            staged, options = ahead.staged(started), self.options
-            last_load.staged = staged or ""
-            if staged is not None:
-                self.options = {**options, "cache_dir": staged}
-            try:
-                self._load_weights(model, model_config, first)
-            finally:
-                self.options = options
-            ahead.loaded(started, *_all_ranks())
+            if starting and self.options.get("overlap"):
+                overlap.defer(model, model_config, lambda: self._staged(started, self._in_place, model, model_config))
+            else:
+                self._staged(started, self._load_weights, model, model_config, first)
         finally:
             if installing is not None:
                 last_load.compile_cache = installing.result()
+
+    def _staged(self, started: Any, load: Callable[..., None], *args: Any) -> None:
+        """`load(*args)` from the files the fetch started with the engine stages (ahead.py), if any."""
+        if not isinstance(started, dict):
+            last_load.staged = ""
+            load(*args)
+            return
+        staged, options = ahead.staged(started), self.options
+        last_load.staged = staged or ""
+        if staged is not None:
+            self.options = {**options, "cache_dir": staged}
+        try:
+            load(*args)
+        finally:
+            self.options = options
+        ahead.loaded(started, *_all_ranks())
+
+    @collector_paused
+    def _in_place(self, model: nn.Module, model_config: ModelConfig) -> None:
+        """The first load's weights, after compilation (overlap.py): through vLLM's in-place layerwise
+        reload, whole tensors through the model's loaders, each layer processed as it completes and its
+        results copied into the storage the compiled code holds."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        start = time.perf_counter()
+        options, parts, self._stats = self._stream_options(model), self._parts(model_config, model, first=True), []
+        last_load.plan_seconds = time.perf_counter() - start
+        initialize_layerwise_reload(model)
+        _given(model, self._feed(parts, options))
+        finalize_layerwise_reload(model, model_config)
+        _report(parts, self._stats, None, _tp_rank_world()[1])
+        last_load.seconds = time.perf_counter() - start
+        log.info(
+            "streamload: %.1f MB read by the %s reader into the compiled model in %.2f s",
+            last_load.bytes_read / 1e6,
+            last_load.reader or "no",
+            last_load.seconds,
+        )
+        restore.SERVED[model] = restore.Served.of(self._where, model_config)
 
     def _compile_cache(self, model_config: ModelConfig) -> concurrent.futures.Future[str] | None:
         """Compiled artifacts published beside the weights, fetched and installed on a thread of its own."""

@@ -1,0 +1,108 @@
+"""Compile and warm up while the weights arrive (`model_loader_extra_config={"overlap": True}`).
+
+vLLM compiles (traces, runs Inductor, warms up, captures graphs) only after `load_weights` returns,
+and `load_weights` returns after the last byte: a node pays the download and the compilation one after
+the other. Compilation does not depend on the weights' values (vLLM's CPU and GPU compilation freeze
+none; its compile cache is keyed on configuration and code), so in this mode the first load returns at
+once and the fetch started with the engine (`ahead.py`) goes on while the worker profiles, compiles
+and warms up on parameters whose values are not in yet. At the end of the worker's
+`compile_or_warm_up_model` (before it reports ready, so no request sees them) the weights are loaded
+through vLLM's own in-place layerwise reload: each layer is built anew on its real bytes, processed
+(`process_weights_after_loading`: the CPU's packed linears and experts, transposes) and its results
+copied into the storage the compiled code and graphs hold, and whatever a layer keeps outside its
+parameters (the CPU's packed GEMM closures) is the one that processing made. The engine's tokens and
+parameters are those of vLLM's own loader (tests/test_vllm.py, eager and compiled, one and two ranks).
+
+What it costs: the parameters' values are unset during the profile run (its numbers are discarded);
+their pages are touched first so that a CPU worker's RSS-based sizing counts them; the final pass reads
+the staged files (local disk or page cache) once more than a plain load would. Refused, with a reason,
+where exactness is not checked: another vLLM version, a worker that is not vLLM's CPU or GPU `Worker`,
+quantized models, sleep mode, and mixtures of experts on the CPU (vLLM's own in-place reload
+of those is wrong: see `refusal`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from streamload.errors import UnsupportedError
+
+log = logging.getLogger("vllm.streamload")
+
+CHECKED_VLLM = ("0.32.0",)  # the versions whose worker order and layerwise reload this mode was checked on
+METHOD = "compile_or_warm_up_model"
+
+
+def worker_loading() -> Any:
+    """The vLLM worker whose `load_model` is on the stack (the loader is called from its model runner)."""
+    from vllm.v1.worker.gpu_worker import Worker  # the CPU worker is one too
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Worker):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def refusal(model: nn.Module, model_config: Any, worker: Any) -> str:
+    """Why this mode cannot be exact here, or ""."""
+    import vllm
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    if vllm.__version__ not in CHECKED_VLLM:
+        return f"it is checked on vLLM {', '.join(CHECKED_VLLM)} only, and this is vLLM {vllm.__version__}"
+    if worker is None:
+        return "the model is not being loaded by a vLLM CPU or GPU worker"
+    if getattr(model_config, "quantization", None) is not None:
+        return f"the model is quantized ({model_config.quantization}): only unquantized models are checked"
+    if getattr(worker.vllm_config.model_config, "enable_sleep_mode", False):
+        return "sleep mode keeps the weights in a memory pool of their own"
+    if worker.device_config.device_type == "cpu" and any(isinstance(m, RoutedExperts) for m in model.modules()):
+        # vLLM 0.32's in-place reload copies a CPU MoE's new experts over their prepacked layout without
+        # prepacking them (UnquantizedFusedMoEMethod._setup_kernel runs the experts' processing on the
+        # first load only): its own reload_weights serves other tokens (tests/test_vllm.py)
+        return "vLLM's in-place reload of mixture-of-experts layers on the CPU is not exact"
+    return ""
+
+
+def defer(model: nn.Module, model_config: Any, finish: Callable[[], None]) -> None:
+    """Leave `model`'s weights for later: `finish()` runs at the end of this worker's
+    `compile_or_warm_up_model` (the hook is the worker's own attribute, removed when it has run)."""
+    worker = worker_loading()
+    why = refusal(model, model_config, worker)
+    if why:
+        raise UnsupportedError(f"streamload: model_loader_extra_config 'overlap' cannot be used: {why}")
+    touch(model)
+    warm_up = getattr(worker, METHOD)
+
+    def compile_or_warm_up_model(*args: Any, **kwargs: Any) -> Any:
+        try:
+            result = warm_up(*args, **kwargs)
+            log.info("streamload: compiled and warmed up; loading the weights in place")
+            finish()
+            return result
+        finally:
+            vars(worker).pop(METHOD, None)
+
+    setattr(worker, METHOD, compile_or_warm_up_model)
+    log.info("streamload: compiling and warming up while the weights arrive (overlap)")
+
+
+@torch.no_grad()
+def touch(model: nn.Module) -> None:
+    """Fault in every page of the host-memory parameters without changing a byte, so that the memory a
+    CPU worker measures (its RSS) counts them as if they had been loaded."""
+    page = 4096
+    for p in model.parameters():
+        if p.device.type != "cpu" or not p.is_contiguous() or p.numel() == 0:
+            continue
+        flat = p.detach().reshape(-1).view(torch.uint8)
+        flat[::page] = flat[::page].clone()
