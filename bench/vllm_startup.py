@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--in-process", action="store_true", help="the engine in the script's process")
     parser.add_argument("--cases", nargs="+", default=None, choices=CASES + COMPILE_CASES)
+    parser.add_argument("--logs", type=Path, help="keep each run's output here (<run>-<case>.log)")
     parser.add_argument("--compile-cache", action="store_true", help="cold compile caches, with and without "
                         "the artifacts published beside the weights (implies --compiled)")  # fmt: skip
     args = parser.parse_args()
@@ -152,6 +153,9 @@ def main() -> None:
                 cache = {"VLLM_CACHE_ROOT": str(root)} if args.compile_cache else {}
                 done = _run(["--one", case, str(model), net.url], flags, {**net.env(), **env, **cache}, net)
                 results[case].append(done)
+                if args.logs:
+                    args.logs.mkdir(parents=True, exist_ok=True)
+                    (args.logs / f"{i + 1}-{case.replace(', ', '-').replace(' ', '-')}.log").write_text(done["output"])
                 shown = done.get("error") or f"{done['first_token']:.1f} s"
                 print(f"run {i + 1} {case:25} {shown}", flush=True)
     shutil.rmtree(caches, ignore_errors=True)
@@ -183,14 +187,14 @@ def _run(argv: list[str], flags: list[str], env: dict[str, str], net: Any) -> di
         else:
             done = net.run_on("n0", command, timeout=600, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired:
-        return {"error": "timed out after 600 s"}
+        return {"error": "timed out after 600 s", "output": ""}
     lines = done.stdout + done.stderr
     result = next((json.loads(line[7:]) for line in lines.splitlines() if line.startswith("RESULT ")), None)
     if result is None:
         errors = [line for line in lines.splitlines() if "Error" in line and "Tokenizer" not in line]
-        return {"error": (errors[-1] if errors else lines[-300:]).strip()[-300:]}
+        return {"error": (errors[-1] if errors else lines[-300:]).strip()[-300:], "output": lines}
     time.sleep(1)  # the engine's processes, killed with it, let go of the cores
-    return dict(result)
+    return {**result, "output": lines}
 
 
 if __name__ == "__main__":

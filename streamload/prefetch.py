@@ -66,7 +66,12 @@ class Prefetch:
 
 
 def start(
-    source: str, done: Path, cache_dir: Path | None = None, budget: int | None = None, model_infos: bool = False
+    source: str,
+    done: Path,
+    cache_dir: Path | None = None,
+    budget: int | None = None,
+    model_infos: bool = False,
+    compile_caches: Path | None = None,
 ) -> Prefetch:
     """Start fetching `source` in a process of its own; it ends when this process does (or `stop`).
 
@@ -79,6 +84,8 @@ def start(
         argv += ["--budget", str(budget)]
     if model_infos:
         argv += ["--model-infos"]
+    if compile_caches is not None:
+        argv += ["--compile-caches", str(compile_caches)]
     starter = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert starter.stdout is not None
     with starter.stdout:
@@ -111,7 +118,8 @@ def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None) -> dict[
         if remote:
             staging = Path(cache_dir) if cache_dir else work / "staged"
             staging.mkdir(parents=True, exist_ok=True)
-        fetching = start(source, work / "done.json", staging, model_infos=True)
+        compiled = work / "compiled" if remote else None  # a local archive is read where it lies
+        fetching = start(source, work / "done.json", staging, model_infos=True, compile_caches=compiled)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -126,6 +134,7 @@ def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None) -> dict[
         "host": socket.gethostname(),
         "pid": fetching.pid,
         "done": str(work / "done.json"),
+        "compiled": str(compiled) if compiled else None,  # compiled-artifact archives fetched first
         "cache_dir": str(staging) if staging is not None else None,
         "owned": staging is not None and not cache_dir,
     }
@@ -149,7 +158,77 @@ def adopt(source: str) -> dict[str, Any] | None:
     return started
 
 
-MODEL_INFOS = "streamload-compile-cache/modelinfos.tar"  # beside the weights (`streamload compile-cache publish`)
+COMPILE_CACHE = "streamload-compile-cache"  # beside the weights (`streamload compile-cache publish`)
+MODEL_INFOS = f"{COMPILE_CACHE}/modelinfos.tar"
+STAGED_INDEX = "ready.json"  # in the folder `stage_compile_caches` fills: written last
+
+
+def stage_compile_caches(source: str, into: Path) -> list[str]:
+    """The compiled-artifact archives published beside `source` that may be this node's, fetched into
+    `into` before the weights (the worker installs one only after vLLM has built the model, when the
+    weights' download fills the link: a request then waits behind it). Which archive is this node's is
+    decided by the worker (its key needs torch); here the key's factors that need no torch (vLLM and
+    torch versions, Python, machine) pick the candidates. `into/ready.json`, written last, lists what
+    was published and what was fetched; each archive is whole under its name (renamed into place)."""
+    from .storage import is_hex, storage_for
+
+    storage = storage_for(source)
+    raw = storage.sidecar(beside(source), f"{COMPILE_CACHE}/index.json")
+    published = json.loads(raw) if raw else {}
+    here = _node_without_torch()
+    into.mkdir(parents=True, exist_ok=True)
+    fetched = []
+    for name, key in sorted(published.items()):
+        if not is_hex(name) or any(key.get(factor) != value for factor, value in here.items() if value):
+            continue
+        data = storage.sidecar(beside(source), f"{COMPILE_CACHE}/{name}.tar")
+        if data is not None:
+            _write_whole(into / f"{name}.tar", data)
+            fetched.append(name)
+    _write_whole(into / STAGED_INDEX, json.dumps({"published": published, "fetched": fetched}).encode())
+    return fetched
+
+
+def staged_compile_caches(started: dict[str, Any], timeout: float = 30) -> Path | None:
+    """Where the fetch `started` (`ahead`) staged the compiled-artifact archives, once it has (it does
+    so before the weights), or None: not staged on this host, or the fetch ended or took `timeout` s."""
+    folder = started.get("compiled")
+    if not folder or started.get("host") != socket.gethostname():
+        return None
+    ready, deadline = Path(folder) / STAGED_INDEX, time.monotonic() + timeout
+    while not ready.exists():
+        if Path(started["done"]).exists() or not _alive(int(started["pid"])) or time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+    return Path(folder)
+
+
+def _node_without_torch() -> dict[str, str]:
+    """The factors of `integrations.vllm.compiled.node_key` known without importing torch or vLLM (the
+    versions as their `__version__`, read from the packages' version files; "" where not found)."""
+    import platform
+
+    return {"vllm": _version_in("vllm", "_version.py"), "torch": _version_in("torch", "version.py"),
+            "python": "{}.{}".format(*sys.version_info[:2]), "machine": platform.machine()}  # fmt: skip
+
+
+def _version_in(package: str, file: str) -> str:
+    import importlib.util
+    import re
+
+    try:
+        spec = importlib.util.find_spec(package)  # a top-level package: found, not imported
+        text = Path(spec.origin).with_name(file).read_text() if spec and spec.origin else ""
+    except (ImportError, OSError, ValueError):
+        return ""
+    found = re.search(r"^__version__ = (?:version = )?['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    return found.group(1) if found else ""
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_bytes(data)
+    os.replace(partial, path)
 
 
 def install_model_infos(source: str) -> int:
@@ -358,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="reads at once from object storage (default: as a load)")
     parser.add_argument("--model-infos", action="store_true", help="first install vLLM's model inspections "
                         "published beside the weights (install_model_infos)")  # fmt: skip
+    parser.add_argument("--compile-caches", type=Path, help="first fetch the compiled-artifact archives "
+                        "published beside the weights that may be this node's into this folder")  # fmt: skip
     parser.add_argument("--watch", type=int, help="end when the process of this id ends (`start`)")
     args = parser.parse_args(argv)
     if args.watch is not None:  # started by `start`: detach (the starter exits at once) and watch it
@@ -371,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             install_model_infos(args.source)
         except Exception:  # an optimisation only: vLLM inspects the model itself
+            pass
+    if args.compile_caches is not None:
+        try:
+            stage_compile_caches(args.source, args.compile_caches)
+        except Exception:  # an optimisation only: the worker fetches its archive itself
             pass
     try:
         report = fetch(args.source, args.cache_dir, args.budget, args.threads)

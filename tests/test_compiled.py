@@ -114,3 +114,48 @@ def test_vllms_model_inspections_are_installed_by_the_fetch_started_first(
     ).read_text() == '{"hash": "h", "modelinfo": {}}'
     assert (cold / "modelinfos" / "vllm-models-qwen2-Qwen2ForCausalLM.json").read_text() == "its own"
     assert [p.name for p in cold.iterdir()] == ["modelinfos"]  # no staging left
+
+
+def test_the_fetch_started_first_stages_this_nodes_archive_before_the_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over HTTP, the fetch started before vLLM's import fetches the archives that may be this node's
+    (not one for another vLLM or machine) before the weights; the worker's install then takes its own
+    from there without a request (during the download a request waits behind the weights)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from streamload import prefetch
+
+    key = compiled.node_key()  # the candidates are picked by the factors known without torch: the same
+    assert prefetch._node_without_torch() == {f: key[f] for f in ("vllm", "torch", "python", "machine")}
+    _cache(tmp_path / "node-a")
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": torch.ones(4)}, str(model / "model.safetensors"))
+    mine = compiled.publish(model, tmp_path / "node-a")
+    index = json.loads((model / compiled.FOLDER / compiled.INDEX).read_text())
+    other = {**compiled.node_key(), "vllm": "0.0.1"}  # another node's archive, published beside it
+    (model / compiled.FOLDER / "0123456789abcdef.tar").write_bytes(b"not for this node")
+    index["0123456789abcdef"] = other
+    (model / compiled.FOLDER / compiled.INDEX).write_text(json.dumps(index))
+    server = RangeServer(tmp_path)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "node-b"))
+    monkeypatch.delenv(prefetch.ENV, raising=False)
+    try:
+        url = f"{server.url}/model/"
+        started = prefetch.ahead(url, tmp_path / "cache")
+        monkeypatch.delenv(prefetch.ENV, raising=False)
+        assert prefetch.wait(Path(started["done"]), started["pid"], timeout=60)["ok"]
+        staged = prefetch.staged_compile_caches(started)
+        assert staged is not None and sorted(p.name for p in staged.iterdir()) == [mine.name, "ready.json"]
+        got = [path for method, path, _ in server.requests if method == "GET"]
+        assert f"/model/{compiled.FOLDER}/{mine.name}" in got and "0123456789abcdef" not in " ".join(got)
+        first_weight = next(k for k, p in enumerate(got) if p.endswith(".safetensors"))
+        assert got.index(f"/model/{compiled.FOLDER}/{mine.name}") < first_weight
+        before = len(server.requests)
+        assert "installed 2" in compiled.install(url, tmp_path / "node-b", staged=staged)
+        assert len(server.requests) == before  # from the staged copy
+        assert _tree(tmp_path / "node-b" / compiled.CACHE) == _tree(tmp_path / "node-a" / compiled.CACHE)
+    finally:
+        server.close()

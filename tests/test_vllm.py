@@ -53,6 +53,23 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="session")
+def slow_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Compiled tensor-parallel engines: minutes on a 2-core machine, so only with STREAMLOAD_SLOW=1."""
+    if not os.environ.get("STREAMLOAD_SLOW"):
+        pytest.skip("slow (compiled engines at TP=2, ~3 min on 2 cores): run with STREAMLOAD_SLOW=1")
+    if not _have_vllm():
+        pytest.skip("vLLM is not installed")
+    out = tmp_path_factory.mktemp("vllm-slow") / "engines.json"
+    log = out.with_suffix(".log")
+    with log.open("w") as sink:
+        done = subprocess.run([sys.executable, "-m", "tests.vllm_engines", str(out), "--compiled-tp2"], cwd=ROOT,
+                              stdout=sink, stderr=subprocess.STDOUT, timeout=900, check=False)  # fmt: skip
+    if done.returncode:
+        pytest.fail(f"the vLLM engines failed (exit {done.returncode}):\n{log.read_text()[-6000:]}")
+    return json.loads(out.read_text())
+
+
 EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of no bytes
 
 
@@ -522,3 +539,9 @@ def test_overlap_refuses_clearly_where_it_is_not_checked(tmp_path: Path, loader_
     with pytest.raises(UnsupportedError, match=r"checked on vLLM 0\.32\.0 only, and this is vLLM 0\.33\.0"):
         loader.load_weights(model, config)
     assert torch.equal(model.weight, before)
+
+
+def test_overlap_compiled_at_tp2_serves_vllms_own_weights(slow_engines: dict[str, Any]) -> None:
+    ours, theirs = slow_engines["llama/tp2/compiled/streamload"], slow_engines["llama/tp2/compiled/safetensors"]
+    for rank in (0, 1):
+        _same_weights(ours, theirs, rank)

@@ -1,5 +1,6 @@
 """Real vLLM engines on this machine's CPU, in one process so they share vLLM's imports: every scenario
-that `test_vllm.py` checks, its results written as JSON. Run as `python -m tests.vllm_engines OUT.json`.
+that `test_vllm.py` checks, its results written as JSON. Run as `python -m tests.vllm_engines OUT.json`
+(`--compiled-tp2`: the slow scenario only, run by the test suite with STREAMLOAD_SLOW=1).
 
 Each scenario builds real checkpoints with transformers' `save_pretrained`, starts engines with
 `load_format="streamload"` and with vLLM's own `"safetensors"` loader, and records greedy tokens,
@@ -610,10 +611,26 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
     return out
 
 
+def compiled_tensor_parallel(root: Path) -> dict[str, Any]:
+    """The slow scenario (`--compiled-tp2`, minutes here): overlap at TP=2 with vLLM's compilation,
+    against vLLM's own loader compiled at TP=2."""
+    paths = make_models(root)
+    out: dict[str, Any] = {}
+    for fmt, extra in (("safetensors", None), ("streamload", {"overlap": True})):
+        tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+        llm = engine(paths["llama"], fmt, enforce_eager=False, model_loader_extra_config=extra, **tp2)
+        out[f"llama/tp2/compiled/{fmt}"] = {"tokens": tokens(llm), "state": state(llm)}
+        close(llm)
+    return out
+
+
 def main() -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        results = run(Path(tmp))
+        if "--compiled-tp2" in sys.argv:
+            results = compiled_tensor_parallel(Path(tmp)) | {"seconds": {}}
+        else:
+            results = run(Path(tmp))
     results["seconds"]["all"] = round(time.perf_counter() - started, 2)
     Path(sys.argv[1]).write_text(json.dumps(results))
 

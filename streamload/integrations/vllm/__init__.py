@@ -42,7 +42,7 @@ from vllm.model_executor.model_loader.weight_utils import (
     pt_weights_iterator,
 )
 
-from streamload import api, arguments
+from streamload import api, arguments, prefetch
 from streamload import device as devices
 from streamload.collector import collector_paused
 from streamload.dtypes import torch_shape
@@ -456,9 +456,12 @@ class StreamloadModelLoader(BaseModelLoader):
         if "://" not in source and not os.path.isdir(source):
             return None  # a hub id: nothing of ours is published beside it
 
+        started = self.options.get("prefetch")
+
         def install() -> str:
             try:
-                return compiled.install(source)
+                staged = prefetch.staged_compile_caches(started) if isinstance(started, dict) else None
+                return compiled.install(source, staged=staged)
             except Exception as exc:  # an optimisation only: vLLM compiles as it would have
                 log.warning("streamload: compiled artifacts published beside %s not installed: %s", source, exc)
                 return f"not installed: {exc}"

@@ -31,11 +31,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from streamload.prefetch import MODEL_INFOS, beside
+from streamload.prefetch import COMPILE_CACHE, MODEL_INFOS, STAGED_INDEX, beside
 
 log = logging.getLogger("vllm.streamload")
 
-FOLDER = "streamload-compile-cache"
+FOLDER = COMPILE_CACHE
 INDEX = "index.json"
 CACHE = "torch_compile_cache"
 
@@ -94,20 +94,30 @@ def publish(checkpoint: str | os.PathLike[str], root: str | os.PathLike[str] | N
     return target
 
 
-def install(source: str, root: str | os.PathLike[str] | None = None, storage: Any = None) -> str:
+def install(
+    source: str, root: str | os.PathLike[str] | None = None, storage: Any = None, staged: Path | None = None
+) -> str:
     """Fetch the archive published beside `source` for this node's key and install each of its
     compiled folders that `root` (default: vLLM's cache root) lacks. Returns what happened, in words
-    (also logged): installed, nothing published for this node (and what was), or nothing to add."""
+    (also logged): installed, nothing published for this node (and what was), or nothing to add.
+    `staged`: where the fetch started with the process put the candidate archives before the weights
+    (`prefetch.stage_compile_caches`); what it decided is taken from there, without a request."""
     from streamload.storage import storage_for
 
     storage = storage or storage_for(source)
     near = beside(source)
     key = node_key()
     name = key_name(key)
-    data = storage.sidecar(near, f"{FOLDER}/{name}.tar")
+    ready = _read_index(staged / STAGED_INDEX) if staged is not None else {}
+    if ready and name in ready.get("fetched", ()):
+        data: bytes | None = (staged / f"{name}.tar").read_bytes()  # type: ignore[operator]
+    elif ready and name not in ready.get("published", {}):
+        data = None
+    else:
+        data = storage.sidecar(near, f"{FOLDER}/{name}.tar")
     if data is None:
-        raw = storage.sidecar(near, f"{FOLDER}/{INDEX}")
-        published = json.loads(raw) if raw else {}
+        raw = None if ready else storage.sidecar(near, f"{FOLDER}/{INDEX}")
+        published = ready.get("published", {}) if ready else (json.loads(raw) if raw else {})
         if published:
             differs = "; ".join(
                 f"{k}: " + ", ".join(f"{f} {v!r}" for f, v in sorted(other.items()) if key.get(f) != v)
