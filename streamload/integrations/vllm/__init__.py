@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Generator, Iterable, Iterator,
 from contextlib import closing, contextmanager, nullcontext
 from copy import copy as shallow_copy
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -400,7 +401,12 @@ class StreamloadModelLoader(BaseModelLoader):
         installing = self._compile_cache(model_config) if starting else None
         try:
             if starting and self.options.get("overlap"):
-                overlap.defer(model, model_config, lambda: self._staged(started, self._in_place, model, model_config))
+                # Local files' headers and vLLM's file selection now: a broken checkpoint fails before
+                # minutes of compilation (remote ones are read at the end: a request now waits behind the fetch).
+                local = "://" not in self.source(model_config, first=True)
+                parts = self._parts(model_config, model, first=True) if local else None
+                finish = partial(self._staged, started, self._in_place, model, model_config, parts)
+                overlap.defer(model, model_config, finish)
             else:
                 self._staged(started, self._load_weights, model, model_config, first)
         finally:
@@ -424,18 +430,21 @@ class StreamloadModelLoader(BaseModelLoader):
         ahead.loaded(started, *_all_ranks())
 
     @collector_paused
-    def _in_place(self, model: nn.Module, model_config: ModelConfig) -> None:
+    def _in_place(self, model: nn.Module, model_config: ModelConfig, parts: list[_Part] | None) -> None:
         """The first load's weights, after compilation (overlap.py): through vLLM's in-place layerwise
         reload, whole tensors through the model's loaders, each layer processed as it completes and its
         results copied into the storage the compiled code holds."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         start = time.perf_counter()
-        options, parts, self._stats = self._stream_options(model), self._parts(model_config, model, first=True), []
+        options, self._stats = self._stream_options(model), []
+        parts = parts if parts is not None else self._parts(model_config, model, first=True)
         last_load.plan_seconds = time.perf_counter() - start
         initialize_layerwise_reload(model)
-        _given(model, self._feed(parts, options))
+        result = _given(model, self._feed(parts, options))
         finalize_layerwise_reload(model, model_config)
+        if model_config.quantization is None and result is not None:  # a weight the checkpoint lacks: vLLM's error
+            DefaultModelLoader.track_weights_loading(self, model, set(result))  # type: ignore[arg-type]
         _report(parts, self._stats, None, _tp_rank_world()[1])
         last_load.seconds = time.perf_counter() - start
         log.info(
