@@ -171,6 +171,7 @@ def stage_compile_caches(source: str, into: Path) -> list[str]:
     torch versions, Python, machine) pick the candidates. `into/ready.json`, written last, lists what
     was published and what was fetched; each archive is whole under its name (renamed into place)."""
     from .storage import is_hex, storage_for
+    from .storage.cache import keep  # whole under its name: written under the writer's own, renamed
 
     storage = storage_for(source)
     raw = storage.sidecar(beside(source), f"{COMPILE_CACHE}/index.json")
@@ -183,9 +184,9 @@ def stage_compile_caches(source: str, into: Path) -> list[str]:
             continue
         data = storage.sidecar(beside(source), f"{COMPILE_CACHE}/{name}.tar")
         if data is not None:
-            _write_whole(into / f"{name}.tar", data)
+            keep(into / f"{name}.tar", data)
             fetched.append(name)
-    _write_whole(into / STAGED_INDEX, json.dumps({"published": published, "fetched": fetched}).encode())
+    keep(into / STAGED_INDEX, json.dumps({"published": published, "fetched": fetched}).encode())
     return fetched
 
 
@@ -223,12 +224,6 @@ def _version_in(package: str, file: str) -> str:
         return ""
     found = re.search(r"^__version__ = (?:version = )?['\"]([^'\"]+)['\"]", text, re.MULTILINE)
     return found.group(1) if found else ""
-
-
-def _write_whole(path: Path, data: bytes) -> None:
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_bytes(data)
-    os.replace(partial, path)
 
 
 def install_model_infos(source: str) -> int:
