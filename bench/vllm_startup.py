@@ -66,7 +66,7 @@ def one(case: str, model: str, url: str, tp: int, compiled: bool) -> None:
     if case in ("streamload, ahead", "streamload, overlap") or case in COMPILE_CASES:  # the script's first line
         from streamload import prefetch
 
-        prefetch.ahead(url)
+        prefetch.ahead(url, compile_cache=_pinned(case))
     if case == "download":
         import streamload
 
@@ -84,7 +84,7 @@ def one(case: str, model: str, url: str, tp: int, compiled: bool) -> None:
             kwargs["model_loader_extra_config"]["overlap"] = True
     elif case in COMPILE_CASES:
         kwargs["load_format"] = "streamload"
-        kwargs["model_loader_extra_config"] = {"source": url, "compile_cache": case != "empty cache"}
+        kwargs["model_loader_extra_config"] = {"source": url, "compile_cache": _pinned(case)}
     if tp > 1:
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=not compiled, dtype="bfloat16",
@@ -93,6 +93,11 @@ def one(case: str, model: str, url: str, tp: int, compiled: bool) -> None:
                        use_tqdm=False)  # fmt: skip
     first = since_start()
     print("RESULT " + json.dumps({"first_token": first, "tokens": list(out[0].outputs[0].token_ids)}), flush=True)
+
+
+def _pinned(case: str) -> str | None:
+    """The published archive's digest, for the cases that install it (the runs are told it by `main`)."""
+    return os.environ.get("STREAMLOAD_BENCH_PIN") if case in COMPILE_CASES and case != "empty cache" else None
 
 
 def main() -> None:
@@ -138,9 +143,12 @@ def main() -> None:
         env["VLLM_CACHE_ROOT"] = str(caches / "warm")
     local = _run(["--one", "local", str(model), ""], flags, env, None)
     if args.compile_cache:
+        from streamload import pins
         from streamload.integrations.vllm import compiled
 
-        print(f"published {compiled.publish(model, caches / 'warm')}", flush=True)
+        archive = compiled.publish(model, caches / "warm")
+        env["STREAMLOAD_BENCH_PIN"] = pins.digest(archive.read_bytes())  # the runs trust this archive only
+        print(f"published {archive} ({env['STREAMLOAD_BENCH_PIN']})", flush=True)
     results: dict[str, list[dict[str, Any]]] = {case: [] for case in args.cases}
     with Net(model, nodes=1, storage_mbit=args.storage_mbit, first_byte_ms=args.first_byte_ms) as net:
         for i in range(args.runs):

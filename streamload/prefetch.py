@@ -25,6 +25,7 @@ import atexit
 import json
 import mmap
 import os
+import re
 import shutil
 import signal
 import socket
@@ -72,6 +73,7 @@ def start(
     budget: int | None = None,
     model_infos: bool = False,
     compile_caches: Path | None = None,
+    pinned: frozenset[str] = frozenset(),
 ) -> Prefetch:
     """Start fetching `source` in a process of its own; it ends when this process does (or `stop`).
 
@@ -85,7 +87,7 @@ def start(
     if model_infos:
         argv += ["--model-infos"]
     if compile_caches is not None:
-        argv += ["--compile-caches", str(compile_caches)]
+        argv += ["--compile-caches", str(compile_caches), *(f"--pin={pin}" for pin in sorted(pinned))]
     starter = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert starter.stdout is not None
     with starter.stdout:
@@ -98,7 +100,7 @@ def start(
     return prefetch
 
 
-def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None, compile_cache: Any = None) -> dict[str, Any]:
     """Start fetching `source` for a server this process is about to start, and publish the fetch in
     the environment (`ENV`), where streamload's vLLM load format, in this process or any it starts,
     adopts it instead of starting another. Call it first, before importing vLLM (seconds of imports
@@ -110,7 +112,12 @@ def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None) -> dict[
     Local files are read into the page cache; object storage is written into `cache_dir`, or without
     one into a private staging directory on local disk, removed once the engine has loaded (or when
     this process exits). The fetch ends with this process. Returns what the loader needs to find the
-    weights (also the value of `ENV`)."""
+    weights (also the value of `ENV`). `compile_cache`: the digests of the compiled-artifact archives
+    published beside the weights that this node trusts (`pins.py`), fetched before the weights; none
+    is fetched without."""
+    from .pins import pins
+
+    pinned = pins(compile_cache)
     remote = "://" in source
     work = Path(tempfile.mkdtemp(prefix="streamload-prefetch-"))
     staging: Path | None = None
@@ -118,8 +125,8 @@ def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None) -> dict[
         if remote:
             staging = Path(cache_dir) if cache_dir else work / "staged"
             staging.mkdir(parents=True, exist_ok=True)
-        compiled = work / "compiled" if remote else None  # a local archive is read where it lies
-        fetching = start(source, work / "done.json", staging, model_infos=True, compile_caches=compiled)
+        compiled = work / "compiled" if remote and pinned else None  # a local archive is read where it lies
+        fetching = start(source, work / "done.json", staging, model_infos=True, compile_caches=compiled, pinned=pinned)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -163,13 +170,15 @@ MODEL_INFOS = f"{COMPILE_CACHE}/modelinfos.tar"
 STAGED_INDEX = "ready.json"  # in the folder `stage_compile_caches` fills: written last
 
 
-def stage_compile_caches(source: str, into: Path) -> list[str]:
+def stage_compile_caches(source: str, into: Path, pinned: frozenset[str]) -> list[str]:
     """The compiled-artifact archives published beside `source` that may be this node's, fetched into
     `into` before the weights (the worker installs one only after vLLM has built the model, when the
     weights' download fills the link: a request then waits behind it). Which archive is this node's is
     decided by the worker (its key needs torch); here the key's factors that need no torch (vLLM and
-    torch versions, Python, machine) pick the candidates. `into/ready.json`, written last, lists what
-    was published and what was fetched; each archive is whole under its name (renamed into place)."""
+    torch versions, Python, machine) pick the candidates, and only those of a `pinned` digest are kept
+    (`pins.py`: the worker checks again). `into/ready.json`, written last, lists what was published
+    and what was fetched; each archive is whole under its name (renamed into place)."""
+    from .pins import digest
     from .storage import is_hex, storage_for
     from .storage.cache import keep  # whole under its name: written under the writer's own, renamed
 
@@ -183,7 +192,7 @@ def stage_compile_caches(source: str, into: Path) -> list[str]:
         if not is_hex(name) or any(key.get(factor) != value for factor, value in here.items() if value):
             continue
         data = storage.sidecar(beside(source), f"{COMPILE_CACHE}/{name}.tar")
-        if data is not None:
+        if data is not None and digest(data) in pinned:
             keep(into / f"{name}.tar", data)
             fetched.append(name)
     keep(into / STAGED_INDEX, json.dumps({"published": published, "fetched": fetched}).encode())
@@ -230,7 +239,10 @@ def install_model_infos(source: str) -> int:
     """vLLM's cached inspections of model classes published beside `source`, put into its cache root
     (`VLLM_CACHE_ROOT/modelinfos`) where absent, each whole by a rename; how many. vLLM inspects a
     model's class in a subprocess before any load format runs (15 s here) unless its cache holds the
-    answer, which it checks against the model file's hash: so this runs in the fetch started first."""
+    answer, which it checks against the model file's hash: so this runs in the fetch started first.
+    They are data, not code: vLLM reads one with `json.load` into its `_ModelInfo` dataclass
+    (`_LazyRegisteredModel._load_modelinfo_from_cache`), and only files of that plain shape are put
+    there (`_plain_model_info`)."""
     import tarfile
     from io import BytesIO
 
@@ -249,12 +261,34 @@ def install_model_infos(source: str) -> int:
             tar.extractall(staging, filter="data")
         for info in (staging / "modelinfos").glob("*.json"):
             dest = root / "modelinfos" / info.name
-            if not dest.exists():
+            if not dest.exists() and _plain_model_info(info):
                 os.rename(info, dest)
                 added += 1
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return added
+
+
+_MODEL_INFO_NAME = re.compile(r"[A-Za-z0-9_-]+\.json")
+
+
+def _plain_model_info(path: Path) -> bool:
+    """Whether `path` is shaped as vLLM writes a model inspection: `{"hash": str, "modelinfo": {name:
+    a JSON scalar or a list of strings}}`, under a plain file name, and small."""
+    if not _MODEL_INFO_NAME.fullmatch(path.name) or not path.is_file() or path.stat().st_size > 1 << 16:
+        return False
+    try:
+        raw = json.loads(path.read_bytes())
+    except ValueError:
+        return False
+    if not isinstance(raw, dict) or set(raw) != {"hash", "modelinfo"} or not isinstance(raw["hash"], str):
+        return False
+    fields = raw["modelinfo"]
+    return isinstance(fields, dict) and all(
+        isinstance(v, (bool, int, float, str, type(None)))
+        or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+        for v in fields.values()
+    )
 
 
 def beside(source: str) -> Path | Any:
@@ -434,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                         "published beside the weights (install_model_infos)")  # fmt: skip
     parser.add_argument("--compile-caches", type=Path, help="first fetch the compiled-artifact archives "
                         "published beside the weights that may be this node's into this folder")  # fmt: skip
+    parser.add_argument("--pin", action="append", default=[], help="a digest of a compiled-artifact archive "
+                        "to fetch (sha256:HEX; pins.py): others are not kept")  # fmt: skip
     parser.add_argument("--watch", type=int, help="end when the process of this id ends (`start`)")
     args = parser.parse_args(argv)
     if args.watch is not None:  # started by `start`: detach (the starter exits at once) and watch it
@@ -450,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
     if args.compile_caches is not None:
         try:
-            stage_compile_caches(args.source, args.compile_caches)
+            stage_compile_caches(args.source, args.compile_caches, frozenset(args.pin))
         except Exception:  # an optimisation only: the worker fetches its archive itself
             pass
     try:

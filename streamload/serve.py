@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import prefetch
+from . import pins, prefetch
 from .errors import StreamloadError
 
 # Passed on to the server (a supervisor signals this process only). Not SIGINT: a terminal's Ctrl-C
@@ -25,21 +25,30 @@ from .errors import StreamloadError
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
-def serve(command: Sequence[str], source: str | None = None, cache_dir: Path | None = None) -> int:
+def serve(
+    command: Sequence[str],
+    source: str | None = None,
+    cache_dir: Path | None = None,
+    compile_cache: str | Sequence[str] | None = None,
+) -> int:
     """Run `command` with its weights (`source`, else found in its arguments) fetched from now on;
-    its exit status (128 + the signal's number where a signal ended it)."""
+    its exit status (128 + the signal's number where a signal ended it). `compile_cache`: the pinned
+    digests of compiled-artifact archives to fetch first (else the command's "compile_cache" option;
+    `pins.py`)."""
     if not command:
         raise ValueError(
             "streamload serve: give the server's command after --, e.g. streamload serve -- vllm serve MODEL"
         )
-    source, cache_dir = _weights(command, source, cache_dir)
+    source, cache_dir, extra = _weights(command, source, cache_dir)
+    pinned = list(compile_cache) if compile_cache else extra.get("compile_cache")
+    pins.pins(pinned)  # a bad pin fails here, in one line, before the server starts
     if source is None:
         print("streamload serve: no weights to fetch ahead found in the command (pass --source); running it as it is",
               file=sys.stderr)  # fmt: skip
     elif "://" not in source and not os.path.exists(source):
         raise ValueError(f"streamload serve: {source}: no such file or directory, nor a URL")
     else:
-        prefetch.ahead(source, cache_dir)  # cleaned up at this process's exit (atexit)
+        prefetch.ahead(source, cache_dir, pinned)  # cleaned up at this process's exit (atexit)
     try:
         child = subprocess.Popen(list(command))
     except OSError as exc:
@@ -61,9 +70,12 @@ def _forward(child: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
-def _weights(command: Sequence[str], source: str | None, cache_dir: Path | None) -> tuple[str | None, Path | None]:
+def _weights(
+    command: Sequence[str], source: str | None, cache_dir: Path | None
+) -> tuple[str | None, Path | None, dict[str, object]]:
     """The weights' source and cache directory: as given, else from vLLM's arguments in `command`
-    (`--model-loader-extra-config` JSON: "source", "cache_dir"; else the model: `serve MODEL`, `--model`)."""
+    (`--model-loader-extra-config` JSON: "source", "cache_dir"; else the model: `serve MODEL`,
+    `--model`); and that JSON."""
     args = list(command)
     extra: dict[str, object] = {}
     model = None
@@ -84,7 +96,7 @@ def _weights(command: Sequence[str], source: str | None, cache_dir: Path | None)
     if cache_dir is None and extra.get("cache_dir"):
         cache_dir = Path(str(extra["cache_dir"]))
     if source or extra.get("source"):
-        return str(source or extra["source"]), cache_dir
+        return str(source or extra["source"]), cache_dir, extra
     if model is not None and ("://" in model or os.path.exists(model)):
-        return model, cache_dir
-    return None, cache_dir  # a hub id: vLLM downloads it itself
+        return model, cache_dir, extra
+    return None, cache_dir, extra  # a hub id: vLLM downloads it itself

@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from streamload import pins
 from streamload.integrations.vllm import compiled
 
 from .servers import RangeServer
@@ -41,26 +44,28 @@ def test_published_artifacts_install_where_the_cache_lacks_them(tmp_path: Path) 
     (model / "config.json").write_text("{}")
     out = subprocess.run([sys.executable, "-m", "streamload", "compile-cache", "publish", str(model), "--cache-root",
                           str(tmp_path / "node-a")], capture_output=True, text=True, check=True)  # fmt: skip
-    archive = Path(out.stdout.strip())
+    pin, archive = out.stdout.split()[0], Path(out.stdout.split(maxsplit=1)[1].strip())
+    assert pin == pins.digest(archive.read_bytes()) and f'{{"compile_cache": "{pin}"}}' in out.stderr
+    pinned = frozenset({pin})
     assert archive.parent == model / compiled.FOLDER and archive.name == compiled.key_name(compiled.node_key()) + ".tar"
     assert json.loads((archive.parent / compiled.INDEX).read_text()) == {archive.stem: compiled.node_key()}
 
     empty = tmp_path / "node-b"
-    assert "installed 2 compiled folder(s)" in compiled.install(str(model), empty)
+    assert "installed 2 compiled folder(s)" in compiled.install(str(model), pinned, empty)
     assert _tree(empty) == files  # nothing left beside them (the staging folder is gone)
-    assert "here already" in compiled.install(str(model), empty)
+    assert "here already" in compiled.install(str(model), pinned, empty)
 
     warm = tmp_path / "node-c"  # a node with its own build of one of them keeps it
     own = warm / "torch_compile_cache/bb22/rank_0_0/backbone/computation_graph.py"
     own.parent.mkdir(parents=True)
     own.write_bytes(b"its own")
-    assert "installed 1 compiled folder(s)" in compiled.install(str(model), warm)
+    assert "installed 1 compiled folder(s)" in compiled.install(str(model), pinned, warm)
     assert own.read_bytes() == b"its own" and _tree(warm).keys() == files.keys()
 
     server = RangeServer(tmp_path)  # over HTTP, as the weights are
     try:
         remote = tmp_path / "node-d"
-        assert "installed 2" in compiled.install(f"{server.url}/model/", remote)
+        assert "installed 2" in compiled.install(f"{server.url}/model/", pinned, remote)
         assert _tree(remote) == files
     finally:
         server.close()
@@ -69,13 +74,13 @@ def test_published_artifacts_install_where_the_cache_lacks_them(tmp_path: Path) 
 def test_artifacts_for_another_node_are_never_fetched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _cache(tmp_path / "node-a")
     model = tmp_path / "model"
-    compiled.publish(model, tmp_path / "node-a")
+    pinned = frozenset({pins.digest(compiled.publish(model, tmp_path / "node-a").read_bytes())})
     other = {**compiled.node_key(), "device": "cpu AVX512", "torch": "9.9"}
     monkeypatch.setattr(compiled, "node_key", lambda: other)
-    said = compiled.install(str(model), tmp_path / "node-b")
+    said = compiled.install(str(model), pinned, tmp_path / "node-b")
     assert "no compiled artifacts published for this node" in said and "device 'cpu " in said and "torch '" in said
     assert not (tmp_path / "node-b" / compiled.CACHE).exists()
-    assert "no compiled artifacts published beside" in compiled.install(str(tmp_path), tmp_path / "node-b")
+    assert "no compiled artifacts published beside" in compiled.install(str(tmp_path), pinned, tmp_path / "node-b")
 
 
 def test_nothing_to_publish_is_one_line(tmp_path: Path) -> None:
@@ -144,7 +149,7 @@ def test_the_fetch_started_first_stages_this_nodes_archive_before_the_weights(
     monkeypatch.delenv(prefetch.ENV, raising=False)
     try:
         url = f"{server.url}/model/"
-        started = prefetch.ahead(url, tmp_path / "cache")
+        started = prefetch.ahead(url, tmp_path / "cache", pins.digest(mine.read_bytes()))
         monkeypatch.delenv(prefetch.ENV, raising=False)
         assert prefetch.wait(Path(started["done"]), started["pid"], timeout=60)["ok"]
         staged = prefetch.staged_compile_caches(started)
@@ -154,8 +159,152 @@ def test_the_fetch_started_first_stages_this_nodes_archive_before_the_weights(
         first_weight = next(k for k, p in enumerate(got) if p.endswith(".safetensors"))
         assert got.index(f"/model/{compiled.FOLDER}/{mine.name}") < first_weight
         before = len(server.requests)
-        assert "installed 2" in compiled.install(url, tmp_path / "node-b", staged=staged)
+        pinned = frozenset({pins.digest(mine.read_bytes())})
+        assert "installed 2" in compiled.install(url, pinned, tmp_path / "node-b", staged=staged)
         assert len(server.requests) == before  # from the staged copy
         assert _tree(tmp_path / "node-b" / compiled.CACHE) == _tree(tmp_path / "node-a" / compiled.CACHE)
     finally:
         server.close()
+
+
+def _published(tmp_path: Path) -> tuple[Path, Path]:
+    """A checkpoint (one tensor) with a node's compiled artifacts published beside it: (model, archive)."""
+    import torch
+    from safetensors.torch import save_file
+
+    _cache(tmp_path / "node-a")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    save_file({"w": torch.ones(4)}, str(model / "model.safetensors"))
+    return model, compiled.publish(model, tmp_path / "node-a")
+
+
+def test_a_published_archive_is_neither_fetched_nor_installed_without_the_opt_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiled artifacts run as code: off unless an archive is pinned by its digest. Without it, the
+    fetch started first asks the store for no archive, the loader installs none, and the option `true`
+    alone is refused, saying why."""
+    from vllm.config.load import LoadConfig
+
+    from streamload import prefetch
+    from streamload.integrations.vllm import StreamloadModelLoader
+
+    model, archive = _published(tmp_path)
+    server = RangeServer(tmp_path)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "node-b"))
+    monkeypatch.delenv(prefetch.ENV, raising=False)
+    try:
+        url = f"{server.url}/model/"
+        started = prefetch.ahead(url, tmp_path / "cache")
+        monkeypatch.delenv(prefetch.ENV, raising=False)
+        assert prefetch.wait(Path(started["done"]), started["pid"], timeout=60)["ok"]
+        assert prefetch.staged_compile_caches(started) is None
+        loader = StreamloadModelLoader(LoadConfig(load_format="streamload", model_loader_extra_config={"source": url}))
+        assert loader._compile_cache(SimpleNamespace(model=url)) is None
+        got = [path for method, path, _ in server.requests if method == "GET"]
+        assert any(p.endswith(".safetensors") for p in got) and f"/model/{compiled.FOLDER}/{archive.name}" not in got
+        assert f"/model/{prefetch.MODEL_INFOS}" in got  # data, parsed as data (below): installed without a pin
+    finally:
+        server.close()
+    assert not (tmp_path / "node-b" / compiled.CACHE).exists()
+    with pytest.raises(ValueError, match="nothing pinned; pin the archives"):
+        compiled.install(str(model), frozenset(), tmp_path / "node-b")
+    for value, said in ((True, "True pins nothing"), ("sha256:beef", "'sha256:beef' is not a pinned digest")):
+        with pytest.raises(ValueError, match=f"compile_cache: {said}.*runs code from the weights' store"):
+            StreamloadModelLoader(
+                LoadConfig(load_format="streamload", model_loader_extra_config={"compile_cache": value})
+            )
+    out = subprocess.run([sys.executable, "-m", "streamload", "serve", "--compile-cache", "yes", "--", "true"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 1 and "'yes' is not a pinned digest" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_tampered_archive_is_refused_with_both_digests_and_nothing_of_it_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's archive replaced after the user pinned the published one: refused before a byte of it
+    is unpacked, by the worker's install (locally, over HTTP, through the loader) and by the fetch
+    started first (which keeps no copy of it), naming the digest found and the one pinned."""
+    import io
+    import logging
+    import tarfile
+
+    from vllm.config.load import LoadConfig
+
+    from streamload import prefetch
+    from streamload.integrations.vllm import StreamloadModelLoader
+
+    model, archive = _published(tmp_path)
+    pin = pins.digest(archive.read_bytes())
+    buffer = io.BytesIO(archive.read_bytes())  # the published archive, with one more module in a compiled folder
+    with tarfile.open(fileobj=buffer, mode="a") as tar:
+        evil = b"import os; os.system('touch /tmp/owned')"
+        info = tarfile.TarInfo("torch_compile_cache/cc33/rank_0_0/backbone/__init__.py")
+        info.size = len(evil)
+        tar.addfile(info, io.BytesIO(evil))
+    archive.write_bytes(buffer.getvalue())
+    tampered = pins.digest(archive.read_bytes())
+    root = tmp_path / "node-b"
+    with pytest.raises(pins.Refused, match=f"its digest is {tampered}, the pinned one is {pin}; nothing of it"):
+        compiled.install(str(model), frozenset({pin}), root)
+    assert not root.exists() or not any(root.rglob("*"))
+
+    server = RangeServer(tmp_path)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root))
+    monkeypatch.delenv(prefetch.ENV, raising=False)
+    try:
+        url = f"{server.url}/model/"
+        with pytest.raises(pins.Refused, match=tampered):
+            compiled.install(url, frozenset({pin}), root)
+        started = prefetch.ahead(url, tmp_path / "cache", pin)
+        monkeypatch.delenv(prefetch.ENV, raising=False)
+        assert prefetch.wait(Path(started["done"]), started["pid"], timeout=60)["ok"]
+        staged = prefetch.staged_compile_caches(started)
+        assert staged is not None and [p.name for p in staged.iterdir()] == ["ready.json"]  # fetched, not kept
+        options = {"source": url, "compile_cache": pin, "prefetch": started}
+        loader = StreamloadModelLoader(LoadConfig(load_format="streamload", model_loader_extra_config=options))
+        logs = []
+        handler = logging.Handler()
+        handler.emit = logs.append  # type: ignore[method-assign]
+        logging.getLogger("vllm.streamload").addHandler(handler)
+        try:
+            said = loader._compile_cache(SimpleNamespace(model=url)).result(timeout=60)
+        finally:
+            logging.getLogger("vllm.streamload").removeHandler(handler)
+        assert f"its digest is {tampered}, the pinned one is {pin}" in said
+        assert any(r.levelno == logging.ERROR and tampered in r.getMessage() for r in logs)
+    finally:
+        server.close()
+    assert not root.exists() or not any(root.rglob("*")), list(root.rglob("*"))
+
+
+def test_model_inspections_are_installed_only_as_the_plain_data_vllm_parses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM reads a model inspection with `json.load` into its `_ModelInfo` dataclass: no code. The fetch
+    started first installs only files of that plain shape (a real one, as vLLM wrote it, loads through
+    vLLM's own reader); an odd name, a nested object or a file that is not JSON is left out."""
+    from vllm.model_executor.models.registry import _LazyRegisteredModel, _ModelInfo
+
+    from streamload import prefetch
+
+    lazy = _LazyRegisteredModel("vllm.model_executor.models.llama", "LlamaForCausalLM")
+    written = tmp_path / "node-a"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(written))
+    inspected = lazy.inspect_model_cls()
+    lazy._save_modelinfo_to_cache(inspected, "the-hash")  # as vLLM writes it
+    (written / "modelinfos" / "x-Evil.json").write_text('{"hash": "h", "modelinfo": {"a": {"__class__": "os"}}}')
+    (written / "modelinfos" / "x-Pickle.json").write_bytes(b"\x80\x04K\x01.")
+    (written / "modelinfos" / "x-Extra.json").write_text('{"hash": "h", "modelinfo": {}, "code": "print(1)"}')
+    _cache(written)
+    model = tmp_path / "model"
+    compiled.publish(model, written)
+    cold = tmp_path / "node-b"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(cold))
+    assert prefetch.install_model_infos(str(model)) == 1
+    assert [p.name for p in (cold / "modelinfos").iterdir()] == [lazy._get_cache_filename()]
+    got = lazy._load_modelinfo_from_cache("the-hash")
+    assert isinstance(got, _ModelInfo) and got.architecture == "LlamaForCausalLM"
+    assert json.dumps(asdict(got)) == json.dumps(asdict(inspected))  # as vLLM wrote it (tuples as lists)

@@ -88,15 +88,15 @@ def test_a_command_that_cannot_run_is_one_line(tmp_path: Path) -> None:
 
 def test_the_weights_are_found_in_vllms_arguments(tmp_path: Path) -> None:
     local = _store(tmp_path)
-    assert _weights(["vllm", "serve", "s3://b/m/", "--load-format", "streamload"], None, None) == ("s3://b/m/", None)
-    assert _weights(["vllm", "serve", str(local)], None, None) == (str(local), None)
+    assert _weights(["vllm", "serve", "s3://b/m/", "--load-format", "streamload"], None, None)[:2] == ("s3://b/m/", None)
+    assert _weights(["vllm", "serve", str(local)], None, None)[:2] == (str(local), None)
     extra = '{"source": "https://h/m/", "cache_dir": "/var/cache/w"}'
-    got = _weights(["vllm", "serve", "cfg/", "--model-loader-extra-config", extra], None, None)
+    got = _weights(["vllm", "serve", "cfg/", "--model-loader-extra-config", extra], None, None)[:2]
     assert got == ("https://h/m/", Path("/var/cache/w"))
-    got = _weights(["vllm", "serve", "--model=cfg/", f"--model-loader-extra-config={extra}"], None, None)
+    got = _weights(["vllm", "serve", "--model=cfg/", f"--model-loader-extra-config={extra}"], None, None)[:2]
     assert got == ("https://h/m/", Path("/var/cache/w"))
-    assert _weights(["vllm", "serve", "meta-llama/Llama-3.1-8B"], None, None) == (None, None)  # vLLM downloads it
-    assert _weights(["vllm", "serve", "org/m"], "s3://b/x/", None) == ("s3://b/x/", None)
+    assert _weights(["vllm", "serve", "meta-llama/Llama-3.1-8B"], None, None)[:2] == (None, None)  # vLLM downloads it
+    assert _weights(["vllm", "serve", "org/m"], "s3://b/x/", None)[:2] == ("s3://b/x/", None)
     with pytest.raises(ValueError, match="--model-loader-extra-config is not a JSON object"):
         _weights(["vllm", "serve", "m", "--model-loader-extra-config", "{source"], None, None)
 

@@ -13,7 +13,12 @@ place, each whole by a rename; a folder the node has is never replaced, and vLLM
 one only where its own hash matches. An archive for another key is never fetched; the keys published
 and how they differ are logged instead.
 
+Installed artifacts run as code (vLLM imports generated Python and unpickles graphs), so nothing is
+installed unless the user pinned the archive's digest, which `publish` prints; an archive whose bytes
+have another digest is refused before any of it is unpacked (`streamload/pins.py`).
+
     streamload compile-cache publish path/to/model      # on a node that has compiled the model
+    LLM(..., load_format="streamload", model_loader_extra_config={"compile_cache": "sha256:<hex>"})
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from streamload import pins
 from streamload.prefetch import COMPILE_CACHE, MODEL_INFOS, STAGED_INDEX, beside
 
 log = logging.getLogger("vllm.streamload")
@@ -95,13 +101,20 @@ def publish(checkpoint: str | os.PathLike[str], root: str | os.PathLike[str] | N
 
 
 def install(
-    source: str, root: str | os.PathLike[str] | None = None, storage: Any = None, staged: Path | None = None
+    source: str,
+    pinned: frozenset[str],
+    root: str | os.PathLike[str] | None = None,
+    storage: Any = None,
+    staged: Path | None = None,
 ) -> str:
-    """Fetch the archive published beside `source` for this node's key and install each of its
-    compiled folders that `root` (default: vLLM's cache root) lacks. Returns what happened, in words
-    (also logged): installed, nothing published for this node (and what was), or nothing to add.
+    """Fetch the archive published beside `source` for this node's key and, if its digest is one of
+    `pinned` (`pins.pins`), install each of its compiled folders that `root` (default: vLLM's cache
+    root) lacks. Returns what happened, in words (also logged): installed, nothing published for this
+    node (and what was), or nothing to add; an archive of another digest raises `pins.Refused`.
     `staged`: where the fetch started with the process put the candidate archives before the weights
     (`prefetch.stage_compile_caches`); what it decided is taken from there, without a request."""
+    if not pinned:
+        raise ValueError(f"compiled artifacts beside {source}: nothing pinned; {pins.HOW}")
     from streamload.storage import storage_for
 
     storage = storage or storage_for(source)
@@ -128,6 +141,7 @@ def install(
             said = "no compiled artifacts published beside the checkpoint: compiling here"
         log.info("streamload: %s", said)
         return said
+    pins.check(data, pinned, f"compiled artifacts {FOLDER}/{name}.tar beside {source}")  # before a byte is unpacked
     added = _unpack(data, Path(root) if root is not None else cache_root())
     said = f"installed {len(added)} compiled folder(s) published beside the checkpoint ({name})" if added else (
         "the compiled artifacts published beside the checkpoint are here already")  # fmt: skip
