@@ -17,7 +17,8 @@ What it costs: the parameters' values are unset during the profile run (its numb
 their pages are touched first so that a CPU worker's RSS-based sizing counts them; the final pass reads
 the staged files (local disk or page cache) once more than a plain load would. Refused, with a reason,
 where exactness is not checked: another vLLM version, a worker that is not vLLM's CPU or GPU `Worker`,
-quantized models, sleep mode, and mixtures of experts on the CPU (vLLM's own in-place reload
+quantized models, sleep mode, speculative decoding (its drafter is built beside the model before
+the weights are in), and mixtures of experts on the CPU (vLLM's own in-place reload
 of those is wrong: see `refusal`).
 """
 
@@ -65,6 +66,8 @@ def refusal(model: nn.Module, model_config: Any, worker: Any) -> str:
         return f"the model is quantized ({model_config.quantization}): only unquantized models are checked"
     if getattr(worker.vllm_config.model_config, "enable_sleep_mode", False):
         return "sleep mode keeps the weights in a memory pool of their own"
+    if getattr(worker.vllm_config, "speculative_config", None) is not None:
+        return "speculative decoding: its drafter is built and compared with the model before the weights are in"
     if worker.device_config.device_type == "cpu" and any(isinstance(m, RoutedExperts) for m in model.modules()):
         # vLLM 0.32's in-place reload copies a CPU MoE's new experts over their prepacked layout without
         # prepacking them (UnquantizedFusedMoEMethod._setup_kernel runs the experts' processing on the
