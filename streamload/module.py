@@ -17,6 +17,7 @@ from .device import resolve
 from .errors import StreamloadError, UnsupportedError
 from .layer_keys import layer_of
 from .layer_stream import LayerStream, layers
+from .plan import Item, cannot_convert, scaled
 from .source import Checkpoint, Source, open_checkpoint
 
 if TYPE_CHECKING:
@@ -98,8 +99,27 @@ class _Filler:
         return self.modules.get(key)
 
     def start(self, groups: LayerStream, strict: bool) -> None:
+        items = groups.stream.plan.items
         if strict:
-            self.check_names([i.name for i in groups.stream.plan.items])
+            self.check_names([i.name for i in items])
+        self.check_dtypes(items, lambda name: name)
+
+    def check_dtypes(self, items: Collection[Item], target_of: Callable[[str], str]) -> None:
+        """Before any weight is read: a tensor assigned to a parameter or buffer of another dtype only
+        between plain floating-point dtypes (as `dtype=` makes them) or between integer ones: a float8,
+        float4 or integer tensor in a floating-point parameter, or the reverse, is a quantized weight
+        without its scale."""
+        for item in items:
+            if item.into is not None or (target := target_of(item.name)) not in self.group_of:
+                continue  # written in place: the plan checked it; or not the module's
+            declared = self._get(target).dtype
+            kinds_differ = item.out.is_floating_point != declared.is_floating_point
+            if item.out != declared and (scaled(item.out) or scaled(declared) or kinds_differ):
+                raise StreamloadError(
+                    f"{item.info.path}: tensor {item.name!r} is {item.out}, but {type(self.module).__name__}'s "
+                    f"{self.kind[target]} {target!r} is {declared}: {cannot_convert(item.out, declared)}; "
+                    "nothing was read. A quantized checkpoint needs a model built for its quantization"
+                )
 
     def fill(self, key: str, tensors: dict[str, torch.Tensor], on_layer: object) -> tuple[str, nn.Module | None] | None:
         """Assign a group's tensors; the (key, submodule) for `on_layer` when the group is a layer
@@ -224,8 +244,10 @@ class _ConvertingFiller(_Filler):
         return _writing_into(options, into) if into else options
 
     def start(self, groups: LayerStream, strict: bool) -> None:
+        items = groups.stream.plan.items
         if strict:
-            self.check_names(self.conversion.targets(i.name for i in groups.stream.plan.items))
+            self.check_names(self.conversion.targets(i.name for i in items))
+        self.check_dtypes(items, self.conversion.target_of)
 
     def assign(self, name: str, tensor: torch.Tensor) -> None:
         target = self.conversion.target_of(name)

@@ -311,8 +311,28 @@ def _item(info: TensorInfo, dtype: DTypeOption | DTypeRules, shard: ShardSpec | 
 
 def converts(stored: torch.dtype, dest: torch.dtype) -> bool:
     """Whether bytes stored as `stored` may be written in place into a `dest` tensor: the same dtype,
-    or one floating-point dtype converted to another."""
-    return dest == stored or (stored.is_floating_point and dest.is_floating_point)
+    or one plain floating-point dtype converted to another. A float8 or float4 value means something
+    only with its scale (a block's, a channel's): cast alone, into or out of them, it is wrong data."""
+    return dest == stored or (stored in _PLAIN_FLOATS and dest in _PLAIN_FLOATS)
+
+
+_PLAIN_FLOATS = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+
+
+def scaled(dtype: torch.dtype) -> bool:
+    """Whether `dtype` holds values that mean something only with a scale (float8, float4)."""
+    return dtype.is_floating_point and dtype not in _PLAIN_FLOATS
+
+
+def cannot_convert(stored: torch.dtype, dest: torch.dtype) -> str:
+    """Why bytes of `stored` are not written into a `dest` tensor (`converts` is False), in words."""
+    held = next((d for d in (stored, dest) if scaled(d)), None)
+    if held is not None:
+        return (
+            f"{held} holds scaled values: cast without its scale it would be wrong data (only float64, "
+            "float32, float16 and bfloat16 are converted)"
+        )
+    return "only floating-point tensors are converted"
 
 
 def _into(item: Item, dest: torch.Tensor, land: bool = False) -> Item:
@@ -328,8 +348,8 @@ def _into(item: Item, dest: torch.Tensor, land: bool = False) -> Item:
         )
     if not converts(item.stored, dest.dtype):
         raise UnsupportedError(
-            f"{where}: cannot load {item.stored} in place into a {dest.dtype} tensor (only floating-point "
-            "tensors are converted)"
+            f"{where}: cannot load {item.stored} in place into a {dest.dtype} tensor: "
+            + cannot_convert(item.stored, dest.dtype)
         )
     if dest.is_meta:
         raise UnsupportedError(f"{where}: cannot load in place into a tensor on the meta device")

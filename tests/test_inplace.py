@@ -230,3 +230,56 @@ def test_destinations_in_host_memory_are_read_straight_into(tmp_path: Path, cold
     with streamload.iter(path, device="cpu", reader="posix", into=dict(into), verify=digest) as stream:
         assert not any(i.lands for i in stream.plan.items)  # verify= hashes the bytes in the slot
         assert all(torch.equal(t, tensors[n].to(t.dtype)) for n, t in stream)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e8m0fnu"), reason="this torch has no float8")
+def test_scaled_values_are_never_cast_without_their_scale(tmp_path: Path) -> None:
+    """A float8 or float4 value means something only with its block's or channel's scale: written
+    into a tensor of another dtype (or a plain float into a float8 one) it would be wrong data. Refused
+    before a byte is read, naming the file and tensor; plain floats still convert, float8 lands as is."""
+    path = tmp_path / "q.safetensors"
+    weight = (torch.randn(8, 4) * 4).to(torch.float8_e4m3fn)
+    scales = torch.randint(100, 140, (2, 2), dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    bias = torch.randn(8, dtype=torch.bfloat16)
+    save_file({"weight": weight, "scales": scales, "bias": bias}, str(path))
+    refused = {
+        "weight": torch.zeros(8, 4, dtype=torch.bfloat16),
+        "scales": torch.zeros(2, 2, dtype=torch.float32),
+        "bias": torch.zeros(8, dtype=torch.float8_e4m3fn),
+    }
+    for name, dest in refused.items():
+        held = "torch.float8_e8m0fnu" if name == "scales" else "torch.float8_e4m3fn"
+        with pytest.raises(UnsupportedError, match=f"{path}: tensor '{name}': cannot load .* {held} holds scaled"):
+            streamload.load(path, device="cpu", include=name, into={name: dest})
+        assert not dest.float().any()  # untouched
+    fp8, wide = torch.zeros(8, 4, dtype=torch.float8_e4m3fn), torch.zeros(8, dtype=torch.float32)
+    streamload.load(path, device="cpu", include=["weight", "bias"], into={"weight": fp8, "bias": wide})
+    assert same_bits(fp8, weight) and torch.equal(wide, bias.float())
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8")
+def test_a_quantized_tensor_is_not_assigned_into_an_unquantized_model(tmp_path: Path) -> None:
+    """`from_pretrained(strict=False)` / `load_into` of FP8 or packed-integer weights into a bf16 model
+    used to assign them as they were (its forward then fails, or computes with unscaled values)."""
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=128, torch_dtype="bfloat16")  # fmt: skip
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    for stored in (torch.float8_e4m3fn, torch.int32):  # FP8 weights; a packed int4 weight's int32 words
+        quantized = dict(state)
+        quantized[name] = state[name].float().to(stored)
+        save_file(quantized, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+        for strict in (True, False):
+            with pytest.raises(StreamloadError, match=f"tensor '{name}' is {stored}, but LlamaForCausalLM's parameter"):
+                streamload.from_pretrained(tmp_path, strict=strict)
+    with streamload.empty_weights():
+        module = nn.Linear(4, 8, dtype=torch.bfloat16)
+    save_file(
+        {"weight": torch.zeros(8, 4, dtype=torch.float8_e5m2), "bias": torch.zeros(8)}, str(tmp_path / "l.safetensors")
+    )
+    with pytest.raises(StreamloadError, match="'weight' is torch.float8_e5m2, but Linear's parameter 'weight' is"):
+        streamload.load_into(module, tmp_path / "l.safetensors", device="cpu", strict=False)
+    assert module.weight.is_meta  # nothing assigned
