@@ -31,12 +31,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from . import owned
 
 ENV = "STREAMLOAD_FETCH"  # the fetch this process (or the one that started it) began: JSON, see `ahead`
 
@@ -119,7 +120,8 @@ def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None, compile_
 
     pinned = pins(compile_cache)
     remote = "://" in source
-    work = Path(tempfile.mkdtemp(prefix="streamload-prefetch-"))
+    owned.sweep(STAGING)  # what fetches ended without clean-up (SIGKILL, OOM) left: their owners are gone
+    work = owned.make(STAGING)
     staging: Path | None = None
     try:
         if remote:
@@ -165,6 +167,8 @@ def adopt(source: str) -> dict[str, Any] | None:
     return started
 
 
+STAGING = "streamload-prefetch-"  # a fetch's working directory in the temporary directory (owned.py)
+INSTALLING = ".streamload-installing-"  # an archive being unpacked into vLLM's cache root (owned.py)
 COMPILE_CACHE = "streamload-compile-cache"  # beside the weights (`streamload compile-cache publish`)
 MODEL_INFOS = f"{COMPILE_CACHE}/modelinfos.tar"
 STAGED_INDEX = "ready.json"  # in the folder `stage_compile_caches` fills: written last
@@ -254,7 +258,8 @@ def install_model_infos(source: str) -> int:
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     root = Path(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT") or os.path.join(home, "vllm")))
     (root / "modelinfos").mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=".streamload-installing-"))
+    owned.sweep(INSTALLING, root)
+    staging = owned.make(INSTALLING, root)
     added = 0
     try:
         with tarfile.open(fileobj=BytesIO(data), mode="r") as tar:

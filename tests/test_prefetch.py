@@ -197,3 +197,140 @@ def test_a_fetch_from_object_storage_imports_no_torch_and_completes_file_after_f
         assert second.read_bytes() == (store / "s1.safetensors").read_bytes()
     finally:
         server.close()
+
+
+def _ahead_then_killed(tmp_path: Path, url: str, engines: int) -> list[Path]:
+    """Processes that start a fetch ahead (as an engine's does), each with a part-written file in its
+    staging, all SIGKILLed mid-download: no exit handler runs. Their staging directories."""
+    code = (
+        "import sys, time; from streamload import prefetch; s = prefetch.ahead(sys.argv[1]); "
+        "open(s['cache_dir'] + '/x.safetensors.partial.h.1.r', 'wb').write(b'half'); "
+        "print(s['cache_dir'], flush=True); time.sleep(120)"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    running = [subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE, text=True, env=env)
+               for _ in range(engines)]  # fmt: skip
+    try:
+        staged = [Path(engine.stdout.readline().strip()) for engine in running if engine.stdout is not None]
+    finally:
+        for engine in running:
+            engine.send_signal(signal.SIGKILL)
+            engine.wait(10)
+    return [p.parent for p in staged]
+
+
+def test_a_killed_engines_staging_is_removed_by_the_next_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three engines SIGKILLed mid-download leave three staging directories (each would hold a whole
+    checkpoint); the next start removes them, partial files included, and keeps the staging of a
+    process that runs, also one recorded under a reused process id (another start time) is removed."""
+    import tempfile
+
+    from streamload import owned
+
+    _checkpoint(tmp_path / "store" / "m")
+    server = RangeServer(tmp_path / "store")
+    server.faults = ["stall:60"] * 64  # downloads hang: the engines die mid-way
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    try:
+        left = _ahead_then_killed(temp, f"{server.url}/m/", 3)
+        assert all(p.is_dir() and any(p.rglob("*.partial.*")) for p in left)
+        running = subprocess.Popen([sys.executable, "-c", "import sys, time; from streamload import owned; "
+                                    "print(owned.make('streamload-prefetch-', sys.argv[1]), flush=True); "
+                                    "time.sleep(60)", str(temp)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert running.stdout is not None
+            alive = Path(running.stdout.readline().strip())
+            reused = owned.make("streamload-prefetch-", temp)  # this process's id, another start time
+            record = json.loads((reused / owned.RECORD).read_text())
+            (reused / owned.RECORD).write_text(json.dumps({**record, "start": record["start"] - 1}))
+            monkeypatch.setattr(tempfile, "tempdir", str(temp))
+            monkeypatch.delenv(prefetch.ENV, raising=False)
+            started = prefetch.ahead(str(tmp_path / "store" / "m"))  # the next engine's start
+            monkeypatch.delenv(prefetch.ENV, raising=False)
+            assert not any(p.exists() for p in left) and not reused.exists()
+            assert alive.is_dir()
+            assert sorted(temp.iterdir()) == sorted([alive, Path(started["done"]).parent])
+        finally:
+            running.kill()
+            running.wait(10)
+    finally:
+        server.close()
+
+
+def test_only_the_process_that_starts_the_engine_fetches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`vllm serve --api-server-count N` builds the load config again in each of its API-server
+    processes; only the first process (whose config the engine gets) starts a fetch."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+
+    from streamload.integrations.vllm import register
+
+    register()
+    model = _checkpoint(tmp_path / "m")
+    monkeypatch.delenv(prefetch.ENV, raising=False)
+    api_server = EngineArgs(model=str(model), load_format="streamload")
+    api_server._api_process_count, api_server._api_process_rank = 2, 1
+    assert "prefetch" not in api_server.create_load_config().model_loader_extra_config
+    first = EngineArgs(model=str(model), load_format="streamload")
+    first._api_process_count, first._api_process_rank = 2, -1
+    started = first.create_load_config().model_loader_extra_config["prefetch"]
+    monkeypatch.delenv(prefetch.ENV, raising=False)
+    assert prefetch.wait(Path(started["done"]), started["pid"], timeout=60)["ok"]
+
+
+def _first_load_rank(rank: int, root: str, fetched: bool) -> None:
+    """Rank `rank` of a two-worker engine on vLLM's world group (gloo): its first load, rank 0 with a
+    private staging directory fetched ahead, rank 1 on a node whose fetch could not start."""
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.load import LoadConfig
+    from vllm.distributed import init_distributed_environment
+
+    from streamload.integrations.vllm import StreamloadModelLoader
+
+    with set_current_vllm_config(VllmConfig(parallel_config=ParallelConfig(cpu_distributed_timeout_seconds=20))):
+        init_distributed_environment(2, rank, f"file://{root}/pg", rank, "gloo")
+    staging = Path(root, "staging")
+    started = {"cache_dir": str(staging), "owned": True, "host": "", "done": f"{root}/done.json"} if fetched else None
+    if started is not None:
+        import socket
+
+        started["host"] = socket.gethostname()
+    loader = StreamloadModelLoader(LoadConfig(load_format="streamload"))
+    began = time.monotonic()
+    try:
+        loader._staged(started, lambda: None)
+        said = "ok"
+    except Exception as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    Path(root, f"rank{rank}.json").write_text(json.dumps({"said": said, "seconds": time.monotonic() - began}))
+    os._exit(0)
+
+
+def test_a_node_whose_fetch_could_not_start_still_joins_the_barrier(tmp_path: Path) -> None:
+    """On several nodes each node's engine process starts its own fetch: where one could not start,
+    its ranks still join the barrier after the first load, and the rank whose staging it is removes it
+    once every rank is past the load (before: the one waited for a peer that never came)."""
+    pytest.importorskip("vllm")
+    import multiprocessing as mp
+
+    from streamload.integrations.vllm import StreamloadModelLoader  # noqa: F401  (imported once, before the fork)
+
+    (tmp_path / "staging").mkdir()
+    (tmp_path / "done.json").write_text('{"ok": true, "bytes": 0}')
+    context = mp.get_context("fork")
+    ranks = [context.Process(target=_first_load_rank, args=(r, str(tmp_path), r == 0)) for r in (0, 1)]
+    for process in ranks:
+        process.start()
+    try:
+        for process in ranks:
+            process.join(timeout=120)
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["said"] for r in results] == ["ok", "ok"], results
+    assert all(r["seconds"] < 15 for r in results), results  # not the group's timeout (20 s)
+    assert not (tmp_path / "staging").exists()

@@ -78,11 +78,19 @@ def staged(ahead: dict[str, Any]) -> str | None:
     return str(ahead["cache_dir"])
 
 
-def loaded(ahead: dict[str, Any], rank: int, everyone: Callable[[], None]) -> None:
-    """After the first load, on every rank of the engine (`everyone()`: a barrier of them all): a
-    private staging directory is removed once no rank reads it."""
-    if not ahead.get("owned"):
-        return
-    everyone()  # every rank, wherever it runs: the same options on all of them
-    if rank == 0 and ahead.get("host") == socket.gethostname():
+def loaded(ahead: dict[str, Any] | None, rank: int, everyone: Callable[[], None]) -> None:
+    """After the first load (also a failed one), on every rank of the engine (`everyone()`: a barrier
+    of them all): a private staging directory is removed once no rank reads it. Every rank joins the
+    barrier, with a fetch or without: on several nodes each node's engine process starts its own
+    fetch, and one whose fetch could not start must not leave the others waiting for it."""
+    everyone()
+    if ahead and ahead.get("owned") and rank == 0 and ahead.get("host") == socket.gethostname():
         shutil.rmtree(ahead["cache_dir"], ignore_errors=True)
+
+
+def starts_engine(engine_args: Any) -> bool:
+    """Whether the process building this load config starts the engine: not one of the API-server
+    processes `vllm serve --api-server-count N` starts (each builds its config again, and the engine
+    gets the one the first process built, which the fetch it started is in)."""
+    count, rank = getattr(engine_args, "_api_process_count", 1), getattr(engine_args, "_api_process_rank", 0)
+    return not (count > 1 and rank >= 0)

@@ -36,8 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from streamload import pins
-from streamload.prefetch import COMPILE_CACHE, MODEL_INFOS, STAGED_INDEX, beside
+from streamload import owned, pins
+from streamload.prefetch import COMPILE_CACHE, INSTALLING, MODEL_INFOS, STAGED_INDEX, beside
 
 log = logging.getLogger("vllm.streamload")
 
@@ -153,7 +153,8 @@ def _unpack(data: bytes, root: Path) -> list[Path]:
     """Each compiled folder of the archive (`torch_compile_cache/<hash>`, and `.../torch_aot_compile/
     <hash>`) that `root` lacks, unpacked beside it and renamed into place whole; the rest dropped."""
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=".streamload-installing-"))
+    owned.sweep(INSTALLING, root)  # what an install killed midway left
+    staging = owned.make(INSTALLING, root)
     added: list[Path] = []
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
