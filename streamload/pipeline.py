@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from concurrent.futures import Future
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
@@ -176,7 +177,7 @@ class Pipeline:
         self._started = True
         plan, device, t = self.plan, self.device, self.tuning
         self.stats.start()
-        self._files = self.storage.open(plan.files, partly=plan.read_in_part)
+        self._files = self.storage.open(plan.files, partly=lambda: _not_read_whole(plan))
         self._pool = ReaderPool(t.threads, self.stats.add_read)
         nslots = min(t.slots, max(1, len(plan.batches)))
         slot_bytes = t.slot_bytes + device.padding
@@ -281,6 +282,14 @@ class Pipeline:
                 self._staging.give_back()
                 self.device.close()  # after the budget is given back: slots kept for later streams fit in it
                 self._files = self._pool = None
+
+
+def _not_read_whole(plan: Plan) -> set[PurePath]:
+    """The files this process does not read every byte of itself: those its plan reads in part, and in a
+    cooperative load those with bytes in shared batches (the other ranks read parts of those: a cache
+    copy this rank claimed would never be completed, and a rank waiting for it would wait for ever)."""
+    shared = {piece.item.info.path for batch in plan.batches if batch.shared for piece in batch.pieces}
+    return {*plan.read_in_part(), *shared}
 
 
 def _named(exc: Exception, batch: Batch) -> ReadError:

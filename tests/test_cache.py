@@ -5,20 +5,29 @@ later load is bit-exact."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import streamload
+from streamload.storage import cache as cache_module
+from streamload.storage.cache import cache_path
+from streamload.storage.remote import ObjectPath
 
 from .conftest import random_tensor, same_bits
 from .servers import RangeServer
@@ -196,8 +205,6 @@ def test_the_old_shared_partial_is_cleaned_and_never_taken_for_a_copy(
 
 
 def test_no_lock_or_descriptor_outlives_a_load(server: RangeServer, store: Path, tmp_path: Path) -> None:
-    from streamload.storage import cache as cache_module
-
     url, cache = f"{server.url}/model/", tmp_path / "cache"
 
     def open_in_cache() -> list[str]:
@@ -210,3 +217,287 @@ def test_no_lock_or_descriptor_outlives_a_load(server: RangeServer, store: Path,
     streamload.load(url, device="cpu", cache_dir=cache)
     streamload.load(url, device="cpu", cache_dir=cache)
     assert not open_in_cache() and not cache_module._held
+
+
+# -- a cache shared across users, hosts and full disks ------------------------------------------------
+SECOND_USER = 65534  # nobody: a user of its own, umask 022, who owns nothing in the cache
+LOAD_AND_HASH = """\
+import hashlib, json, os, sys
+import torch
+import streamload
+from streamload.storage import cache
+if sys.argv[3] != "-":
+    cache.WRITER_STALL = float(sys.argv[3])
+if sys.argv[4] != "-":  # the interpreter is root's (under /root): started as root, the load runs as the user
+    streamload.inspect(sys.argv[1])  # imports what reading an object takes (headers only)
+    uid = int(sys.argv[4])
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    os.umask(0o022)
+got = streamload.load(sys.argv[1], device="cpu", cache_dir=sys.argv[2])
+raw = {n: t.contiguous().view(torch.uint8).numpy().tobytes() for n, t in got.items()}
+print(json.dumps({n: hashlib.sha256(b).hexdigest() for n, b in raw.items()}))
+"""
+
+
+def hashes(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {
+        n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in tensors.items()
+    }
+
+
+def load_elsewhere(url: str, cache: Path, stall: float | None = None, user: int | None = None) -> tuple[dict, str]:
+    """A load in a process of its own (as `user`, umask 022; with WRITER_STALL `stall`): the tensors'
+    hashes, and its stderr."""
+    cmd = [
+        sys.executable,
+        "-c",
+        LOAD_AND_HASH,
+        url,
+        str(cache),
+        *(str(x) if x is not None else "-" for x in (stall, user)),
+    ]
+    env = {**os.environ, "HOME": str(cache.parent)}
+    done = subprocess.run(cmd, capture_output=True, timeout=DEADLINE / 2, cwd=Path(__file__).parents[1], env=env)
+    assert done.returncode == 0, done.stderr.decode()
+    return json.loads(done.stdout), done.stderr.decode()
+
+
+def not_kept(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "cannot keep copies there" in line]
+
+
+def partials(cache: Path) -> list[Path]:
+    return [p for p in cache.rglob("*") if ".partial." in p.name]
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory every user can reach (pytest's own are its user's only)."""
+    path = Path(tempfile.mkdtemp(prefix="streamload-shared-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a load as a second user: needs root")
+def test_a_second_user_loads_from_the_cache_the_first_filled(
+    server: RangeServer, store: Path, shared_dir: Path
+) -> None:
+    """The first user's lock files are 0644 (umask 022): the second opens them read-only, reads the
+    first's copies, and reads what it cannot keep from the store (the cache's root is everyone's, as
+    /tmp is, but the folders under it are the first user's)."""
+    url, cache = f"{server.url}/model/", shared_dir / "cache"
+    cache.mkdir()
+    cache.chmod(0o1777)
+    umask = os.umask(0o022)
+    try:
+        streamload.load(url, device="cpu", cache_dir=cache)
+    finally:
+        os.umask(umask)
+    kept, gone = copies(cache)
+    gone.unlink()  # a newer version, or a copy the first user's load did not finish
+    Path(f"{gone}{cache_module.RECORD}").unlink()
+    sent = server.sent
+    got, err = load_elsewhere(url, cache, user=SECOND_USER)
+    assert got == hashes(reference(store))
+    assert server.sent - sent <= 1.05 * (store / "model" / gone.name).stat().st_size  # the other from the copy
+    assert len(not_kept(err)) == 1 and str(cache) in not_kept(err)[0], err
+    assert copies(cache) == [kept] and not partials(cache)
+
+
+def test_a_symlink_in_the_cache_is_never_followed(
+    server: RangeServer, store: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A link where a lock file goes (put there by another user of the cache) would have the load create
+    and lock a file elsewhere: that copy is not kept, the other is."""
+    url, cache = f"{server.url}/model/", tmp_path / "cache"
+    first = cache_path(cache, ObjectPath(f"{url}model-00001-of-00002.safetensors"))
+    first.parent.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    Path(f"{first}{cache_module.LOCK}").symlink_to(elsewhere)
+    with caplog.at_level(logging.WARNING, logger="streamload"):
+        got = streamload.load(url, device="cpu", cache_dir=cache)
+    ref = reference(store)
+    assert got.keys() == ref.keys() and all(same_bits(got[n], ref[n]) for n in ref)
+    assert not elsewhere.exists()
+    assert len(not_kept(caplog.text)) == 1 and str(cache) in caplog.text and str(first) in caplog.text
+    assert [p.name for p in copies(cache)] == ["model-00002-of-00002.safetensors"] and not partials(cache)
+    assert_cache_holds_only_whole_copies(cache, store)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """Mounts a tmpfs of so many bytes (a real file system, that fills up); each is unmounted however
+    the test ends."""
+    mounted: list[Path] = []
+
+    def mount(size: int) -> Path:
+        point = tmp_path / f"disk{len(mounted)}"
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        if subprocess.run(["umount", str(point)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(point)], check=True)
+
+
+@pytest.mark.parametrize("room", ["a copy and a half", "all but the last record"])
+def test_a_full_disk_costs_the_copy_not_the_load(
+    server: RangeServer, store: Path, small_disk: Callable[[int], Path], caplog: pytest.LogCaptureFixture, room: str
+) -> None:
+    """ENOSPC while a copy's bytes are written, or while its record is (`_complete`): the load goes on
+    from the store, one warning names the cache, and nothing partial is left."""
+    url = f"{server.url}/model/"
+    sizes = [f.stat().st_size for f in sorted((store / "model").glob("*.safetensors"))]
+    if room == "a copy and a half":
+        size = sizes[0] + sizes[1] // 2
+    else:  # what a whole load takes there, less a page: the last thing written, a record, does not fit
+        roomy = small_disk(4 * sum(sizes))
+        streamload.load(url, device="cpu", cache_dir=roomy / "cache")
+        st = os.statvfs(roomy)
+        size = (st.f_blocks - st.f_bfree - 1) * st.f_frsize
+    cache = small_disk(size) / "cache"
+    with caplog.at_level(logging.WARNING, logger="streamload"):
+        got = streamload.load(url, device="cpu", cache_dir=cache)
+    ref = reference(store)
+    assert got.keys() == ref.keys() and all(same_bits(got[n], ref[n]) for n in ref)
+    assert len(not_kept(caplog.text)) == 1 and str(cache) in caplog.text and "No space left" in caplog.text
+    assert not partials(cache)
+    assert len(copies(cache)) <= 1
+    assert_cache_holds_only_whole_copies(cache, store)
+
+
+def test_a_copy_reserves_its_whole_size_before_its_bytes_arrive(
+    store: Path, tmp_path: Path, small_disk: Callable[[int], Path]
+) -> None:
+    """Disk is reserved for what is being fetched, not checked once: a writer stopped mid-copy already
+    holds its file's every block, so another writer or a later copy cannot take the space it needs
+    (on a full disk the copy fails at its start, and the load goes on without it: above)."""
+    server = RangeServer(store, rate=RATE / 4)
+    url = f"{server.url}/model/"
+    sizes = {f.name: f.stat().st_size for f in (store / "model").glob("*.safetensors")}
+    cache = small_disk(4 * sum(sizes.values())) / "cache"
+    writer = prefetch(url, cache, tmp_path / "writer.json")
+    try:
+        wait_until(lambda: server.sent > 0 and bool(partials(cache)), writer)
+        writer.send_signal(signal.SIGSTOP)
+        assert server.sent < sum(sizes.values())  # mid-copy
+        for partial in partials(cache):
+            assert partial.stat().st_blocks * 512 >= sizes[partial.name.split(".partial.")[0]]  # every block taken
+    finally:
+        writer.kill()
+        writer.wait(DEADLINE)
+        server.close()
+
+
+def test_a_stopped_writer_is_given_up_on(store: Path, tmp_path: Path) -> None:
+    """A writer stopped mid-copy (SIGSTOP: alive, holding its locks): a load waiting for it reads from the
+    store once the writer's partial file has not changed for WRITER_STALL seconds, and warns once."""
+    server = RangeServer(store, rate=RATE / 4)  # the writer is stopped mid-copy
+    url, cache = f"{server.url}/model/", tmp_path / "cache"
+    writer = prefetch(url, cache, tmp_path / "writer.json")
+    try:
+        wait_until(lambda: server.sent > 0 and bool(partials(cache)), writer)
+        writer.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        got, err = load_elsewhere(url, cache, stall=1.0)
+        assert time.monotonic() - started < DEADLINE / 4
+        writer.kill()
+        writer.wait(DEADLINE)
+        assert got == hashes(reference(store))
+        stalled = [line for line in err.splitlines() if "wrote nothing for 1 s" in line]
+        assert len(stalled) == 1 and str(cache) in stalled[0], err
+        assert_later_loads_exact(url, cache, store)  # the stopped writer's partial files go with the next writer
+    finally:
+        writer.kill()
+        writer.wait(DEADLINE)
+        server.close()
+
+
+NFS_MOUNTINFO = r"""22 1 259:1 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p1 rw,discard,errors=remount-ro
+311 22 0:55 / /mnt/models rw,relatime shared:171 - nfs 10.0.0.5:/export/models rw,vers=3,rsize=1048576,wsize=1048576,namlen=255,hard,nolock,proto=tcp,timeo=600,retrans=2,sec=sys,mountaddr=10.0.0.5,mountvers=3,mountport=20048,mountproto=udp,local_lock=all,addr=10.0.0.5
+312 22 0:56 / /mnt/shared rw,relatime shared:172 - nfs4 fs.example.com:/ rw,vers=4.2,rsize=1048576,wsize=1048576,namlen=255,hard,proto=tcp,timeo=600,retrans=2,sec=sys,clientaddr=10.0.0.7,local_lock=none,addr=10.0.0.9
+313 22 0:57 / /mnt/team\040models rw,relatime shared:173 - nfs4 fs.example.com:/team rw,vers=4.1,hard,proto=tcp,sec=sys,local_lock=flock,addr=10.0.0.9
+314 311 259:2 / /mnt/models/scratch rw,relatime shared:174 - ext4 /dev/nvme1n1 rw
+"""  # noqa: E501
+
+
+@pytest.mark.parametrize(
+    ("directory", "scope"),
+    [
+        ("/mnt/models/cache", "nfs mounted with nolock,local_lock=all"),
+        ("/mnt/shared/cache", None),  # NFSv4 locks: the server keeps them
+        ("/mnt/team models/cache", "nfs4 mounted with local_lock=flock"),
+        ("/mnt/models/scratch/cache", None),  # a local disk mounted over the NFS one
+        ("/home/me/cache", None),
+    ],
+)
+def test_nfs_with_locks_of_its_own_is_told_from_mountinfo(directory: str, scope: str | None) -> None:
+    assert cache_module.lock_scope(Path(directory), NFS_MOUNTINFO) == scope
+
+
+def test_on_nfs_without_shared_locks_a_load_never_removes_another_writers_partial(
+    server: RangeServer, store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """There another host's live writer holds a lock this host cannot see: its partial file is not a
+    killed writer's. The load writes its own copies, takes no lock, removes nothing, warns once."""
+    url, cache = f"{server.url}/model/", tmp_path / "cache"
+    mountinfo = tmp_path / "mountinfo"
+    line = f"400 22 0:60 / {tmp_path} rw,relatime - nfs 10.0.0.5:/export rw,vers=3,hard,nolock,local_lock=all"
+    mountinfo.write_text(NFS_MOUNTINFO + line + "\n")
+    monkeypatch.setattr(cache_module, "MOUNTINFO", mountinfo)
+    first = cache_path(cache, ObjectPath(f"{url}model-00001-of-00002.safetensors"))
+    first.parent.mkdir(parents=True)
+    theirs = Path(f"{first}.partial.otherhost.4242.abcd")
+    theirs.write_bytes(b"\0" * 1000)
+    with caplog.at_level(logging.WARNING, logger="streamload"):
+        streamload.load(url, device="cpu", cache_dir=cache)
+        theirs_too = theirs.read_bytes()
+        assert_later_loads_exact(url, cache, store)
+    assert theirs_too == b"\0" * 1000 and partials(cache) == [theirs]
+    assert len(copies(cache)) == 2 and not list(cache.rglob("*.lock"))
+    warned = [r.getMessage() for r in caplog.records if "locks are not seen by other hosts" in r.getMessage()]
+    assert len(warned) == 1 and str(cache) in warned[0] and "local_lock=all" in warned[0]
+
+
+PG_TIMEOUT = 20.0  # seconds: a rank that waited for another's copy would wait most of it
+
+
+def _cooperative_rank(rank: int, world: int, url: str, cache: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=PG_TIMEOUT))  # fmt: skip
+    started = time.monotonic()
+    try:
+        with streamload.iter(url, device="cpu", cooperative=True, cache_dir=cache) as stream:
+            result: dict[str, Any] = {"hashes": hashes(dict(stream))}
+    except streamload.StreamloadError as exc:
+        result = {"error": str(exc)}
+    result["seconds"] = time.monotonic() - started
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_cooperative_ranks_on_one_host_share_a_cache_dir_without_waiting_for_each_other(
+    server: RangeServer, store: Path, tmp_path: Path
+) -> None:
+    """Each rank reads a part of every shared batch: no rank can complete a copy, so none is claimed
+    (rank 0 used to claim all of them, and rank 1 waited for them until the group's timeout)."""
+    import torch.multiprocessing as mp
+
+    url, cache = f"{server.url}/model/", tmp_path / "cache"
+    mp.start_processes(_cooperative_rank, args=(2, url, str(cache), str(tmp_path)), nprocs=2, start_method="spawn")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    want = hashes(reference(store))
+    assert all(r.get("hashes") == want for r in results), [r.get("error") for r in results]
+    assert all(r["seconds"] < PG_TIMEOUT / 4 for r in results), results
+    assert server.sent <= 1.05 * data_bytes(store)  # each byte once, for both ranks
+    assert not partials(cache) and not copies(cache)

@@ -13,21 +13,48 @@ cache at once:
   record: a copy counts as complete only if the record names the object's version and the copy's inode and mtime,
   so a killed writer leaves nothing that looks complete (its partial file is removed by the next writer);
 - a complete copy is never written again: a newer version replaces it by a rename, and a reader that
-  opened the old one keeps reading the old one's bytes.
+  opened the old one keeps reading the old one's bytes;
+- a wait for another writer is bounded: a writer whose partial file has not changed for `WRITER_STALL`
+  seconds (stopped, or hung on a dead mount) is given up on, and the waiting load reads the objects it
+  lacks from the store itself, waiting for no other writer (one warning);
+- a file a load does not read every byte of is neither written nor waited for: one read in part
+  (`include=`, `shard=`), and in a cooperative load one with bytes in shared batches (each rank reads
+  a part of those: no rank could complete its copy, and a rank waiting for one would wait for ever).
+
+Sharing it between users, and what goes wrong on a disk:
+- no file in it is opened through a symlink (`O_NOFOLLOW`; new files `O_EXCL`), and a symlink is no
+  copy: a link put there by another user cannot make a load create, lock or write a file elsewhere;
+- a lock file another user created is opened read-only (`flock` needs no write access), so a second
+  user reads the complete copies and waits for copies being written like the first; where it cannot
+  write (the directories are another user's, and not group-writable: use a setgid directory and
+  umask 002 for a cache that several users fill), it does not keep copies;
+- a copy that cannot be kept (a full disk, a quota, a directory this user cannot write, a symlink
+  where the lock should be) is dropped, nothing of it left, and the load goes on reading from the store:
+  one warning a load, naming the cache directory.
+
+NFS mounted with `nolock` or `local_lock=flock|all` (read from /proc/self/mountinfo) takes locks on
+each host alone, so two hosts would both write a file, and each take the other's partial file for a
+killed writer's. There, nothing is locked and nothing waited for: each load writes the copies it lacks
+under its own name and renames them into place (the last rename wins; a record that names another
+inode makes the copy incomplete, and a later load writes it again), and no partial file is ever
+removed as stale (those of killed writers stay: delete `*.partial.*` while no load runs). A warning
+names the directory.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
 import random
+import re
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePath
 
 from ..format import FileHeader
@@ -36,10 +63,14 @@ RECORD = ".streamload.json"
 LOCK = ".lock"
 _PARTIAL = ".partial."
 _NOTICE_AFTER = 5.0  # seconds of waiting for another writer before it is logged
+WRITER_STALL = 180.0  # seconds a writer may leave its partial file unchanged before its readers give up on it
+MOUNTINFO = Path("/proc/self/mountinfo")
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC  # a file of this writer's own
 
 log = logging.getLogger("streamload")
 _held: set[Path] = set()  # the files this process holds the lock of (an NFS lock is per process, not per fd)
 _held_lock = threading.Lock()
+_lock_scopes: dict[Path, str | None] = {}  # cache directory: why its locks are this host's only (None: shared)
 
 
 def cache_path(cache_dir: Path, path: PurePath) -> Path:
@@ -51,7 +82,7 @@ def cache_path(cache_dir: Path, path: PurePath) -> Path:
 def complete(local: Path, header: FileHeader) -> bool:
     """Whether `local` is a whole copy of the version of the object whose header was read."""
     try:
-        return _vouched(local, local.stat(), header)
+        return _vouched(local, local.lstat(), header)  # a symlink is no copy (`Copies._open` opens none)
     except OSError:
         return False
 
@@ -59,7 +90,9 @@ def complete(local: Path, header: FileHeader) -> bool:
 def _vouched(local: Path, st: os.stat_result, header: FileHeader) -> bool:
     """Whether `local`'s record vouches for the file `st` describes as a whole copy of `header`'s version."""
     try:
-        record = json.loads(Path(str(local) + RECORD).read_text())
+        fd = os.open(str(local) + RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            record = json.loads(f.read())
     except (OSError, ValueError):
         return False
     return record == {**_record(header), **_file(st)} and st.st_size == header.size
@@ -74,44 +107,109 @@ def lookup(cache_dir: Path, headers: Sequence[FileHeader]) -> list[Path] | None:
 
 def keep(local: Path, data: bytes) -> None:
     """A small file (an index, a digest file) into the cache whole: written under a name of this
-    writer's own, then renamed, so that two writers never mix their bytes and a reader sees one whole."""
-    local.parent.mkdir(parents=True, exist_ok=True)
+    writer's own, then renamed, so that two writers never mix their bytes and a reader sees one whole.
+    Where it cannot be kept (a full disk, another user's directory), the caller goes on without it."""
     tmp = local.with_name(f"{local.name}{_PARTIAL}{_writer_tag()}")
     try:
-        tmp.write_bytes(data)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        _create(tmp, data)
         os.replace(tmp, local)
+    except OSError as exc:
+        log.warning("streamload: %s: not kept in the cache: %s", local, exc)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _create(path: Path, data: bytes) -> None:
+    """`data` into a new file `path` (never one that is there, nor through a symlink)."""
+    fd = os.open(path, _NEW, 0o666)
+    with open(fd, "wb") as f:
+        f.write(data)
 
 
 def _writer_tag() -> str:
     return f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
 
 
-class Claim:
-    """The right to write one file of the cache: its lock, held by this process and no other."""
+def lock_scope(directory: Path, mountinfo: str) -> str | None:
+    """Why `flock` in `directory` is seen on this host only (e.g. "nfs mounted with nolock,local_lock=all"),
+    from the lines of /proc/self/mountinfo; None where other hosts see it (or there are none)."""
+    where = _resolved(directory)
+    point, fstype, options = "", "", [""]
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        end = fields.index("-", 6)
+        mount = _unescaped(fields[4])
+        if len(fields) > end + 3 and _under(where, mount) and len(mount) >= len(point):  # later mounts hide earlier
+            point, fstype, options = mount, fields[end + 1], fields[end + 3].split(",")
+    local = [o for o in options if o in ("nolock", "local_lock=flock", "local_lock=all")]
+    return f"{fstype} mounted with {','.join(local)}" if fstype.startswith("nfs") and local else None
 
-    def __init__(self, final: Path, fd: int) -> None:
+
+def _resolved(directory: Path) -> str:
+    """`directory`'s real path, through its nearest existing ancestor (the cache may not exist yet)."""
+    path = directory.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return os.path.realpath(path) + str(directory.absolute())[len(str(path)) :]
+
+
+def _under(path: str, mount: str) -> bool:
+    return path == mount or path.startswith(mount.rstrip("/") + "/")
+
+
+def _unescaped(field: str) -> str:
+    """A mountinfo path: spaces, tabs, newlines and backslashes are written as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def shared_locks(cache_dir: Path) -> bool:
+    """Whether other hosts see this host's locks in `cache_dir` (see the module's docstring); warns once
+    a directory where they do not."""
+    if cache_dir not in _lock_scopes:
+        try:
+            mountinfo = MOUNTINFO.read_text()
+        except OSError:  # not Linux: nothing says otherwise
+            mountinfo = ""
+        scope = _lock_scopes[cache_dir] = lock_scope(cache_dir, mountinfo)
+        if scope is not None:
+            log.warning(
+                "streamload: cache_dir %s is on %s: its locks are not seen by other hosts, so each load "
+                "writes the copies it lacks itself, never waiting for another nor removing another's "
+                "partial file (those of killed loads stay: remove *.partial.* while no load runs)", cache_dir, scope,
+            )  # fmt: skip
+    return _lock_scopes[cache_dir] is None
+
+
+class Claim:
+    """The right to write one file of the cache: its lock, held by this process and no other. A claim
+    taken without a lock (`locks=False`: NFS without shared locks) is this process's only."""
+
+    def __init__(self, final: Path, fd: int | None) -> None:
         self.final = final
-        self._fd: int | None = fd
+        self._fd = fd
+        self._holding = True
+        self.exclusive = fd is not None  # no other process writes it: other partial files are killed writers'
 
     @classmethod
-    def take(cls, final: Path) -> Claim | None:
-        """The claim, if no other writer (in this process or another) holds it now; never blocks."""
+    def take(cls, final: Path, locks: bool = True) -> Claim | None:
+        """The claim, if no other writer (in this process or another) holds it now; never blocks.
+        Raises OSError where the lock cannot be taken at all (a symlink in its place, a directory this
+        user cannot write, a file system without locks)."""
         with _held_lock:
             if final in _held:
                 return None
             _held.add(final)
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(str(final) + LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            if not locks:
+                return cls(final, None)
+            fd = _locked(final)
         except BaseException:
             _forget(final)
             raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # another process writes it
-            os.close(fd)
+        if fd is None:
             _forget(final)
             return None
         return cls(final, fd)
@@ -120,7 +218,33 @@ class Claim:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)  # drops the lock
+        if self._holding:
+            self._holding = False
             _forget(self.final)
+
+
+def _locked(final: Path) -> int | None:
+    """A descriptor holding `final`'s lock; None where another process holds it."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd = _open_lock(Path(str(final) + LOCK))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # another process writes it
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_lock(lock: Path) -> int:
+    """The lock file, never through a symlink (one put there would have this process create or lock a
+    file elsewhere); read-only where another user made it (`flock` needs no write access)."""
+    try:
+        return os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except PermissionError:
+        return os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
 def _forget(final: Path) -> None:
@@ -128,45 +252,88 @@ def _forget(final: Path) -> None:
         _held.discard(final)
 
 
-def wait_for_writer(final: Path, header: FileHeader, stopped: threading.Event) -> bool:
+class WriterStalled(Exception):
+    """The writer a load waits for has not written for `WRITER_STALL` seconds (stopped, or hung)."""
+
+
+def wait_for_writer(final: Path, header: FileHeader, stopped: threading.Event, locks: bool = True) -> bool:
     """Wait while another writer holds `final`'s lock; whether a complete copy is there then (False
     where the writer failed or was killed: the caller reads the object itself). Polls, so that
-    `stopped` ends the wait at once and a writer in another process or host is seen going."""
-    start = time.monotonic()
+    `stopped` ends the wait at once and a writer in another process or host is seen going. Raises
+    WriterStalled once the writer's partial file has not changed for `WRITER_STALL` seconds."""
+    start = changed = time.monotonic()
+    seen = _progress(final)
     noticed = False
     pause = 0.01
     while not complete(final, header):
-        claim = Claim.take(final)
+        try:
+            claim = Claim.take(final, locks)
+        except OSError:  # whether a writer is there cannot be told: the object is read from the store
+            return complete(final, header)
         if claim is not None:  # no writer now: the copy is complete, or its writer went without one
             claim.release()
             return complete(final, header)
         if stopped.wait(pause):
             return False
         pause = min(0.25, pause * 2)
-        if not noticed and time.monotonic() - start > _NOTICE_AFTER:
+        now, progress = time.monotonic(), _progress(final)
+        if progress != seen:
+            seen, changed = progress, now
+        elif now - changed > WRITER_STALL:
+            raise WriterStalled(f"{final}: its writer ({_writers(final)}) wrote nothing for {WRITER_STALL:g} s")
+        if not noticed and now - start > _NOTICE_AFTER:
             noticed = True
-            writers = ", ".join(p.name.split(_PARTIAL, 1)[1] for p in _partials(final)) or "another process"
-            log.info("streamload: %s: waiting for its writer (%s) to complete it", final, writers)
+            log.info("streamload: %s: waiting for its writer (%s) to complete it", final, _writers(final))
     return True
+
+
+def _progress(final: Path) -> list[tuple[str, int, int]]:
+    """What changes while a writer writes `final`: its partial files' names, modification times and blocks."""
+    out = []
+    for p in _partials(final):
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        out.append((p.name, st.st_mtime_ns, st.st_blocks))
+    return sorted(out)
+
+
+def _writers(final: Path) -> str:
+    return ", ".join(p.name.split(_PARTIAL, 1)[1] for p in _partials(final)) or "another process"
+
+
+def _reserve(fd: int, size: int) -> None:
+    """The file's whole size, reserved on disk before its first byte is written: a full disk fails
+    the copy at its start (the load goes on without it), not midway, nor another writer's later
+    (a sparse file's blocks are taken as they are written: the space checked once is not kept)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)  # a file system that cannot reserve: sparse, as before
 
 
 class CacheWriter:
     """Writes one object's bytes to a file of its own as they arrive, and completes the copy when all
-    have. Holds the file's claim until it completes or is closed."""
+    have. Holds the file's claim until it completes or is closed. An OSError (a full disk) is raised
+    with nothing of the copy left: the caller goes on without it."""
 
     def __init__(self, claim: Claim, header: FileHeader, head: bytes) -> None:
         self.header = header
         self.final = claim.final
         self._claim = claim
-        for stale in _partials(self.final):  # a killed writer's: no live writer holds the claim
-            stale.unlink(missing_ok=True)
+        if claim.exclusive:
+            for stale in _partials(self.final):  # a killed writer's: no live writer holds the claim
+                stale.unlink(missing_ok=True)
         self.partial = Path(f"{self.final}{_PARTIAL}{_writer_tag()}")
         self._lock = threading.Lock()
         self._written: list[tuple[int, int]] = []  # merged [start, end) ranges
         self._fd: int | None = None
         try:
-            self._fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            os.ftruncate(self._fd, header.size)
+            self._fd = os.open(self.partial, _NEW, 0o666)
+            _reserve(self._fd, header.size)
             self.write(0, memoryview(head)[: header.data_start])
         except BaseException:
             self.close()
@@ -185,15 +352,19 @@ class CacheWriter:
                 self._complete(fd)
 
     def _complete(self, fd: int) -> None:
+        """Record, then rename; where either fails, `close` drops the partial file (the record then
+        names an inode no copy has)."""
         os.fsync(fd)
         made = _file(os.fstat(fd))
-        os.close(fd)
-        self._fd = None
-        record = Path(str(self.final) + RECORD)
         tmp = Path(f"{self.partial}.record")  # this writer's own (a killed one's goes with its partial file)
-        tmp.write_text(json.dumps({**_record(self.header), **made}))
-        os.replace(tmp, record)  # names an inode `final` is not yet: nothing looks complete before the next line
-        os.replace(self.partial, self.final)
+        try:
+            _create(tmp, json.dumps({**_record(self.header), **made}).encode())
+            os.replace(tmp, Path(str(self.final) + RECORD))  # names an inode `final` is not yet: nothing looks complete
+            os.replace(self.partial, self.final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._fd = None
+        os.close(fd)
         self._claim.release()
 
     def close(self) -> None:
@@ -219,26 +390,35 @@ class Copies:
     """What one load does with the cache for each object it reads: reads a complete copy (`local`),
     writes the copy as the bytes stream past (`write`), or waits for the writer another process (or
     load) is and then reads its copy. Files the load reads in part (`partly`) are neither written nor
-    waited for: a copy is whole or absent."""
+    waited for: a copy is whole or absent. A copy that cannot be written is dropped, and a writer that
+    stalls is given up on: the load reads from the store instead (one warning each)."""
 
     def __init__(
         self, cache_dir: Path, headers: dict[PurePath, FileHeader], heads: dict[PurePath, bytes], partly: Iterable
     ) -> None:
+        self._cache_dir = cache_dir
         self._headers = headers
         self._fds: dict[PurePath, int] = {}
         self._writers: dict[PurePath, CacheWriter] = {}
         self._awaited: dict[PurePath, _Awaited] = {}
         self.stopped = threading.Event()
+        self._warned: set[type] = set()  # the kinds of warning this load gave (one of each)
+        self._warned_lock = threading.Lock()
+        self._stalled = False  # a writer it waited for stalled: it waits for none any more
+        self._locks = shared_locks(cache_dir)
         skip = set(partly)
         try:
             wanted = {p: cache_path(cache_dir, p) for p in headers if p not in skip}
             wanted = {p: final for p, final in wanted.items() if not self._open(p, final)}
-            claims = _claim_all(wanted)
+            claims = _claim_all(wanted, self._locks, self._not_kept)
             for path, claim in claims.items():
                 if self._open(path, claim.final):  # completed since it was looked at
                     claim.release()
-                else:
+                    continue
+                try:
                     self._writers[path] = CacheWriter(claim, headers[path], heads[path])
+                except OSError as exc:  # released its claim
+                    self._not_kept(claim.final, exc)
             if not claims:
                 self._awaited = {p: _Awaited(final) for p, final in wanted.items()}
         except BaseException:
@@ -255,14 +435,42 @@ class Copies:
         with awaited.lock:
             if not awaited.done:
                 awaited.done = True
-                if wait_for_writer(awaited.final, self._headers[path], self.stopped):
+                if self._waited(path, awaited.final):
                     self._open(path, awaited.final)
             return self._fds.get(path)
 
+    def _waited(self, path: PurePath, final: Path) -> bool:
+        """Whether the copy another writer writes is complete, once it is (at once if a writer stalled)."""
+        if self._stalled:
+            return complete(final, self._headers[path])
+        try:
+            return wait_for_writer(final, self._headers[path], self.stopped, self._locks)
+        except WriterStalled as exc:
+            self._stalled = True
+            self._warn(WriterStalled, "streamload: %s; this load reads the objects it lacks from the store", exc)
+            return False
+
     def write(self, path: PurePath, offset: int, data: memoryview) -> None:
         writer = self._writers.get(path)
-        if writer is not None:
+        if writer is None:
+            return
+        try:
             writer.write(offset, data)
+        except OSError as exc:  # a full disk, a quota: the bytes arrived, the load goes on without the copy
+            writer.close()
+            self._not_kept(writer.final, exc)
+
+    def _not_kept(self, final: Path, exc: OSError) -> None:
+        self._warn(
+            OSError, "streamload: cache_dir %s: cannot keep copies there (%s: %s); this load reads from the store "
+            "without keeping them", self._cache_dir, final, exc,
+        )  # fmt: skip
+
+    def _warn(self, kind: type, message: str, *args: object) -> None:
+        with self._warned_lock:
+            first = kind not in self._warned
+            self._warned.add(kind)
+        (log.warning if first else log.debug)(message, *args)
 
     def close(self) -> None:
         self.stopped.set()
@@ -276,7 +484,7 @@ class Copies:
         """Open `final` if it is a complete copy; checked on the descriptor, so that a newer version
         renamed over it meanwhile cannot slip in between the check and the reads."""
         try:
-            fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(final, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return False
         try:
@@ -290,14 +498,23 @@ class Copies:
         return ok
 
 
-def _claim_all(wanted: dict[PurePath, Path], tries: int = 3) -> dict[PurePath, Claim]:
+def _claim_all(
+    wanted: dict[PurePath, Path], locks: bool, failed: Callable[[Path, OSError], None], tries: int = 3
+) -> dict[PurePath, Claim]:
     """Every claim, or none: a load either writes every copy it lacks or waits for other writers and
     writes nothing. A load that wrote some files while waiting for others could wait for a load that
-    waits for it (each reads layer by layer across the shards)."""
+    waits for it (each reads layer by layer across the shards). A file whose lock cannot be taken at
+    all (`failed` is told) is left out: no one writes it through that lock."""
+    wanted = dict(wanted)
     for attempt in range(tries):
         claims: dict[PurePath, Claim] = {}
         for path, final in sorted(wanted.items(), key=lambda kv: str(kv[1])):
-            claim = Claim.take(final)
+            try:
+                claim = Claim.take(final, locks)
+            except OSError as exc:
+                failed(final, exc)
+                del wanted[path]
+                continue
             if claim is None:
                 break
             claims[path] = claim
