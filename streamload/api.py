@@ -163,6 +163,13 @@ def iter(
             f"{len(checkpoint.tensors)} tensors (e.g. {next(n for n in checkpoint.tensors)!r})",
             stacklevel=2,
         )
+    if shard is not None and (unmatched := shard.unmatched(checkpoint.tensors)):
+        warnings.warn(
+            f"streamload: ShardSpec rules {', '.join(map(repr, unmatched))} match none of the checkpoint's "
+            f"{len(checkpoint.tensors)} tensors (e.g. {next((n for n in checkpoint.tensors), '')!r}): the tensors they "
+            "were meant for are loaded whole (patterns are fnmatch, case-sensitive, on whole names)",
+            stacklevel=2,
+        )
     if cache_dir is not None and checkpoint.storage.kind == "object" and (in_part := plan.read_in_part()):
         cut, reason = next(entry for entry in in_part.items())  # (`iter` is this function)
         log.warning(

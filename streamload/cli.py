@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import pins
 from .arguments import parse_size
 from .errors import StreamloadError
 
@@ -105,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--source", default=None, help="the weights (default: from the command's arguments)")
     serve.add_argument("--cache-dir", type=Path, default=None, help="keep the download here (default: a "
                        "staging directory, removed once the engine has loaded and when the command ends)")  # fmt: skip
+    serve.add_argument("--compile-cache", action="append", default=None, metavar="sha256:HEX",
+                       help="fetch, first, the compiled-artifact archive of this digest published beside the "
+                       "weights (it runs as code: only a pinned one is installed; repeat for several)")  # fmt: skip
     serve.add_argument("server", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the server to run")
     compiled = sub.add_parser(
         "compile-cache", help="publish vLLM's compiled artifacts beside a checkpoint, for nodes that start cold",
@@ -170,19 +174,26 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "vllm-check":
             return _vllm_check(args)
         elif args.command == "compile-cache":
+            if not args.checkpoint.is_dir():  # publish makes its folder: a mistyped path would get one, silently
+                raise StreamloadError(f"{args.checkpoint}: no such checkpoint directory (publish goes beside it)")
             try:
                 from .integrations.vllm import compiled as compiled_cache
             except ImportError as exc:
                 raise StreamloadError(f"compile-cache needs vLLM: pip install -e '.[vllm]' ({exc})") from None
             try:
-                print(compiled_cache.publish(args.checkpoint, args.cache_root))
+                archive = compiled_cache.publish(args.checkpoint, args.cache_root)
+                pin = pins.digest(archive.read_bytes())
+                print(f"{pin}  {archive}")  # as sha256sum prints, the digest first
+                print(f"pin it where nodes load (it runs as code there): --model-loader-extra-config "
+                      f"'{{\"compile_cache\": \"{pin}\"}}', or streamload serve --compile-cache {pin}",
+                      file=sys.stderr)  # fmt: skip
             except FileNotFoundError as exc:
                 raise StreamloadError(str(exc)) from None
         elif args.command == "serve":
             from .serve import serve
 
             command = args.server[1:] if args.server[:1] == ["--"] else args.server
-            return serve(command, args.source, args.cache_dir)
+            return serve(command, args.source, args.cache_dir, args.compile_cache)
     except (StreamloadError, ValueError) as exc:
         print(f"streamload: error: {exc}", file=sys.stderr)
         return 1
@@ -193,10 +204,17 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's own flush at exit stays quiet
         return 141
+    except OSError as exc:  # the machine's answer (a full disk, a read-only folder): one line naming the path
+        print(f"streamload: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
 def _vllm_check(args: argparse.Namespace) -> int:
+    model = Path(args.model).expanduser()
+    if not model.exists() and (model.is_absolute() or args.model.startswith((".", "~")) or args.model.count("/") > 1):
+        # a path, not a hub id: said now, not after vLLM's ~20 s of imports (check() says it for other callers)
+        raise StreamloadError(f"{args.model}: no such directory")
     try:
         from .integrations.vllm.check import check
     except ImportError as exc:

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 import streamload
+from streamload.errors import StreamloadError
 from streamload.layer_keys import layer_of
 
 
@@ -60,6 +62,27 @@ def write_checkpoint(directory: Path, shape: Shape = Shape(), shards: int = 2) -
     return directory
 
 
+_NAMES = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json")
+
+
+def _reason(exc: Exception) -> str:
+    # safetensors' own error (its writer is Rust) carries the OS's reason in its text
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+
+
+def _make_folder(directory: Path) -> None:
+    """`directory`, made if need be; a one-line error naming it where it cannot be (`--keep` given a file,
+    a read-only or unwritable place)."""
+    if directory.exists() and not directory.is_dir():
+        raise StreamloadError(f"{directory}: exists and is not a directory: give --keep a folder (new or existing)")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StreamloadError(f"{directory}: cannot create the folder: {_reason(exc)}") from None
+    if not os.access(directory, os.W_OK):  # read-only mounts refuse root too; say so before the slow part
+        raise StreamloadError(f"{directory}: cannot write the demo checkpoint there: not writable")
+
+
 def run(device: str | None = None, cold: bool = True, keep: Path | None = None) -> None:
     from rich.console import Console
 
@@ -69,9 +92,14 @@ def run(device: str | None = None, cold: bool = True, keep: Path | None = None) 
     console = Console()
     with tempfile.TemporaryDirectory(prefix="streamload-demo-") as tmp:
         directory = keep or Path(tmp)
-        directory.mkdir(parents=True, exist_ok=True)
+        _make_folder(directory)
         with console.status("writing a synthetic llama-shaped checkpoint (bf16, 2 shards)..."):
-            write_checkpoint(directory)
+            try:
+                write_checkpoint(directory)
+            except (OSError, SafetensorError) as exc:  # a full disk, a read-only folder: no half-written shards
+                for name in _NAMES:
+                    (directory / name).unlink(missing_ok=True)
+                raise StreamloadError(f"{directory}: cannot write the demo checkpoint there: {_reason(exc)}") from None
         files = sorted(directory.glob("*.safetensors"))
         if cold:
             evict(str(f) for f in files)

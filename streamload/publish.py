@@ -45,10 +45,10 @@ def publish(
     final = root / f"step-{step}"
     if final.exists():
         raise FileExistsError(f"{final}: step {step} is published already (a step never changes)")
+    pairs = _checked(tensors)  # before anything is written: a bad entry named, no folder left behind
     root.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(prefix=f".step-{step}.", suffix=".partial", dir=root))  # unique: two writers
     try:
-        pairs = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         shards = _shards(pairs, shard_bytes)
         weight_map: dict[str, str] = {}
         for k, shard in enumerate(shards):
@@ -69,6 +69,26 @@ def publish(
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     return final
+
+
+def _checked(
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs, each name text and each value a tensor of a dtype safetensors can name."""
+    if isinstance(tensors, (str, bytes, torch.Tensor)) or not isinstance(tensors, (Mapping, Iterable)):
+        raise TypeError(f"tensors must be a mapping of names to tensors, not {type(tensors).__name__}")
+    pairs = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(f"tensors must be a mapping or (name, tensor) pairs, not an entry {pair!r:.80}")
+        name, t = pair
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be text, not {type(name).__name__} {name!r:.80}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor {name!r}: must be a torch.Tensor, not {type(t).__name__} {t!r:.80}")
+        if t.dtype not in _NAMES:
+            raise TypeError(f"tensor {name!r}: dtype {t.dtype} has no safetensors name")
+    return pairs
 
 
 def _shards(pairs: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Tensor]]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 SKIP = "skip"  # a rule's answer for a tensor this rank does not keep at all (an expert it does not own)
@@ -45,6 +45,35 @@ class ShardSpec:
     full_shape: bool = False
     SKIP = SKIP
 
+    def __post_init__(self) -> None:
+        # checked here, not at the first tensor: `ShardSpec("lm_head", ...)` failed deep in a load
+        if callable(self.rules):
+            return
+        if not isinstance(self.rules, Mapping):
+            raise TypeError(
+                "ShardSpec rules must be a mapping of fnmatch patterns to a dimension, None or ShardSpec.SKIP "
+                f"(e.g. {{'*.q_proj.weight': 0}}), or a callable (name, shape) -> dim, not {_kind(self.rules)}"
+            )
+        for pattern, dim in self.rules.items():
+            if not isinstance(pattern, str):
+                raise TypeError(f"ShardSpec rule {pattern!r}: patterns must be text, not {type(pattern).__name__}")
+            if not (dim is None or dim == SKIP or (isinstance(dim, int) and not isinstance(dim, bool))):
+                raise TypeError(
+                    f"ShardSpec rule {pattern!r}: {_kind(dim)} is not a dimension (an int), None or ShardSpec.SKIP"
+                )
+
+    def unmatched(self, names: Iterable[str]) -> list[str]:
+        """The patterns of a mapping's rules that match none of `names` (a mistyped rule is
+        otherwise silently a replicated tensor); none for a callable's."""
+        if callable(self.rules):
+            return []
+        left = list(self.rules)
+        for name in names:
+            left = [p for p in left if not fnmatch.fnmatchcase(name, p)]
+            if not left:
+                break
+        return left
+
     def resolved(self) -> ShardSpec:
         """This spec with rank and world size filled in (from torch.distributed when not given)."""
         rank, world = self.rank, self.world_size
@@ -81,6 +110,10 @@ class ShardSpec:
         base, extra = divmod(shape[dim], self.world_size)
         start = self.rank * base + min(self.rank, extra)
         return Slice(dim, start, base + (self.rank < extra))
+
+
+def _kind(value: object) -> str:
+    return f"{type(value).__name__} {value!r:.60}"
 
 
 def byte_ranges(begin: int, shape: tuple[int, ...], itemsize: int, part: Slice) -> list[tuple[int, int]]:

@@ -18,6 +18,7 @@ are hashed; tensors checked by blocks are handed out only once their blocks matc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from .errors import IntegrityError, UnsupportedError
+from .errors import IntegrityError, StreamloadError, UnsupportedError
 from .format import FileHeader, TensorInfo
 from .pipeline import Hashing
 from .plan import Batch, Item, Piece, Plan
@@ -436,16 +437,31 @@ def write_digests(checkpoint: Checkpoint, threads: int | None = None) -> tuple[P
     folders = {h.path.parent for h in checkpoint.files}
     if len(folders) > 1:
         raise UnsupportedError(f"the checkpoint's files are in {len(folders)} folders: a digest file covers one")
+    folder = next(iter(folders))
+    if not os.access(folder, os.W_OK):  # before hashing every byte (read-only mounts refuse root too)
+        raise _unwritable(folder, "not writable")
     with ThreadPoolExecutor(threads or min(len(checkpoint.files), os.cpu_count() or 1)) as pool:
         entries = list(pool.map(_digest_of, checkpoint.files))
     doc = {"format": FORMAT, "block_bytes": BLOCK_BYTES, "block_hash": "xxh3-64",
            "files": {h.path.name: e for h, e in zip(checkpoint.files, entries, strict=True)}}  # fmt: skip
-    target = folders.pop() / DIGEST_FILE
+    target = folder / DIGEST_FILE
     temporary = target.with_name(f".{DIGEST_FILE}.{os.getpid()}")
-    with open(temporary, "w") as f:  # type: ignore[call-overload]
-        json.dump(doc, f, indent=1)
-    os.replace(temporary, target)  # type: ignore[arg-type]
+    try:
+        with open(temporary, "w") as f:  # type: ignore[call-overload]
+            json.dump(doc, f, indent=1)
+        os.replace(temporary, target)  # type: ignore[arg-type]
+    except OSError as exc:  # a read-only folder, a full disk: name the folder, not the temporary file
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)  # type: ignore[arg-type]
+        raise _unwritable(folder, exc.strerror or str(exc)) from None
     return target, doc
+
+
+def _unwritable(folder: PurePath, why: str) -> StreamloadError:
+    return StreamloadError(
+        f"{folder}: cannot write {DIGEST_FILE} there ({why}): loads look for it next to the files, so copy "
+        "the checkpoint to a writable folder and run `streamload digest` on the copy"
+    )
 
 
 def _digest_of(header: FileHeader) -> dict[str, Any]:

@@ -88,6 +88,7 @@ def from_pretrained(
     tied(model)
     checkpoint = inspect(source, options.get("cache_dir"))
     placed = conversion(model, {n: t.shape for n, t in checkpoint.tensors.items()})
+    fits(model, config, placed.targets(checkpoint.tensors), strict)
     if dtype is not None:  # each tensor as its parameter was built (transformers keeps some in float32)
         dtype = _dtypes(model, placed, checkpoint.tensors, dtype)
     load_into(
@@ -95,6 +96,60 @@ def from_pretrained(
     )
     model.to(dev)  # the buffers the constructor made on the CPU; parameters are there already
     return model.eval()
+
+
+# Names only quantized checkpoints hold beside (or instead of) a layer's `weight`: GPTQ/AWQ, FP8 and
+# compressed-tensors, bitsandbytes.
+_QUANTIZED = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_scale_inv", ".input_scale",
+              ".weight_packed", ".weight_shape", ".weight_zero_point", ".absmax", ".quant_map", ".quant_state",
+              ".SCB", ".weight_format")  # fmt: skip
+
+
+def fits(model: nn.Module, config: Any, names: Iterable[str], strict: bool) -> None:
+    """Before any weight is read: the checkpoint's `names` (as placed in the model) against what the
+    model needs, each mismatch named with the remedy that really applies. strict=False only drops
+    unexpected keys and keeps a missing buffer's initial value: the parameters are built on meta, so
+    one the checkpoint lacks would have no values at all, and a quantized checkpoint's weights are
+    not the unquantized model's (loading what matches would give wrong values)."""
+    from streamload.errors import StreamloadError
+    from streamload.module import _Filler, _short
+
+    present = set(names)
+    filler = _Filler(model)
+    missing = sorted(n for n in filler.expected if not any(a in present for a in filler.group_of.get(n, [n])))
+    unexpected = sorted(n for n in present if n not in filler.group_of)
+    if not (missing or unexpected):
+        return
+    what = type(model).__name__
+    parts = [f"missing keys: {_short(missing, 10)}"] if missing else []
+    parts += [f"unexpected keys: {_short(unexpected, 10)}"] if unexpected else []
+    quantization = getattr(config, "quantization_config", None)
+    marked = [n for n in unexpected if n.endswith(_QUANTIZED)]
+    if quantization is not None or marked:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        method = method or getattr(quantization, "quant_method", None)
+        how = f"its config's quant_method is {str(method)!r}" if method else f"it holds {_short(marked, 3)}"
+        raise UnsupportedError(
+            f"loading into {what}: the checkpoint is quantized ({how}); streamload.from_pretrained builds the "
+            "unquantized model and cannot fill it from quantized weights (with strict=False it would load wrong "
+            "values or none): load it with transformers' own from_pretrained, or serve it with vLLM; nothing "
+            f"was read ({'; '.join(parts)})"
+        )
+    empty = [n for n in missing if filler._get(n).is_meta]
+    if not (strict or empty):
+        return
+    if empty:
+        fix = (f"; strict=False does not help: the model's {_short(empty, 5)} would have no values (no checkpoint "
+               "tensor lands there)")  # fmt: skip
+    else:
+        fix = ", or pass strict=False to load the keys that match: the unexpected keys are ignored" + (
+            ", the missing buffers keep their initial values" if missing else ""
+        )
+    shown = _short(sorted(present)[:3])
+    raise StreamloadError(
+        f"loading into {what}: {'; '.join(parts)}; nothing was read. Check that the checkpoint is this model's "
+        f"(it holds e.g. {shown}){fix}"
+    )
 
 
 def conversion(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> Conversion:

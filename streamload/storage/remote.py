@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path, PurePath, PurePosixPath
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -239,19 +240,31 @@ class ObjectStorage:
         backoff, each attempt once the store's pace gives it a connection; an error that will not pass
         is raised at once, named."""
         last: BaseException | None = None
+        timed_out = 0  # attempts that ran out the timeout: a server that accepts and never answers says nothing
         for attempt in range(self.retries + 1):
             if stopped is not None and stopped.is_set():
                 raise ReadError(f"{path}: the load was stopped")
             ticket = await self.pace.acquire(measured)
+            began = time.monotonic()
             try:
                 return await request(ticket)
             except Exception as exc:
                 if not _transient(exc):
                     raise _named(exc, path, span) from exc
                 last = exc
+                if time.monotonic() - began >= 0.9 * _timeout():
+                    timed_out += 1
+                    if attempt < self.retries:  # minutes may pass in silence otherwise
+                        log.warning("streamload: %s: %s got no answer within %g s; trying again (attempt %d of %d)",
+                                    path, _what(span), _timeout(), attempt + 2, self.retries + 1)  # fmt: skip
             finally:
                 self.pace.release()
             await asyncio.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
+        if timed_out:
+            raise ReadError(
+                f"{path}: {_what(span)} got no answer within {_timeout():g} s in {timed_out} of {self.retries + 1} "
+                f"attempts (STREAMLOAD_TIMEOUT, STREAMLOAD_RETRIES): {_short(last)}"
+            ) from last
         raise ReadError(f"{path}: {_what(span)} failed after {self.retries + 1} attempts: {_short(last)}") from last
 
 
@@ -358,10 +371,15 @@ def _loop() -> asyncio.AbstractEventLoop:
         return _LOOP
 
 
+def _timeout() -> float:
+    """Seconds a request may take, each attempt (STREAMLOAD_TIMEOUT)."""
+    return float(os.environ.get("STREAMLOAD_TIMEOUT", "30"))
+
+
 def _store(root: str) -> Any:
     from obstore.store import HTTPStore, from_url
 
-    timeout = f"{float(os.environ.get('STREAMLOAD_TIMEOUT', '30'))}s"
+    timeout = f"{_timeout()}s"
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
     plain = root.startswith("http://") or endpoint.startswith("http://")
     options = {"timeout": timeout, "connect_timeout": "5s", "allow_http": plain}

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from streamload.errors import MissingFileError, SourceError
+
 ENV = "STREAMLOAD_VLLM_CHECK"
 FORMATS = ("auto", "streamload")  # vLLM's default loader (its default format), then ours
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -106,8 +108,10 @@ def check(model: str, tp: int = 1, **engine: Any) -> Report:
     """Load `model` with vLLM's default loader and with streamload (each in a real engine, `tp` ranks)
     and compare every tensor on every rank right after `load_weights`. `engine`: more `vllm.LLM`
     arguments (`dtype`, `model_loader_extra_config` for streamload's options, `runner`, ...)."""
+    _exists(model)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process where one rank
     extra = engine.pop("model_loader_extra_config", None) or {}
+    engine = {**_cpu_defaults(engine), **engine}
     seen: dict[str, list[dict[str, Any]]] = {}
     report = Report(model, tp)
     with tempfile.TemporaryDirectory(prefix="streamload-check-") as tmp:
@@ -127,6 +131,38 @@ def check(model: str, tp: int = 1, **engine: Any) -> Report:
     report.tensors = len(seen["auto"][0])
     report.differences = compare(seen["auto"], seen["streamload"])
     return report
+
+
+def _exists(model: str) -> None:
+    """A local directory, or a Hugging Face model id: anything else is named in one line before vLLM
+    is imported (it would answer a mistyped path with a traceback about repo ids)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise SourceError(f"{model}: not a model directory (a folder with config.json and the weights)")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        raise MissingFileError(f"{model}: no such directory (nor a Hugging Face model id)") from None
+
+
+# What the engines need on a CPU: the check runs 256 tokens at most, but vLLM's CPU worker otherwise
+# reserves 92% of the machine's memory for its KV cache and refuses to start where less is free.
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def _cpu_defaults(engine: dict[str, Any]) -> dict[str, Any]:
+    """vllm.LLM arguments for a CPU-only machine where VLLM_CPU_KVCACHE_SPACE is unset and the
+    caller chose no KV cache size (a GPU's engines take none)."""
+    chosen = ("kv_cache_memory_bytes", "gpu_memory_utilization")
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE") or any(k in engine for k in chosen):
+        return {}
+    from vllm.platforms import current_platform
+
+    return {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES} if current_platform.is_cpu() else {}
 
 
 def compare(theirs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> list[str]:

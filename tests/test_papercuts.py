@@ -1,0 +1,386 @@
+"""What a new user met: each mistake or unkind machine (a file where a folder goes, a read-only or full
+disk, a server that never answers, a mistyped path or rule) answered in one line naming it, exit
+status 1, no traceback; and the README's test command as CI runs it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import streamload
+from streamload.demo import Shape, write_checkpoint
+from streamload.shard import ShardSpec
+
+from .servers import RangeServer
+
+ROOT = Path(__file__).parent.parent
+Mount = Callable[..., Path]
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """The real command, in its own process (as a user runs it)."""
+    return subprocess.run([sys.executable, "-m", "streamload", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)  # fmt: skip
+
+
+def one_line_error(run: subprocess.CompletedProcess[str], *named: str) -> str:
+    """The run failed with status 1 and one `streamload: error:` line naming each of `named`, no traceback."""
+    assert run.returncode == 1, (run.returncode, run.stdout, run.stderr)
+    assert "Traceback" not in run.stderr, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("streamload: error:")]
+    assert len(errors) == 1, run.stderr
+    for text in named:
+        assert text in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture
+def mount(tmp_path: Path) -> Iterator[Mount]:
+    """A tmpfs of `size` bytes (a disk that fills up), optionally filled by `fill(path)` and then made
+    read-only (`read_only=True`: a read-only mount refuses root too, where chmod does not); every one
+    is unmounted however the test ends."""
+    points: list[Path] = []
+
+    def make(size: int = 64 << 20, fill: Callable[[Path], object] | None = None, read_only: bool = False) -> Path:
+        point = tmp_path / f"mnt{len(points)}"
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        points.append(point)
+        if fill is not None:
+            fill(point)
+        if read_only:
+            subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+        return point
+
+    yield make
+    for point in points:
+        if subprocess.run(["umount", str(point)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(point)], check=True)
+
+
+def small_checkpoint(folder: Path) -> Path:
+    write_checkpoint(folder, Shape(vocab=64, hidden=32, intermediate=48, layers=2), shards=2)
+    return folder
+
+
+# -- streamload demo --keep ----------------------------------------------------------------------------
+
+
+def test_demo_keep_onto_an_existing_file_is_one_line_and_leaves_the_file(tmp_path: Path) -> None:
+    existing = tmp_path / "notes.txt"
+    existing.write_text("mine")
+    one_line_error(cli("demo", "--warm", "--device", "cpu", "--keep", str(existing)), str(existing), "not a directory")
+    assert existing.read_text() == "mine"
+
+
+def test_demo_keep_in_a_read_only_place_is_one_line(mount: Mount) -> None:
+    read_only = mount(read_only=True)
+    for target in (read_only, read_only / "demo"):  # the folder itself, and one to be made there
+        line = one_line_error(cli("demo", "--warm", "--device", "cpu", "--keep", str(target)), str(target))
+        assert "Read-only file system" in line or "not writable" in line, line
+
+
+def test_demo_keep_on_a_full_disk_is_one_line_and_leaves_no_half_written_shard(mount: Mount) -> None:
+    disk = mount(size=1 << 20)  # the demo's checkpoint is ~0.4 GB
+    line = one_line_error(cli("demo", "--warm", "--device", "cpu", "--keep", str(disk / "demo")), str(disk / "demo"))
+    assert "No space left on device" in line, line
+    assert list((disk / "demo").iterdir()) == []
+
+
+# -- streamload digest ---------------------------------------------------------------------------------
+
+
+def test_digest_of_a_read_only_folder_names_the_folder(mount: Mount) -> None:
+    folder = mount(fill=small_checkpoint, read_only=True)
+    line = one_line_error(cli("digest", str(folder)), f"{folder}: cannot write streamload.digests.json there")
+    assert ".streamload.digests.json." not in line  # the folder, not a temporary file's name
+
+
+def test_digest_on_a_full_disk_names_the_folder_and_leaves_no_temporary_file(mount: Mount) -> None:
+    def fill(point: Path) -> None:
+        small_checkpoint(point)
+        with open(point / "filler", "wb", buffering=0) as f:  # every byte left taken
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+
+    folder = mount(size=1 << 20, fill=fill)
+    one_line_error(cli("digest", str(folder)), str(folder), "No space left on device")
+    assert sorted(p.name for p in folder.iterdir() if "digests" in p.name) == []
+
+
+# -- the README's test command ---------------------------------------------------------------------------
+
+
+def test_the_readmes_test_command_updates_apt_first_says_how_long_and_is_what_ci_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    paragraph, block = re.search(r"(This installs the test extras.*?)```sh\n(.*?)\n```", readme, re.S).groups()  # type: ignore[union-attr]
+    assert "minutes" in paragraph and "2 cores" in paragraph
+    assert block.startswith("(apt-get update -q && apt-get install -y -q nginx-light"), block
+    assert '|| echo "no nginx: the network tests will skip")' in block  # without root or apt, the rest still runs
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == block
+    assert subprocess.run(["bash", "-n", str(ROOT / ".ci" / "run")]).returncode == 0
+
+
+# -- a server that accepts connections and never answers ---------------------------------------------
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])  # and never a byte back
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}/model/"
+    stop.set()
+    listener.close()
+    for conn in held:
+        conn.close()
+
+
+def test_an_unanswering_server_is_logged_as_it_is_waited_for_then_named(silent_server: str) -> None:
+    env = {**os.environ, "STREAMLOAD_TIMEOUT": "1", "STREAMLOAD_RETRIES": "2"}
+    started = time.monotonic()
+    run = cli("load", silent_server, "--device", "cpu", env=env, timeout=120)
+    assert time.monotonic() - started < 60
+    waits = [line for line in run.stderr.splitlines() if "got no answer within 1 s; trying again" in line]
+    assert len(waits) == 2 and all(silent_server in line for line in waits), run.stderr
+    one_line_error(run, silent_server, "got no answer within 1 s in 3 of 3 attempts", "STREAMLOAD_TIMEOUT")
+
+
+# -- cache_dir -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    folder = tmp_path / "served"
+    folder.mkdir()
+    tensors = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    save_file(tensors, folder / "model.safetensors")
+    server = RangeServer(folder)
+    try:
+        yield f"{server.url}/", tensors
+    finally:
+        server.close()
+
+
+def test_a_cache_dir_that_cannot_be_written_is_one_warning_naming_it_and_the_load_goes_on(
+    served: tuple[str, dict[str, torch.Tensor]], tmp_path: Path, mount: Mount
+) -> None:
+    """At efa38a3 each of these ended the load: `loading failed: NotADirectoryError: ...` (or
+    `OSError: Read-only file system`) naming a folder deep inside the cache."""
+    url, _ = served
+    a_file = tmp_path / "cache-file"
+    a_file.write_text("")
+    read_only = mount(read_only=True)
+    for cache in (a_file, a_file / "sub", read_only, read_only / "sub"):
+        run = cli("load", url, "--device", "cpu", "--cache-dir", str(cache), timeout=120)
+        assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+        warned = [line for line in run.stderr.splitlines() if "cannot keep copies there" in line]
+        assert len(warned) == 1 and warned[0].startswith(f"streamload: cache_dir {cache}: "), run.stderr
+        assert "reads from the store without keeping them" in warned[0]
+        assert run.stdout.splitlines()[-1].startswith("2 tensors, "), run.stdout
+    assert a_file.read_text() == "" and list(read_only.iterdir()) == []
+
+
+def test_a_read_only_cache_that_holds_the_checkpoint_is_still_read(
+    served: tuple[str, dict[str, torch.Tensor]], mount: Mount
+) -> None:
+    url, tensors = served
+    cache = mount(fill=lambda point: streamload.load(url, device="cpu", cache_dir=point), read_only=True)
+    got = streamload.load(url, device="cpu", cache_dir=cache)  # nothing to write: refused for nothing before
+    assert all(torch.equal(got[n], t) for n, t in tensors.items())
+
+
+# -- vllm-check ------------------------------------------------------------------------------------------
+
+
+def test_vllm_check_of_a_path_that_is_not_there_is_one_line_before_vllm_is_imported(tmp_path: Path) -> None:
+    started = time.monotonic()
+    for missing in ("/nope", str(tmp_path / "model"), "./model-typo"):
+        one_line_error(cli("vllm-check", missing, timeout=60), f"{missing}: no such directory")
+    assert time.monotonic() - started < 30  # vLLM's imports alone take ~20 s
+
+
+def test_vllm_check_api_names_a_missing_path_and_a_file(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from streamload.errors import MissingFileError, SourceError
+    from streamload.integrations.vllm.check import check
+
+    with pytest.raises(MissingFileError, match=r"^/nope: no such directory \(nor a Hugging Face model id\)$"):
+        check("/nope")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(SourceError, match="not a model directory"):
+        check(str(tmp_path / "model.safetensors"))
+
+
+def test_vllm_check_runs_on_a_cpu_without_vllms_cpu_variables(tmp_path: Path) -> None:
+    """vLLM's CPU worker reserves 92% of the machine's memory for its KV cache unless told otherwise, and
+    refuses to start where less is free: the check sizes the cache for its 256 tokens itself."""
+    pytest.importorskip("vllm")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
+    run = cli("vllm-check", str(tmp_path / "tiny"), env=env, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    agree = r"streamload and vLLM's default loader agree: 1 rank, \d+ tensors each, byte for byte$"
+    assert re.search(agree, run.stdout), run.stdout
+
+
+# -- ShardSpec ---------------------------------------------------------------------------------------------
+
+
+def test_shard_rules_that_are_not_rules_are_a_type_error_saying_what_rules_are() -> None:
+    with pytest.raises(TypeError, match=r"rules must be a mapping of fnmatch patterns .* not str 'lm_head'"):
+        ShardSpec("lm_head", rank=0, world_size=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"ShardSpec rule '\*.q_proj.weight': str '0' is not a dimension"):
+        ShardSpec({"*.q_proj.weight": "0"}, rank=0, world_size=2)
+    with pytest.raises(TypeError, match=r"ShardSpec rule 0: patterns must be text"):
+        ShardSpec({0: 0}, rank=0, world_size=2)  # type: ignore[dict-item]
+    assert ShardSpec({"a": 0, "b": None, "c": ShardSpec.SKIP, "d": -1}, rank=0, world_size=2).rank == 0
+
+
+def test_shard_rules_that_match_no_tensor_are_named(tmp_path: Path) -> None:
+    save_file({"model.q_proj.weight": torch.arange(8.0).reshape(4, 2), "lm_head.weight": torch.ones(2, 2)},
+              tmp_path / "model.safetensors")  # fmt: skip
+    typo = ShardSpec({"*.q_proj.weight": 0, "*.qproj.weight": 1, "lm-head*": 0}, rank=1, world_size=2)
+    with pytest.warns(UserWarning, match=r"ShardSpec rules '\*.qproj.weight', 'lm-head\*' match none of the "
+                      r"checkpoint's 2 tensors"):  # fmt: skip
+        got = streamload.load(tmp_path, device="cpu", shard=typo)
+    assert torch.equal(got["model.q_proj.weight"], torch.arange(8.0).reshape(4, 2)[2:])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        streamload.load(tmp_path, device="cpu", shard=ShardSpec({"*.q_proj.weight": 0}, rank=0, world_size=2))
+
+
+# -- publish -----------------------------------------------------------------------------------------------
+
+
+def test_publish_names_what_is_not_a_tensor_and_writes_nothing(tmp_path: Path) -> None:
+    from streamload.publish import publish
+
+    cases: list[tuple[object, str]] = [
+        ({"a": 3}, "tensor 'a': must be a torch.Tensor, not int 3"),
+        ({"w": torch.ones(2), "b": [1.0]}, "tensor 'b': must be a torch.Tensor, not list"),
+        ({1: torch.ones(2)}, "tensor names must be text, not int 1"),
+        ([("a", torch.ones(2), "extra")], "tensors must be a mapping or (name, tensor) pairs"),
+        (torch.ones(2), "tensors must be a mapping of names to tensors, not Tensor"),
+    ]
+    for tensors, message in cases:
+        with pytest.raises(TypeError, match=re.escape(message)):
+            publish(tensors, tmp_path / "run", step=1)  # type: ignore[arg-type]
+    assert not (tmp_path / "run").exists()
+    assert publish({"a": torch.ones(2)}, tmp_path / "run", step=1).name == "step-1"
+
+
+# -- from_pretrained's strict= hint ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def llama(tmp_path: Path) -> Callable[[str, Callable[[dict[str, torch.Tensor]], object]], Path]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+
+    def variant(name: str, edit: Callable[[dict[str, torch.Tensor]], object]) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "llama", folder)
+        state = load_file(folder / "model.safetensors")
+        edit(state)
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+        return folder
+
+    return variant
+
+
+def _gptq(state: dict[str, torch.Tensor]) -> None:
+    w = state.pop("model.layers.0.mlp.down_proj.weight")
+    state["model.layers.0.mlp.down_proj.qweight"] = torch.zeros(w.shape[1] // 8, w.shape[0], dtype=torch.int32)
+    state["model.layers.0.mlp.down_proj.scales"] = torch.ones(1, w.shape[0], dtype=torch.float16)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_quantized_checkpoint_is_named_and_strict_false_is_not_offered(llama: Callable, strict: bool) -> None:
+    folder = llama("gptq", _gptq)
+    with pytest.raises(streamload.UnsupportedError) as caught:
+        streamload.from_pretrained(folder, device="cpu", strict=strict)
+    text = str(caught.value)
+    assert "the checkpoint is quantized (it holds 'model.layers.0.mlp.down_proj.qweight'" in text, text
+    assert "with strict=False it would load wrong values or none" in text and "nothing was read" in text
+    assert "missing keys: 'model.layers.0.mlp.down_proj.weight'" in text
+    assert "pass strict=False" not in text
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_missing_parameter_says_strict_false_does_not_help(llama: Callable, strict: bool) -> None:
+    """strict=False used to be offered here, and then failed in torch ('Cannot copy out of meta tensor')."""
+    folder = llama("missing", lambda state: state.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(streamload.StreamloadError) as caught:
+        streamload.from_pretrained(folder, device="cpu", strict=strict)
+    text = str(caught.value)
+    assert text.startswith("loading into LlamaForCausalLM: missing keys: 'model.layers.1.mlp.up_proj.weight'; "
+                           "nothing was read."), text  # fmt: skip
+    assert "strict=False does not help: the model's 'model.layers.1.mlp.up_proj.weight' would have no values" in text
+    assert "pass strict=False" not in text
+
+
+def test_an_unexpected_key_offers_strict_false_which_then_loads(llama: Callable, tmp_path: Path) -> None:
+    folder = llama("extra", lambda state: state.update({"model.layers.1.mlp.extra": torch.ones(2)}))
+    offer = r", or pass strict=False to load the keys that match: the unexpected keys are ignored$"
+    with pytest.raises(
+        streamload.StreamloadError, match=r"unexpected keys: 'model.layers.1.mlp.extra'; nothing was read\."
+    ):
+        streamload.from_pretrained(folder, device="cpu")
+    with pytest.raises(streamload.StreamloadError, match=offer):
+        streamload.from_pretrained(folder, device="cpu")
+    model = streamload.from_pretrained(folder, device="cpu", strict=False)
+    reference = load_file(tmp_path / "llama" / "model.safetensors")
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, reference["model.layers.1.mlp.up_proj.weight"])
+
+
+# -- compile-cache publish ---------------------------------------------------------------------------------
+
+
+def test_compile_cache_publish_refuses_a_checkpoint_that_is_not_there(tmp_path: Path) -> None:
+    cache_root = tmp_path / "vllm-cache"
+    (cache_root / "torch_compile_cache" / "abc").mkdir(parents=True)
+    (cache_root / "torch_compile_cache" / "abc" / "artifact").write_text("compiled")
+    missing = tmp_path / "typo-model"
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_bytes(b"")
+    for target in (missing, a_file):
+        run = cli("compile-cache", "publish", str(target), "--cache-root", str(cache_root), timeout=120)
+        one_line_error(run, f"{target}: no such checkpoint directory")
+    assert not missing.exists() and a_file.read_bytes() == b""
