@@ -1,9 +1,18 @@
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -86,3 +95,78 @@ _CACHED = ("AnyIO worker thread", "Trio thread")
 
 def own_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if not t.name.startswith(_CACHED)}
+
+
+# The vLLM engines (`tests/vllm_engines.py`: minutes of engine runs that test_vllm.py's checks read)
+# start once collection ends, in a child process, and run beside the rest of the suite; the `engines`
+# fixture waits for them. Ended, and their folder removed, with the session.
+ENGINES: dict[str, Any] = {}
+ENGINES_TIMEOUT = 1200.0  # s: the engines' run, however the suite is scheduled beside it
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not any("engines" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    if importlib.util.find_spec("vllm") is None:
+        return  # the fixture says why it skips
+    folder = Path(tempfile.mkdtemp(prefix="streamload-engines-"))
+    log = (folder / "engines.log").open("w")
+    ENGINES.update(folder=folder, out=folder / "engines.json", log=log, began=time.monotonic())
+    ENGINES["process"] = subprocess.Popen([sys.executable, "-m", "tests.vllm_engines", str(folder / "engines.json")],
+                                          cwd=Path(__file__).resolve().parent.parent, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def engines_started() -> tuple[int, Path, Path] | None:
+    """(exit status, results, log) of the engines started beside the suite, once they end; None where
+    none were started (vLLM missing, or the engines' tests not collected)."""
+    process = ENGINES.get("process")
+    if process is None:
+        return None
+    left = ENGINES_TIMEOUT - (time.monotonic() - ENGINES["began"])
+    try:
+        status = process.wait(timeout=max(left, 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        status = process.wait()
+    return status, ENGINES["out"], ENGINES["folder"] / "engines.log"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    process = ENGINES.get("process")
+    if process is None:
+        return
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    ENGINES["log"].close()
+    shutil.rmtree(ENGINES["folder"], ignore_errors=True)
+
+
+Mount = Callable[..., Path]
+
+
+@pytest.fixture
+def mount(tmp_path: Path) -> Iterator[Mount]:
+    """A tmpfs of `size` bytes (a disk that fills up), optionally filled by `fill(path)` and then made
+    read-only (`read_only=True`: a read-only mount refuses root too, where chmod does not); every one
+    is unmounted however the test ends."""
+    points: list[Path] = []
+
+    def make(size: int = 64 << 20, fill: Callable[[Path], object] | None = None, read_only: bool = False) -> Path:
+        point = tmp_path / f"mnt{len(points)}"
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        points.append(point)
+        if fill is not None:
+            fill(point)
+        if read_only:
+            subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+        return point
+
+    yield make
+    for point in points:
+        if subprocess.run(["umount", str(point)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(point)], check=True)

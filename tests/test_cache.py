@@ -29,7 +29,7 @@ from streamload.storage import cache as cache_module
 from streamload.storage.cache import cache_path
 from streamload.storage.remote import ObjectPath
 
-from .conftest import random_tensor, same_bits
+from .conftest import Mount, random_tensor, same_bits
 from .servers import RangeServer
 
 pytest.importorskip("obstore")
@@ -327,30 +327,9 @@ def test_a_symlink_in_the_cache_is_never_followed(
     assert_cache_holds_only_whole_copies(cache, store)
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
-    """Mounts a tmpfs of so many bytes (a real file system, that fills up); each is unmounted however
-    the test ends."""
-    mounted: list[Path] = []
-
-    def mount(size: int) -> Path:
-        point = tmp_path / f"disk{len(mounted)}"
-        point.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True)
-        if done.returncode:
-            pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
-        mounted.append(point)
-        return point
-
-    yield mount
-    for point in mounted:
-        if subprocess.run(["umount", str(point)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(point)], check=True)
-
-
 @pytest.mark.parametrize("room", ["a copy and a half", "all but the last record"])
 def test_a_full_disk_costs_the_copy_not_the_load(
-    server: RangeServer, store: Path, small_disk: Callable[[int], Path], caplog: pytest.LogCaptureFixture, room: str
+    server: RangeServer, store: Path, mount: Mount, caplog: pytest.LogCaptureFixture, room: str
 ) -> None:
     """ENOSPC while a copy's bytes are written, or while its record is (`_complete`): the load goes on
     from the store, one warning names the cache, and nothing partial is left."""
@@ -359,11 +338,11 @@ def test_a_full_disk_costs_the_copy_not_the_load(
     if room == "a copy and a half":
         size = sizes[0] + sizes[1] // 2
     else:  # what a whole load takes there, less a page: the last thing written, a record, does not fit
-        roomy = small_disk(4 * sum(sizes))
+        roomy = mount(4 * sum(sizes))
         streamload.load(url, device="cpu", cache_dir=roomy / "cache")
         st = os.statvfs(roomy)
         size = (st.f_blocks - st.f_bfree - 1) * st.f_frsize
-    cache = small_disk(size) / "cache"
+    cache = mount(size) / "cache"
     with caplog.at_level(logging.WARNING, logger="streamload"):
         got = streamload.load(url, device="cpu", cache_dir=cache)
     ref = reference(store)
@@ -374,16 +353,14 @@ def test_a_full_disk_costs_the_copy_not_the_load(
     assert_cache_holds_only_whole_copies(cache, store)
 
 
-def test_a_copy_reserves_its_whole_size_before_its_bytes_arrive(
-    store: Path, tmp_path: Path, small_disk: Callable[[int], Path]
-) -> None:
+def test_a_copy_reserves_its_whole_size_before_its_bytes_arrive(store: Path, tmp_path: Path, mount: Mount) -> None:
     """Disk is reserved for what is being fetched, not checked once: a writer stopped mid-copy already
     holds its file's every block, so another writer or a later copy cannot take the space it needs
     (on a full disk the copy fails at its start, and the load goes on without it: above)."""
     server = RangeServer(store, rate=RATE / 4)
     url = f"{server.url}/model/"
     sizes = {f.name: f.stat().st_size for f in (store / "model").glob("*.safetensors")}
-    cache = small_disk(4 * sum(sizes.values())) / "cache"
+    cache = mount(4 * sum(sizes.values())) / "cache"
     writer = prefetch(url, cache, tmp_path / "writer.json")
     try:
         wait_until(lambda: server.sent > 0 and bool(partials(cache)), writer)

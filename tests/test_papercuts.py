@@ -23,10 +23,10 @@ import streamload
 from streamload.demo import Shape, write_checkpoint
 from streamload.shard import ShardSpec
 
+from .conftest import Mount
 from .servers import RangeServer
 
 ROOT = Path(__file__).parent.parent
-Mount = Callable[..., Path]
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -44,32 +44,6 @@ def one_line_error(run: subprocess.CompletedProcess[str], *named: str) -> str:
     for text in named:
         assert text in errors[0], errors[0]
     return errors[0]
-
-
-@pytest.fixture
-def mount(tmp_path: Path) -> Iterator[Mount]:
-    """A tmpfs of `size` bytes (a disk that fills up), optionally filled by `fill(path)` and then made
-    read-only (`read_only=True`: a read-only mount refuses root too, where chmod does not); every one
-    is unmounted however the test ends."""
-    points: list[Path] = []
-
-    def make(size: int = 64 << 20, fill: Callable[[Path], object] | None = None, read_only: bool = False) -> Path:
-        point = tmp_path / f"mnt{len(points)}"
-        point.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True)
-        if done.returncode:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-        points.append(point)
-        if fill is not None:
-            fill(point)
-        if read_only:
-            subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
-        return point
-
-    yield make
-    for point in points:
-        if subprocess.run(["umount", str(point)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(point)], check=True)
 
 
 def small_checkpoint(folder: Path) -> Path:

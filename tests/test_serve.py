@@ -88,7 +88,10 @@ def test_a_command_that_cannot_run_is_one_line(tmp_path: Path) -> None:
 
 def test_the_weights_are_found_in_vllms_arguments(tmp_path: Path) -> None:
     local = _store(tmp_path)
-    assert _weights(["vllm", "serve", "s3://b/m/", "--load-format", "streamload"], None, None)[:2] == ("s3://b/m/", None)
+    assert _weights(["vllm", "serve", "s3://b/m/", "--load-format", "streamload"], None, None)[:2] == (
+        "s3://b/m/",
+        None,
+    )
     assert _weights(["vllm", "serve", str(local)], None, None)[:2] == (str(local), None)
     extra = '{"source": "https://h/m/", "cache_dir": "/var/cache/w"}'
     got = _weights(["vllm", "serve", "cfg/", "--model-loader-extra-config", extra], None, None)[:2]

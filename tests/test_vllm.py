@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from .conftest import engines_started
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -37,19 +39,17 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if os.environ.get("CI"):
             pytest.fail(message)  # CI installs it: a missing vLLM must not pass as a skip
         pytest.skip(message)
-    out = tmp_path_factory.mktemp("vllm") / "engines.json"
-    log = out.with_suffix(".log")
-    with log.open("w") as sink:
-        done = subprocess.run(
-            [sys.executable, "-m", "tests.vllm_engines", str(out)],
-            cwd=ROOT,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            timeout=900,
-            check=False,
-        )
-    if done.returncode:
-        pytest.fail(f"the vLLM engines failed (exit {done.returncode}):\n{log.read_text()[-6000:]}")
+    started = engines_started()  # beside the suite, from its collection on (conftest.py)
+    if started is not None:
+        status, out, log = started
+    else:
+        out = tmp_path_factory.mktemp("vllm") / "engines.json"
+        log = out.with_suffix(".log")
+        with log.open("w") as sink:
+            status = subprocess.run([sys.executable, "-m", "tests.vllm_engines", str(out)], cwd=ROOT, stdout=sink,
+                                    stderr=subprocess.STDOUT, timeout=900, check=False).returncode  # fmt: skip
+    if status:
+        pytest.fail(f"the vLLM engines failed (exit {status}):\n{log.read_text()[-6000:]}")
     return json.loads(out.read_text())
 
 
