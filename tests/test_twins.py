@@ -65,21 +65,23 @@ class Model(nn.Module):
     def load_weights(self, pairs: Pairs) -> set[str]:
         loaded = set()
         for name, t in pairs:
-            if name == "model.embed.weight":
-                self.embed.data.copy_(t)
-                loaded.add("embed")
-                continue
-            parts = name.split(".")
-            layer = self.layers[int(parts[2])]
-            if parts[3] == "norm":
-                layer.norm.data.copy_(t)
-                loaded.add(f"layers.{parts[2]}.norm")
-            else:  # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight
-                expert, which = int(parts[5]), parts[6].removesuffix("_proj")
-                param = layer.experts.w2 if which == "down" else layer.experts.w13
-                param.weight_loader(param, t, expert, which)
-                loaded.add(f"layers.{parts[2]}.experts.{'w2' if which == 'down' else 'w13'}")
+            loaded.add(self.load_one(name, t))
         return loaded
+
+    def load_one(self, name: str, t: torch.Tensor) -> str:
+        if name == "model.embed.weight":
+            self.embed.data.copy_(t)
+            return "embed"
+        parts = name.split(".")
+        layer = self.layers[int(parts[2])]
+        if parts[3] == "norm":
+            layer.norm.data.copy_(t)
+            return f"layers.{parts[2]}.norm"
+        # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight
+        expert, which = int(parts[5]), parts[6].removesuffix("_proj")
+        param = layer.experts.w2 if which == "down" else layer.experts.w13
+        param.weight_loader(param, t, expert, which)
+        return f"layers.{parts[2]}.experts.{'w2' if which == 'down' else 'w13'}"
 
 
 def checkpoint(layers: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -261,3 +263,60 @@ def test_a_view_of_another_dtype_or_a_zero_one_setting_makes_no_twins() -> None:
     own = twins._Own(("model.layers.0", "model.layers.1"), (0, 1))
     a.sliding, b.sliding = 0, 1  # a 0/1 switch equal to the indices is a setting, not their index
     assert not twins._alike(a, b, own, {})
+
+
+class ByIndex(Model):
+    """A `load_weights` that narrows a layer by its index, its modules alike: the odd layers' (or only
+    the last layer's) gate and up projections are kept from the other end of the tensor."""
+
+    def __init__(self, odd: bool = True, **experts: object) -> None:
+        super().__init__(**experts)
+        self.odd = odd
+
+    def load_one(self, name: str, t: torch.Tensor) -> str:
+        parts = name.split(".")
+        special = len(parts) > 6 and (int(parts[2]) % 2 if self.odd else int(parts[2]) == len(self.layers) - 1)
+        if not special or parts[6] == "down_proj":
+            return super().load_one(name, t)
+        experts = self.layers[int(parts[2])].experts
+        part, local = FFN // experts.world, int(experts.expert_map[int(parts[5])])
+        at, start = (0 if parts[6] == "gate_proj" else part), (experts.world - 1 - experts.rank) * part
+        experts.w13.data[local].narrow(0, at, part).copy_(t.narrow(0, start, part))
+        return f"layers.{parts[2]}.experts.w13"
+
+
+@pytest.mark.parametrize("odd", [True, False], ids=["odd-layers", "last-layer"])
+def test_layers_a_load_weights_narrows_by_index_load_as_vllms_own_loader_loads_them(
+    tmp_path: Path, odd: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Modules alike, loading not: the twin rule is checked by a dry run of the first and last twins,
+    found wrong, and not used; every parameter equals what the model's own `load_weights` makes of the
+    whole tensors (what vLLM's default loader gives it), bit for bit. Rank 1 of 2, layers 0-4."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.config.load import LoadConfig
+
+    from streamload.integrations.vllm import StreamloadModelLoader, last_load
+
+    tensors = checkpoint(layers=5)
+    save_file(tensors, tmp_path / "model.safetensors")
+    reference, model = ByIndex(odd, layers=5, rank=1, world=2), ByIndex(odd, layers=5, rank=1, world=2)
+    reference.load_weights(tensors.items())  # vLLM's DefaultModelLoader: load_weights given every whole tensor
+
+    config = SimpleNamespace(model=str(tmp_path), revision=None, model_weights="", quantization=None)
+    loader = StreamloadModelLoader(LoadConfig(load_format="streamload", model_loader_extra_config={"direct": True}))
+    with caplog.at_level("WARNING", logger="vllm.streamload"):
+        loader.load_weights(model, config)
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, t in theirs.items():
+        assert torch.equal(ours[name], t), name
+    assert last_load.by_twin == 0 and not last_load.diverged, last_load
+    checked = "layer 1" if odd else "layer 4"
+    assert f"loads {checked} unlike layer 0, although their modules are alike" in caplog.text, caplog.text
+    assert f"'model.layers.{checked[-1]}.mlp.experts.0.gate_proj.weight': [0:3] of dim 0" in caplog.text, caplog.text
+
+    same = Model(layers=5, rank=1, world=2)  # loading alike: the checked twins agree, all four are twins
+    learned, spread = learn(same, shapes_of(tensors))
+    assert spread.unlike == [] and {int(n.split(".")[2]) for n in learned.trusted} == {1, 2, 3, 4}

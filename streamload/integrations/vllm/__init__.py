@@ -43,7 +43,7 @@ from vllm.model_executor.model_loader.weight_utils import (
     pt_weights_iterator,
 )
 
-from streamload import api, arguments, prefetch
+from streamload import api, arguments, pins, prefetch
 from streamload import device as devices
 from streamload.collector import collector_paused
 from streamload.dtypes import torch_shape
@@ -96,7 +96,9 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "cooperative": bool,  # tensor-parallel ranks divide what several of them read whole (default False)
     "verify": (bool, dict),  # check the bytes against known digests as they are read (as iter's verify=)
     "prefetch": (bool, dict),  # fetch while the engine starts (default true; the engine fills in a dict, ahead.py)
-    "compile_cache": bool,  # install compiled artifacts published beside the weights (default true, compiled.py)
+    # install the compiled artifacts published beside the weights whose digests are pinned: "sha256:<hex>"
+    # or a list of them (default off: they run as code; compiled.py, pins.py)
+    "compile_cache": (bool, str, list),
     "overlap": bool,  # compile and warm up while the weights arrive, then load them in place (overlap.py)
 }
 # For models whose first load ran as its dry run predicted (checked by the replay): which part of each
@@ -150,6 +152,8 @@ def check_options(extra: Any) -> dict[str, Any]:
                 checked[key] = arguments.size(value, key)
             elif key in ("threads", "slots"):
                 arguments.count(value, key)
+            elif key == "compile_cache":
+                pins.pins(value)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"model_loader_extra_config: {exc}") from None
     return checked
@@ -168,7 +172,8 @@ def _check_at_config_time() -> None:
         config = build(self)
         if str(config.load_format).lower() == FORMAT:
             extra = check_options(config.model_loader_extra_config)
-            if not isinstance(extra.get("prefetch"), dict) and (started := ahead.begin(str(self.model), extra)):
+            fetches = not isinstance(extra.get("prefetch"), dict) and ahead.starts_engine(self)
+            if fetches and (started := ahead.begin(str(self.model), extra)):
                 config.model_loader_extra_config = {**config.model_loader_extra_config, "prefetch": started}
         return config
 
@@ -323,14 +328,26 @@ class StreamloadModelLoader(BaseModelLoader):
         except Exception as exc:  # the stream's error (or the headers')
             failure = exc
         ranks = restore.Ranks.of_engine()
-        ok, touched = ranks.vote(failure is None, touched)
-        if ok:
-            restore.SERVED[model] = restore.Served.of(self._where, model_config)
+        decided = ranks.decide(None if failure is None else str(failure), touched)  # never raises
+        if decided.ok:
+            restore.SERVED[model] = self._served(model_config, self._reloaded)
             return
-        said = ranks.reasons("" if failure is None else str(failure))  # on every rank, while all are here
         previous = restore.SERVED.get(model)
-        why = failure or StreamloadError("another rank of the engine failed")
+        why = failure or StreamloadError(decided.lost or "another rank of the engine failed")
         wanted = getattr(self, "_where", None) or model_config.model
+        self._restore(previous, decided.touched, model_config, model, f"reloading from {wanted} failed ({why})")
+        served = previous.where if previous is not None else "the weights it had"
+        message = f"reloading from {wanted} failed; serving {served} again: {_because(ranks, decided, why)}"
+        if not ranks.last and not decided.lost:  # the last rank raises it (restore.py: why only one)
+            log.error("streamload: %s", message)
+            return
+        raise StreamloadError(message) from why
+
+    def _restore(
+        self, previous: restore.Served | None, touched: bool, model_config: ModelConfig, model: nn.Module, failed: str
+    ) -> None:
+        """This rank's layers put back and, where new weights reached any (or may have), the previous
+        weights read over them; `failed`: what the error says went wrong before."""
         try:
             restore.put_back_layers(model, model_config)
             if touched:  # new weights reached some layer on some rank: the previous ones are read again
@@ -339,40 +356,46 @@ class StreamloadModelLoader(BaseModelLoader):
                 self._read_again(previous, model_config, model)
         except Exception as again:
             raise StreamloadError(
-                f"reloading from {wanted} failed ({why}), and so did restoring "
-                f"{previous.where if previous else 'the weights served before'} ({again}): this worker's "
-                "weights are a mix; restart it"
+                f"{failed}, and so did restoring {previous.where if previous else 'the weights served before'} "
+                f"({again}): this worker's weights are a mix; restart it"
             ) from again
         finally:
             if previous is not None:
                 previous.put_back(model_config)
-        served = previous.where if previous is not None else "the weights it had"
-        because = str(why) if ranks.world == 1 else "; ".join(f"rank {r}: {t}" for r, t in enumerate(said) if t)
-        message = f"reloading from {wanted} failed; serving {served} again: {because}"
-        if not ranks.last:  # the last rank raises it (restore.py: why only one)
-            log.error("streamload: %s", message)
-            return
-        raise StreamloadError(message) from why
 
     def _read_again(self, previous: restore.Served, model_config: ModelConfig, model: nn.Module) -> None:
         """The weights `previous` names, read over the model in place (each rank alone, unchecked: they
-        were checked when they were first read)."""
+        were checked when they were first read), from the very files read then: where any changed since
+        (restore.py: `Loaded`), nothing is read and the error names each file and what changed."""
         again = StreamloadModelLoader(self.load_config)
         again.options = {k: v for k, v in self.options.items() if k not in ("cooperative", "verify")}
         config = shallow_copy(model_config)
         config.model, config.revision = previous.where, None
         if hasattr(config, "model_weights"):
             config.model_weights = ""
-        feed = again._reload(config, model, _tp_rank_world()[1], cooperative=False)
+        parts = again._parts(config, model, first=False)  # headers only: no tensor byte read yet
+        changed = previous.changes(_checkpoints(parts))
+        if changed:
+            raise StreamloadError(
+                f"the weights served before cannot be restored: {len(changed)} of the files they were loaded "
+                f"from changed since ({'; '.join(changed)})"
+            )
+        feed = again._reload(config, model, _tp_rank_world()[1], cooperative=False, parts=parts)
         try:
             restore.reload_over(model, model_config, feed)
         finally:
             feed.close()
 
     def _reload(
-        self, model_config: ModelConfig, model: nn.Module, world: int, cooperative: bool
+        self,
+        model_config: ModelConfig,
+        model: nn.Module,
+        world: int,
+        cooperative: bool,
+        parts: list[_Part] | None = None,
     ) -> Generator[tuple[str, torch.Tensor]]:
-        parts, self._stats = self._parts(model_config, model, first=False), []
+        parts = parts if parts is not None else self._parts(model_config, model, first=False)
+        self._reloaded, self._stats = parts, []
         options = self._stream_options(model)
         predicted = _PREDICTED.get(model)
         learned = predicted.learned(_shapes(parts)) if predicted is not None else None
@@ -386,6 +409,11 @@ class StreamloadModelLoader(BaseModelLoader):
         finally:
             feed.close()
         _report(parts, self._stats, learned, world)
+
+    def _served(self, model_config: ModelConfig, parts: list[_Part]) -> restore.Served:
+        """What this load read (every file's identity and checked digests), for a failed reload to
+        restore from (restore.py)."""
+        return restore.Served.of(self._where, model_config, _checkpoints(parts), self.options.get("verify", False))
 
     def load_model(self, vllm_config: Any, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         # A speculative drafter shares this load config; the `source` option is the main model's.
@@ -415,9 +443,12 @@ class StreamloadModelLoader(BaseModelLoader):
 
     def _staged(self, started: Any, load: Callable[..., None], *args: Any) -> None:
         """`load(*args)` from the files the fetch started with the engine stages (ahead.py), if any."""
-        if not isinstance(started, dict):
+        if not isinstance(started, dict):  # (another node's engine process may have started one: `ahead.loaded`)
             last_load.staged = ""
-            load(*args)
+            try:
+                load(*args)
+            finally:
+                ahead.loaded(None, *_all_ranks())
             return
         staged, options = ahead.staged(started), self.options
         last_load.staged = staged or ""
@@ -427,7 +458,7 @@ class StreamloadModelLoader(BaseModelLoader):
             load(*args)
         finally:
             self.options = options
-        ahead.loaded(started, *_all_ranks())
+            ahead.loaded(started, *_all_ranks())
 
     @collector_paused
     def _in_place(self, model: nn.Module, model_config: ModelConfig, parts: list[_Part] | None) -> None:
@@ -453,11 +484,12 @@ class StreamloadModelLoader(BaseModelLoader):
             last_load.reader or "no",
             last_load.seconds,
         )
-        restore.SERVED[model] = restore.Served.of(self._where, model_config)
+        restore.SERVED[model] = self._served(model_config, parts)
 
     def _compile_cache(self, model_config: ModelConfig) -> concurrent.futures.Future[str] | None:
         """Compiled artifacts published beside the weights, fetched and installed on a thread of its own."""
-        if self.options.get("compile_cache") is False:
+        pinned = pins.pins(self.options.get("compile_cache"))
+        if not pinned:  # off unless the user trusts an archive by its digest: it runs as code
             return None
         from . import compiled
 
@@ -470,7 +502,10 @@ class StreamloadModelLoader(BaseModelLoader):
         def install() -> str:
             try:
                 staged = prefetch.staged_compile_caches(started) if isinstance(started, dict) else None
-                return compiled.install(source, staged=staged)
+                return compiled.install(source, pinned, staged=staged)
+            except pins.Refused as exc:  # nothing of it unpacked: vLLM compiles as it would have
+                log.error("streamload: %s", exc)
+                return str(exc)
             except Exception as exc:  # an optimisation only: vLLM compiles as it would have
                 log.warning("streamload: compiled artifacts published beside %s not installed: %s", source, exc)
                 return f"not installed: {exc}"
@@ -548,7 +583,7 @@ class StreamloadModelLoader(BaseModelLoader):
             last_load.reader or "no",
         )
         log.info("Loading weights took %.2f seconds", last_load.seconds)
-        restore.SERVED[model] = restore.Served.of(self._where, model_config)
+        restore.SERVED[model] = self._served(model_config, parts)
         if model_config.quantization is None and result is not None:  # None: the model does not track
             DefaultModelLoader.track_weights_loading(self, model, set(result))  # type: ignore[arg-type]
 
@@ -670,6 +705,19 @@ def _given(model: nn.Module, feed: Generator[tuple[str, torch.Tensor]]) -> Any:
         for _ in feed:
             pass
         return result
+
+
+def _checkpoints(parts: list[_Part]) -> list[Checkpoint]:
+    return [part.checkpoint for part in parts if part.checkpoint is not None]
+
+
+def _because(ranks: restore.Ranks, decided: restore.Decision, why: Exception) -> str:
+    """A failed reload's reasons: this rank's alone, or every rank's that had one (and why the ranks
+    could not decide together, if they could not)."""
+    if ranks.world == 1:
+        return str(why)
+    said = [f"rank {r}: {t}" for r, t in enumerate(decided.reasons) if t]
+    return "; ".join([*said, decided.lost] if decided.lost else said)
 
 
 def _cannot_write(dest: torch.Tensor, stored: torch.dtype, device: torch.device) -> str:

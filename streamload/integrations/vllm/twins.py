@@ -13,11 +13,18 @@ own parameters, at the same offsets and parts. Twins are neither dry-run nor giv
 A layer unlike every dry-run one (another kind, a layer whose model side differs: pipeline parallel's
 missing layers, a per-layer expert placement) is not a twin: its tensors go whole through
 `load_weights`, as vLLM's own loader gives them.
+
+Alike modules do not prove alike loading: `load_weights` may treat a layer by its index (odd layers
+narrowed otherwise, the last one special). So the rule is checked (`_checked`): the first and the last
+twin of each dry-run layer get a dry run of their own, which must place each tensor exactly as the
+rule places it (same parameter view, same part; unused where unused). Where one does not, no layer
+of that kind is a twin: they go whole through `load_weights`, and the log says which tensor differed.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import types
 from collections.abc import Iterable, Mapping
@@ -29,8 +36,9 @@ from torch import nn
 
 from streamload.layer_keys import layer_of
 
-from .dryrun import Copy, Learned, Shapes
+from .dryrun import Copy, Learned, Shapes, _key, dry_run
 
+log = logging.getLogger("vllm.streamload")
 _Signature = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
 
 
@@ -43,6 +51,7 @@ class Layers:
     members: dict[int, list[int]] = field(default_factory=dict)  # dry-run layer -> its candidate twins
     names: dict[int, list[str]] = field(default_factory=dict)  # layer -> its tensor names, in order
     prefix: dict[int, str] = field(default_factory=dict)  # layer -> its checkpoint prefix ("model.layers.3")
+    shapes: Shapes = field(default_factory=dict)  # every tensor's, in the order load_weights gets them
 
 
 def sample(shapes: Shapes) -> Layers:
@@ -56,13 +65,13 @@ def sample(shapes: Shapes) -> Layers:
     >>> layers.sample, layers.members
     (['embed.weight', 'model.layers.0.mlp.weight'], {0: [1, 2]})
     """
-    layers = Layers([])
+    layers = Layers([], shapes=shapes)
     for name in shapes:
         layer = layer_of(name)
         if layer is None:
             continue
         if layers.prefix.setdefault(layer.index, layer.name) != layer.name:  # two stacks share an index
-            return Layers(list(shapes))
+            return Layers(list(shapes), shapes=shapes)
         layers.names.setdefault(layer.index, []).append(name)
     first: dict[_Signature, int] = {}
     for index, names in layers.names.items():
@@ -102,15 +111,21 @@ def spread(learned: Learned, layers: Layers, model: nn.Module) -> Spread:
     for name, t in named.items():
         if not t.is_meta:
             owners.setdefault(t.untyped_storage().data_ptr(), name)
+    moves = {dry: _placement(learned, layers, dry, owners) for dry in layers.members}
+    twins: dict[int, dict[str, Copy] | None] = {}  # candidate -> the dry-run layer's copies at its parameters
+    for dry, members in layers.members.items():
+        move = moves[dry]
+        twins.update((i, move.to(i, layers, model, named) if move is not None else None) for i in members)
+    refused = _checked(learned, layers, model, twins)
     result = Spread()
     for dry, members in layers.members.items():
-        move = _placement(learned, layers, dry, owners)
+        move = moves[dry]
         for index in members:
-            twin = move.to(index, layers, model, named) if move is not None else None
+            twin = twins[index]
             names = layers.names[index]
-            if move is None or twin is None:  # not a twin after all: read whole, loaded by the model's own loaders
+            if move is None or twin is None or dry in refused:  # not a twin: read whole, loaded by its own loaders
                 result.unlike.append(index)
-                learned.whole.update(dict.fromkeys(names, "a layer unlike the dry-run ones"))
+                learned.whole.update(dict.fromkeys(names, refused.get(dry, "a layer unlike the dry-run ones")))
                 continue
             for name in names:
                 mine = layers.prefix[dry] + name[len(layers.prefix[index]) :]
@@ -125,6 +140,70 @@ def spread(learned: Learned, layers: Layers, model: nn.Module) -> Spread:
             for module in move.modules:
                 result.moves.setdefault(module, []).append(_renamed(module, layers.prefix[index], move.index))
     return result
+
+
+def _checked(
+    learned: Learned, layers: Layers, model: nn.Module, twins: Mapping[int, dict[str, Copy] | None]
+) -> dict[int, str]:
+    """The dry-run layers whose twins are not to be trusted, and why: the first and the last twin of
+    each (a layer loaded by its index's parity differs at the first, a special last one at the last)
+    are dry-run, all in one call, and each of their tensors must land where the rule puts it."""
+    checks: dict[int, list[int]] = {}
+    for dry, members in layers.members.items():
+        alike = [i for i in members if twins[i] is not None]  # (the others load whole anyway)
+        if alike:
+            checks[dry] = sorted({alike[0], alike[-1]})
+    wanted = {n for indices in checks.values() for i in indices for n in layers.names[i]}
+    if not wanted:
+        return {}
+    try:  # in the order the real call would give them
+        seen, _ = dry_run(model.load_weights, {n: s for n, s in layers.shapes.items() if n in wanted}, _targets(model))
+    except Exception as exc:  # no dry run to check against: nothing is trusted
+        why = f"the dry run of layers {sorted({i for v in checks.values() for i in v})} failed ({exc})"
+        log.warning("streamload: %s; their kinds' layers load whole through load_weights", why)
+        return dict.fromkeys(checks, why)
+    refused = {}
+    for dry, indices in checks.items():
+        for index in indices:
+            twin = twins[index]
+            assert twin is not None
+            if why := _unlike(learned, seen, layers, dry, index, twin):
+                refused[dry] = f"layer {index} does not load as layer {dry}'s twin ({why})"
+                log.warning(
+                    "streamload: %s.load_weights loads layer %d unlike layer %d, although their modules are "
+                    "alike: %s; the %d layers like it load whole through load_weights",
+                    type(model).__name__, index, dry, why, len(layers.members[dry]),
+                )  # fmt: skip
+                break
+    return refused
+
+
+def _unlike(learned: Learned, seen: Learned, layers: Layers, dry: int, index: int, twin: Mapping[str, Copy]) -> str:
+    """The first of layer `index`'s tensors that its own dry run (`seen`) places otherwise than the
+    twin rule (`twin`: layer `dry`'s copies at its parameters), and how; "" where none does."""
+    for name in layers.names[index]:
+        mine = layers.prefix[dry] + name[len(layers.prefix[index]) :]
+        if mine in learned.copies:
+            want, got = twin[mine], seen.copies.get(name)
+            if got is None or _key(got.dest) != _key(want.dest) or got.part != want.part:
+                own = _told(got) if got is not None else "not placed"
+                return f"{name!r}: {own} by its own dry run, {_told(want)} by the rule"
+        elif mine in learned.unused and name not in seen.unused:
+            return f"{name!r}: used by its own dry run, unused by the rule"
+    return ""
+
+
+def _told(copy: Copy) -> str:
+    part = (
+        "all of it"
+        if copy.part is None
+        else f"[{copy.part.start}:{copy.part.start + copy.part.length}] of dim {copy.part.dim}"
+    )
+    return f"{part} into element {copy.dest.storage_offset()} of {tuple(copy.dest.shape)}"
+
+
+def _targets(model: nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
 
 
 @dataclass
