@@ -3,7 +3,8 @@
 A process ended by SIGKILL, the OOM killer or a crash-looping pod runs no exit handler: its staging
 (a whole checkpoint fetched from object storage, an archive being unpacked) would stay on disk for
 good. So each such directory holds a record of its owner (`.owner.json`: process id, the process's
-start time, the boot and the pid namespace), and `sweep` removes those whose owner has ended: a
+start time, the boot and the pid namespace; and any process it `share`s the directory with, such as
+the fetch it started), and `sweep` removes those whose owners have all ended: a
 process of that id that started at another time is another process (ids are reused), and after a
 reboot no owner lives. Directories of a pid namespace other than the sweeper's (another container
 sharing the folder) are left alone: their owner cannot be seen from here. No torch here: the fetch
@@ -39,6 +40,17 @@ def make(prefix: str, parent: str | os.PathLike[str] | None = None) -> Path:
         shutil.rmtree(path, ignore_errors=True)
         raise
     return path
+
+
+def share(path: Path, pid: int) -> None:
+    """Process `pid` (a child writing there too) owns `path` as well: it is kept while either runs."""
+    record = json.loads((path / RECORD).read_text())
+    record["also"] = [*record.get("also", []), {"pid": pid, "start": _started(pid)}]
+    tmp = path / f"{RECORD}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path / RECORD)
 
 
 def sweep(prefix: str, parent: str | os.PathLike[str] | None = None) -> list[Path]:
@@ -79,7 +91,8 @@ def _owner_gone(path: Path, mtime: float) -> bool:
         return True  # rebooted since: no process of that boot lives
     if owner.get("pid_ns") != me["pid_ns"]:
         return False  # another container's: its owner is not visible from here
-    return _started(int(owner.get("pid", 0))) != owner.get("start")
+    owners = [owner, *(o for o in owner.get("also", []) if isinstance(o, dict))]
+    return all(_started(int(o.get("pid", 0))) != o.get("start") for o in owners)
 
 
 def _me() -> dict[str, object]:

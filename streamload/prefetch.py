@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import owned
+from . import atomic, owned
 
 ENV = "STREAMLOAD_FETCH"  # the fetch this process (or the one that started it) began: JSON, see `ahead`
 
@@ -129,6 +129,7 @@ def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None, compile_
             staging.mkdir(parents=True, exist_ok=True)
         compiled = work / "compiled" if remote and pinned else None  # a local archive is read where it lies
         fetching = start(source, work / "done.json", staging, model_infos=True, compile_caches=compiled, pinned=pinned)
+        owned.share(work, fetching.pid)  # it writes there until it sees this process gone
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -168,7 +169,6 @@ def adopt(source: str) -> dict[str, Any] | None:
 
 
 STAGING = "streamload-prefetch-"  # a fetch's working directory in the temporary directory (owned.py)
-INSTALLING = ".streamload-installing-"  # an archive being unpacked into vLLM's cache root (owned.py)
 COMPILE_CACHE = "streamload-compile-cache"  # beside the weights (`streamload compile-cache publish`)
 MODEL_INFOS = f"{COMPILE_CACHE}/modelinfos.tar"
 STAGED_INDEX = "ready.json"  # in the folder `stage_compile_caches` fills: written last
@@ -247,9 +247,6 @@ def install_model_infos(source: str) -> int:
     They are data, not code: vLLM reads one with `json.load` into its `_ModelInfo` dataclass
     (`_LazyRegisteredModel._load_modelinfo_from_cache`), and only files of that plain shape are put
     there (`_plain_model_info`)."""
-    import tarfile
-    from io import BytesIO
-
     from .storage import storage_for
 
     data = storage_for(source).sidecar(beside(source), MODEL_INFOS)
@@ -258,20 +255,11 @@ def install_model_infos(source: str) -> int:
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     root = Path(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT") or os.path.join(home, "vllm")))
     (root / "modelinfos").mkdir(parents=True, exist_ok=True)
-    owned.sweep(INSTALLING, root)
-    staging = owned.make(INSTALLING, root)
-    added = 0
-    try:
-        with tarfile.open(fileobj=BytesIO(data), mode="r") as tar:
-            tar.extractall(staging, filter="data")
-        for info in (staging / "modelinfos").glob("*.json"):
-            dest = root / "modelinfos" / info.name
-            if not dest.exists() and _plain_model_info(info):
-                os.rename(info, dest)
-                added += 1
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return added
+
+    def plain(staging: Path) -> list[Path]:
+        return [info for info in (staging / "modelinfos").glob("*.json") if _plain_model_info(info)]
+
+    return len(atomic.unpack(data, root, plain))
 
 
 _MODEL_INFO_NAME = re.compile(r"[A-Za-z0-9_-]+\.json")
@@ -404,15 +392,13 @@ def _fetch_objects(source: str, cache_dir: Path | None, budget: int | None, thre
 def _fetch_local(source: Path, budget: int | None) -> dict[str, object]:
     """Local files into the page cache, file by file, without torch (a process that starts in
     milliseconds): the files a load of `source` reads (its index's, else every *.safetensors)."""
-    if source.is_dir():
-        index = source / "model.safetensors.index.json"
-        if index.is_file():
-            names = dict.fromkeys(json.loads(index.read_text())["weight_map"].values())
-            files = [source / name for name in names]
-        else:
-            files = sorted(source.glob("*.safetensors"))
-    elif source.name.endswith(".index.json"):
-        files = [source.parent / n for n in dict.fromkeys(json.loads(source.read_text())["weight_map"].values())]
+    from .storage.base import INDEX_NAME, parse_index
+
+    index = source / INDEX_NAME if source.is_dir() else source
+    if source.is_dir() and not index.is_file():
+        files = sorted(source.glob("*.safetensors"))
+    elif index.name.endswith(".index.json"):
+        files = [Path(f) for f in parse_index(index, index.read_text("utf-8")).files]
     else:
         files = [source]
     size = sum(f.stat().st_size for f in files)
@@ -498,9 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         report = fetch(args.source, args.cache_dir, args.budget, args.threads)
     except Exception as exc:  # reported, not raised: the load that follows goes on without it
         report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    partial = args.done.with_name(args.done.name + ".partial")
-    partial.write_text(json.dumps(report))
-    os.replace(partial, args.done)
+    atomic.write(args.done, json.dumps(report).encode())
     return 0 if report["ok"] else 1
 
 

@@ -205,18 +205,20 @@ def _ahead_then_killed(tmp_path: Path, url: str, engines: int) -> list[Path]:
     code = (
         "import sys, time; from streamload import prefetch; s = prefetch.ahead(sys.argv[1]); "
         "open(s['cache_dir'] + '/x.safetensors.partial.h.1.r', 'wb').write(b'half'); "
-        "print(s['cache_dir'], flush=True); time.sleep(120)"
+        "print(s['cache_dir'], s['pid'], flush=True); time.sleep(120)"
     )
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     running = [subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE, text=True, env=env)
                for _ in range(engines)]  # fmt: skip
     try:
-        staged = [Path(engine.stdout.readline().strip()) for engine in running if engine.stdout is not None]
+        said = [engine.stdout.readline().split() for engine in running if engine.stdout is not None]
     finally:
         for engine in running:
             engine.send_signal(signal.SIGKILL)
             engine.wait(10)
-    return [p.parent for p in staged]
+    for _, fetch in said:  # each engine's fetch ends once it sees its engine gone (until then it owns the staging too)
+        _ends(int(fetch))
+    return [Path(staged).parent for staged, _ in said]
 
 
 def test_a_killed_engines_staging_is_removed_by_the_next_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,7 @@ COLD_BYTES = 32 << 20  # the largest request for bytes not in the page cache
 DIRECT_BYTES = 16 << 20  # the largest O_DIRECT request: each reader thread that makes one keeps a buffer this size
 DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffers are multiples of the logical block size
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers one preadv takes (Linux: 1024)
-_RETRIES = 100  # EINTR/EAGAIN in a row before a read is given up
+_RETRIES = 100  # EAGAIN in a row before a read is given up
 _BACKOFF = 0.001  # seconds, times the retries so far (up to 10)
 
 
@@ -116,12 +116,13 @@ def _read_span(fd: int, span: Span, slot: memoryview) -> int:
 
 
 def _preadv(fd: int, span: Span, buffers: list[memoryview], offset: int) -> int:
-    """One preadv; EINTR and EAGAIN are retried (not forever), other errors name the file and offset."""
+    """One preadv; EAGAIN is retried (not forever), other errors name the file and offset (EINTR is
+    retried by `os.preadv` itself, PEP 475)."""
     retries = 0
     while True:
         try:
             return os.preadv(fd, buffers, offset)
-        except (InterruptedError, BlockingIOError) as exc:  # transient
+        except BlockingIOError as exc:  # transient
             retries += 1
             if retries > _RETRIES:
                 raise read_error(span.path, offset, f"{exc.strerror or exc} ({_RETRIES} times in a row)") from exc

@@ -50,22 +50,20 @@ import logging
 import os
 import random
 import re
-import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePath
 
+from .. import atomic
+from ..atomic import NEW, PARTIAL, writer_tag
 from ..format import FileHeader
 
 RECORD = ".streamload.json"
 LOCK = ".lock"
-_PARTIAL = ".partial."
 _NOTICE_AFTER = 5.0  # seconds of waiting for another writer before it is logged
 WRITER_STALL = 180.0  # seconds a writer may leave its partial file unchanged before its readers give up on it
 MOUNTINFO = Path("/proc/self/mountinfo")
-_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC  # a file of this writer's own
 
 log = logging.getLogger("streamload")
 _held: set[Path] = set()  # the files this process holds the lock of (an NFS lock is per process, not per fd)
@@ -109,26 +107,11 @@ def keep(local: Path, data: bytes) -> None:
     """A small file (an index, a digest file) into the cache whole: written under a name of this
     writer's own, then renamed, so that two writers never mix their bytes and a reader sees one whole.
     Where it cannot be kept (a full disk, another user's directory), the caller goes on without it."""
-    tmp = local.with_name(f"{local.name}{_PARTIAL}{_writer_tag()}")
     try:
         local.parent.mkdir(parents=True, exist_ok=True)
-        _create(tmp, data)
-        os.replace(tmp, local)
+        atomic.write(local, data)
     except OSError as exc:
         log.warning("streamload: %s: not kept in the cache: %s", local, exc)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _create(path: Path, data: bytes) -> None:
-    """`data` into a new file `path` (never one that is there, nor through a symlink)."""
-    fd = os.open(path, _NEW, 0o666)
-    with open(fd, "wb") as f:
-        f.write(data)
-
-
-def _writer_tag() -> str:
-    return f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
 
 
 def lock_scope(directory: Path, mountinfo: str) -> str | None:
@@ -300,7 +283,7 @@ def _progress(final: Path) -> list[tuple[str, int, int]]:
 
 
 def _writers(final: Path) -> str:
-    return ", ".join(p.name.split(_PARTIAL, 1)[1] for p in _partials(final)) or "another process"
+    return ", ".join(p.name.split(PARTIAL, 1)[1] for p in _partials(final)) or "another process"
 
 
 def _reserve(fd: int, size: int) -> None:
@@ -320,21 +303,21 @@ class CacheWriter:
     have. Holds the file's claim until it completes or is closed. An OSError (a full disk) is raised
     with nothing of the copy left: the caller goes on without it."""
 
-    def __init__(self, claim: Claim, header: FileHeader, head: bytes) -> None:
+    def __init__(self, claim: Claim, header: FileHeader) -> None:
         self.header = header
         self.final = claim.final
         self._claim = claim
         if claim.exclusive:
             for stale in _partials(self.final):  # a killed writer's: no live writer holds the claim
                 stale.unlink(missing_ok=True)
-        self.partial = Path(f"{self.final}{_PARTIAL}{_writer_tag()}")
+        self.partial = Path(f"{self.final}{PARTIAL}{writer_tag()}")
         self._lock = threading.Lock()
         self._written: list[tuple[int, int]] = []  # merged [start, end) ranges
         self._fd: int | None = None
         try:
-            self._fd = os.open(self.partial, _NEW, 0o666)
+            self._fd = os.open(self.partial, NEW, 0o666)
             _reserve(self._fd, header.size)
-            self.write(0, memoryview(head)[: header.data_start])
+            self.write(0, memoryview(header.prefix))  # the length word and header, as read
         except BaseException:
             self.close()
             raise
@@ -356,13 +339,10 @@ class CacheWriter:
         names an inode no copy has)."""
         os.fsync(fd)
         made = _file(os.fstat(fd))
+        record = json.dumps({**_record(self.header), **made}).encode()
         tmp = Path(f"{self.partial}.record")  # this writer's own (a killed one's goes with its partial file)
-        try:
-            _create(tmp, json.dumps({**_record(self.header), **made}).encode())
-            os.replace(tmp, Path(str(self.final) + RECORD))  # names an inode `final` is not yet: nothing looks complete
-            os.replace(self.partial, self.final)
-        finally:
-            tmp.unlink(missing_ok=True)
+        atomic.write(Path(str(self.final) + RECORD), record, temporary=tmp)  # names an inode `final` is not yet:
+        os.replace(self.partial, self.final)  # nothing looks complete before this rename
         self._fd = None
         os.close(fd)
         self._claim.release()
@@ -393,9 +373,7 @@ class Copies:
     waited for: a copy is whole or absent. A copy that cannot be written is dropped, and a writer that
     stalls is given up on: the load reads from the store instead (one warning each)."""
 
-    def __init__(
-        self, cache_dir: Path, headers: dict[PurePath, FileHeader], heads: dict[PurePath, bytes], partly: Iterable
-    ) -> None:
+    def __init__(self, cache_dir: Path, headers: dict[PurePath, FileHeader], partly: Iterable) -> None:
         self._cache_dir = cache_dir
         self._headers = headers
         self._fds: dict[PurePath, int] = {}
@@ -416,7 +394,7 @@ class Copies:
                     claim.release()
                     continue
                 try:
-                    self._writers[path] = CacheWriter(claim, headers[path], heads[path])
+                    self._writers[path] = CacheWriter(claim, headers[path])
                 except OSError as exc:  # released its claim
                     self._not_kept(claim.final, exc)
             if not claims:
@@ -530,7 +508,7 @@ def _claim_all(
 
 def _partials(final: Path) -> list[Path]:
     try:
-        return [p for p in final.parent.iterdir() if p.name.startswith(final.name + _PARTIAL)]
+        return [p for p in final.parent.iterdir() if p.name.startswith(final.name + PARTIAL)]
     except OSError:
         return []
 

@@ -81,7 +81,6 @@ class ObjectStorage:
         self.root = root
         self.store = _store(root)
         self.cache_dir = cache_dir
-        self._heads: dict[PurePath, bytes] = {}  # header bytes, for the cache's copy
         self.retries = int(os.environ.get("STREAMLOAD_RETRIES", "4"))
         self.pace = pace_of(root)
 
@@ -135,18 +134,11 @@ class ObjectStorage:
         identity = _identity(meta)
         size = int(meta["size"])
 
-        more = b""
-
         def read_at(offset: int, n: int) -> bytes:
-            nonlocal more
             got = self.call(lambda: _get(self.store, path.key, (offset, offset + n), identity), path, (offset, n))
-            more = bytes(got[0])
-            return more
+            return bytes(got[0])
 
-        header = header_from(path, size, bytes(head), read_at)._replace(identity=identity)
-        if self.cache_dir is not None:
-            self._heads[path] = (bytes(head) + more)[: header.data_start]
-        return header
+        return header_from(path, size, bytes(head), read_at)._replace(identity=identity)
 
     def open(self, headers: dict[PurePath, FileHeader], partly: Partly = None) -> ObjectFiles:
         return ObjectFiles(self, headers, partly)
@@ -281,7 +273,7 @@ class ObjectFiles:
         if storage.cache_dir is not None:
             from .cache import Copies
 
-            self._copies = Copies(storage.cache_dir, headers, storage._heads, partly() if partly else ())
+            self._copies = Copies(storage.cache_dir, headers, partly() if partly else ())
 
     def read(self, path: PurePath, offset: int, length: int) -> list[memoryview]:
         """`length` bytes of the object at `offset`, from the version whose header was read: in ranges of

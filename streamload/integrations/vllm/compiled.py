@@ -24,20 +24,17 @@ have another digest is refused before any of it is unpacked (`streamload/pins.py
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
 import platform
-import shutil
 import sys
 import tarfile
-import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from streamload import owned, pins
-from streamload.prefetch import COMPILE_CACHE, INSTALLING, MODEL_INFOS, STAGED_INDEX, beside
+from streamload import atomic, pins
+from streamload.prefetch import COMPILE_CACHE, MODEL_INFOS, STAGED_INDEX, beside
 
 log = logging.getLogger("vllm.streamload")
 
@@ -80,23 +77,12 @@ def publish(checkpoint: str | os.PathLike[str], root: str | os.PathLike[str] | N
     folder = Path(checkpoint) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"{key_name(key)}.tar"
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".publishing-")
-    try:
-        with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
-            tar.add(source / CACHE, arcname=CACHE)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic.write(target, lambda f: _tar(f, [(source / CACHE, CACHE)]), sync=True)
     if (source / "modelinfos").is_dir():  # vLLM's model inspections: installed by the fetch started first
         _pack_model_infos(source / "modelinfos", Path(checkpoint) / MODEL_INFOS)
     index = _read_index(folder / INDEX)
     index[key_name(key)] = key
-    tmp_index = folder / f".{INDEX}.{os.getpid()}"
-    tmp_index.write_text(json.dumps(index, indent=1, sort_keys=True))
-    os.replace(tmp_index, folder / INDEX)
+    atomic.write(folder / INDEX, json.dumps(index, indent=1, sort_keys=True).encode())
     return target
 
 
@@ -152,26 +138,7 @@ def install(
 def _unpack(data: bytes, root: Path) -> list[Path]:
     """Each compiled folder of the archive (`torch_compile_cache/<hash>`, and `.../torch_aot_compile/
     <hash>`) that `root` lacks, unpacked beside it and renamed into place whole; the rest dropped."""
-    root.mkdir(parents=True, exist_ok=True)
-    owned.sweep(INSTALLING, root)  # what an install killed midway left
-    staging = owned.make(INSTALLING, root)
-    added: list[Path] = []
-    try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
-            tar.extractall(staging, filter="data")  # no absolute paths, links out or devices
-        for folder in _compiled_folders(staging / CACHE):
-            dest = root / CACHE / folder.relative_to(staging / CACHE)
-            if dest.exists():
-                continue  # the node's own: never replaced
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.rename(folder, dest)  # whole, or not at all (another rank may have put it there first)
-                added.append(dest)
-            except OSError:
-                pass
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return added
+    return atomic.unpack(data, root, lambda staging: _compiled_folders(staging / CACHE))
 
 
 def _compiled_folders(cache: Path) -> list[Path]:
@@ -187,15 +154,15 @@ def _compiled_folders(cache: Path) -> list[Path]:
 
 
 def _pack_model_infos(folder: Path, target: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".publishing-")
-    try:
-        with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
-            for info in sorted(folder.glob("*.json")):
-                tar.add(info, arcname=f"modelinfos/{info.name}")
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    infos = [(info, f"modelinfos/{info.name}") for info in sorted(folder.glob("*.json"))]
+    atomic.write(target, lambda f: _tar(f, infos))
+
+
+def _tar(into: BinaryIO, members: list[tuple[Path, str]]) -> None:
+    """A tar archive of each (path, name in the archive), written into `into`."""
+    with tarfile.open(fileobj=into, mode="w") as tar:
+        for path, name in members:
+            tar.add(path, arcname=name)
 
 
 def _read_index(path: Path) -> dict[str, dict[str, str]]:
