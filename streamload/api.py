@@ -6,16 +6,19 @@ import functools
 import logging
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, TypedDict
+from pathlib import PurePath
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from . import arguments, defaults
 from . import device as devices
+from . import options
+from .defaults import Tuning
 from .errors import IntegrityError, UnsupportedError
 from .limits import check_fits
+from .options import Options, ReadOptions
 from .pipeline import Pipeline
-from .plan import DTypeOption, Order, Patterns, Plan, make_plan
+from .plan import DTypeOption, Order, Patterns, Plan, Share, make_plan
 from .routes import Into, ReaderName, route
 from .source import Checkpoint, PathLike, Source, open_checkpoint
 from .stats import Stats
@@ -25,10 +28,13 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from typing_extensions import Unpack
 
+    from .device import Device
     from .exchange import Exchange
     from .fleet import Fleet
+    from .pipeline import Check
+    from .read import Reader
     from .shard import ShardSpec
-    from .verify import Verify
+    from .verify import Known, Verify
 
 log = logging.getLogger("streamload")
 
@@ -99,121 +105,163 @@ def iter(
         >>> for name, t in streamload.iter("model.safetensors", device="cpu"):  # doctest: +SKIP
         ...     print(name, t.shape)
     """
-    ring_bytes, chunk_bytes = arguments.size(ring_bytes, "ring_bytes"), arguments.size(chunk_bytes, "chunk_bytes")
-    threads, slots = arguments.count(threads, "threads"), arguments.count(slots, "slots")
-    arguments.patterns(include, "include")
-    arguments.patterns(exclude, "exclude")
-    arguments.into(into)
-    arguments.shard(shard)
-    arguments.verify(verify)
+    given = {"device": device, "dtype": dtype, "reader": reader, "ring_bytes": ring_bytes, "chunk_bytes": chunk_bytes,
+             "threads": threads, "slots": slots, "include": include, "exclude": exclude, "into": into, "shard": shard,
+             "verify": verify, "order": order, "cooperative": cooperative, "cache_dir": cache_dir}  # fmt: skip
+    read_options = ReadOptions.of(options.checked(given))  # every option, before anything is opened
     dev = devices.resolve(device)
     checkpoint = open_checkpoint(source, cache_dir)
-    if into:
-        absent = [n for n in into if n not in checkpoint.tensors]
-        if absent:
-            raise ValueError(f"into= names tensors the checkpoint does not hold: {', '.join(map(repr, absent[:5]))}"
-                             f"{' ...' if len(absent) > 5 else ''}")  # fmt: skip
+    _check_into_names(into, checkpoint)
+    way = _route(checkpoint, dev, read_options, cooperative, verify, copies=_copies(into, checkpoint), order=order)
+    plan, digests = _plan(checkpoint, way, dtype, include, exclude, order, shard, into, verify)
+    _check_plan(plan, checkpoint, dev, include, exclude, shard, cache_dir)
+    return _stream(checkpoint, plan, way, digests)
+
+
+class _Route(NamedTuple):
+    """The way a load's bytes go: the reader and device that serve it, with what tuning."""
+
+    tuning: Tuning
+    read: Reader
+    make: Device
+    exchange: Exchange | None  # the ranks a cooperative load divides the reads among
+    share: Share | None  # which whole-tensor reads all ranks share (cooperative)
+
+
+def _check_into_names(into: Mapping[str, torch.Tensor] | None, checkpoint: Checkpoint) -> None:
+    absent = [n for n in into or () if n not in checkpoint.tensors]
+    if absent:
+        raise ValueError(f"into= names tensors the checkpoint does not hold: {', '.join(map(repr, absent[:5]))}"
+                         f"{' ...' if len(absent) > 5 else ''}")  # fmt: skip
+
+
+def _copies(into: Mapping[str, torch.Tensor] | None, checkpoint: Checkpoint) -> bool:
+    """Whether most bytes are copied into tensors that exist already (read through the ring, not mapped)."""
+    return bool(into) and 2 * sum(checkpoint.tensors[n].nbytes for n in into or ()) >= checkpoint.nbytes
+
+
+def _route(
+    checkpoint: Checkpoint,
+    dev: torch.device,
+    read_options: ReadOptions,
+    cooperative: bool | ProcessGroup | Fleet,
+    verify: Verify,
+    copies: bool,
+    order: Order,
+) -> _Route:
+    """Which reader and device serve the load, with what tuning, and whether ranks divide its reads."""
     total = checkpoint.nbytes
-    copies = bool(into) and 2 * sum(checkpoint.tensors[n].nbytes for n in into) >= total
-    tuning = defaults.tuning(
-        dev.type, total, ring_bytes=ring_bytes, slots=slots, threads=threads, chunk_bytes=chunk_bytes, copies=copies
-    )
+    tuning = read_options.tuning(dev.type, total, copies)
     tuning.check()
     check_fits(tuning.slot_bytes, "a ring slot")
     first = checkpoint.files[0].path if checkpoint.files else None
     exchange = _exchange(cooperative, dev)
     lands, why = _lands(exchange, verify)
-    read, make = route(dev, reader, checkpoint.storage.kind, tuning, first, total, lands, why, copies)
+    read, make = route(dev, read_options.reader, checkpoint.storage.kind, tuning, first, total, lands, why, copies)
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
-    share = None
-    if exchange is not None:
-        from .exchange import cooperative as cooperative_pair  # the parameter keeps its name
+    if exchange is None:
+        return _Route(tuning, read, make, None, None)
+    from .exchange import cooperative as cooperative_pair  # the parameter keeps its name
 
-        read, make = cooperative_pair(read, make, exchange)
-        layout = f"{tuning.slot_bytes}/{order}/{checkpoint.storage.first_batch}"  # what packs shared batches
-        share = functools.partial(exchange.agree, checkpoint, layout=layout)
-    chosen = None
+    read, make = cooperative_pair(read, make, exchange)
+    layout = f"{tuning.slot_bytes}/{order}/{checkpoint.storage.first_batch}"  # what packs shared batches
+    return _Route(tuning, read, make, exchange, functools.partial(exchange.agree, checkpoint, layout=layout))
+
+
+def _plan(
+    checkpoint: Checkpoint,
+    way: _Route,
+    dtype: DTypeOption,
+    include: Patterns,
+    exclude: Patterns,
+    order: Order,
+    shard: ShardSpec | None,
+    into: Mapping[str, torch.Tensor] | None,
+    verify: Verify,
+) -> tuple[Plan, Mapping[PurePath, Known] | None]:
+    """What is read, in which order and batches, and the digests it is checked against (None: unchecked)."""
+    digests = None
     if verify:  # True, or a non-empty mapping (False, None, {}: nothing to verify)
         from .verify import choose, needs_file_order
 
-        chosen = choose(checkpoint, verify)
-        if needs_file_order(chosen):
+        digests = choose(checkpoint, verify)
+        if needs_file_order(digests):
             # A whole-file digest is hashed front to back. File by file, one core hashes while the other
             # serves the reads: measured cold (docs/benchmarks.md), 1.04x-1.19x the unverified load on
             # 2 cores, where hashing files side by side on both cost 1.33x-1.64x.
             order = "file"
     plan = make_plan(
         checkpoint,
-        slot_bytes=tuning.slot_bytes,
+        slot_bytes=way.tuning.slot_bytes,
         include=include,
         exclude=exclude,
         order=order,
         dtype=dtype,
         shard=shard,
-        share=share,
+        share=way.share,
         into=into,
         first_batch=checkpoint.storage.first_batch,
         # a destination's bytes read straight into it, where no one looks at them in the slot
-        land=getattr(read, "lands", False) and chosen is None and exchange is None,
+        land=getattr(way.read, "lands", False) and digests is None and way.exchange is None,
     )
+    return plan, digests
+
+
+def _check_plan(
+    plan: Plan,
+    checkpoint: Checkpoint,
+    dev: torch.device,
+    include: Patterns,
+    exclude: Patterns,
+    shard: ShardSpec | None,
+    cache_dir: PathLike | None,
+) -> None:
+    """Refuses a plan that cannot be served; warns of one that is likely not what the caller meant."""
     _check_into_device(plan, dev)
+    # (`next` over generators, not over `iter(...)`: in this module `iter` is streamload's)
     if not plan.items and checkpoint.tensors and (include is not None or exclude is not None):
         warnings.warn(
             f"streamload: include={include!r} exclude={exclude!r} select none of the checkpoint's "
             f"{len(checkpoint.tensors)} tensors (e.g. {next(n for n in checkpoint.tensors)!r})",
-            stacklevel=2,
+            stacklevel=3,  # the caller of `iter`
         )
     if shard is not None and (unmatched := shard.unmatched(checkpoint.tensors)):
         warnings.warn(
             f"streamload: ShardSpec rules {', '.join(map(repr, unmatched))} match none of the checkpoint's "
             f"{len(checkpoint.tensors)} tensors (e.g. {next((n for n in checkpoint.tensors), '')!r}): the tensors they "
             "were meant for are loaded whole (patterns are fnmatch, case-sensitive, on whole names)",
-            stacklevel=2,
+            stacklevel=3,
         )
     if cache_dir is not None and checkpoint.storage.kind == "object" and (in_part := plan.read_in_part()):
-        cut, reason = next(entry for entry in in_part.items())  # (`iter` is this function)
+        cut, reason = next(entry for entry in in_part.items())
         log.warning(
             "streamload: cache_dir keeps whole files only, and this load reads %d of %d files in part (%s: %s): "
             "they are not cached and a later load reads them remotely again; load once without include=, "
             "exclude= or shard= to cache them", len(in_part), len(plan.files), cut, reason,
         )  # fmt: skip
-    check = None
-    if chosen is not None:
-        from .verify import Verifier
-
-        if exchange is None:
-            check = Verifier(plan, chosen)
-        else:
-            from .exchange import CooperativeCheck
-
-            # A shared batch's hashing waits on a verifier thread for its exchange: enough threads that
-            # every batch in flight can wait (threads start only when needed).
-            most = max((len({p.item.info.path for p in b.pieces}) for b in plan.batches), default=1)
-            check = CooperativeCheck(Verifier(plan, chosen, max(4, (tuning.slots + 1) * most)), make)  # type: ignore[arg-type]
-    stats = Stats(bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=read.name, device=make.name)
-    if exchange is not None:  # what a rank reads from storage for a lost rank counts as read
-        read.on_bytes = stats.add_read  # type: ignore[attr-defined]  # (a CooperativeReader)
-    return TensorStream(checkpoint, plan, Pipeline(plan, checkpoint.storage, read, make, tuning, stats, check))
 
 
-class Options(TypedDict, total=False):
-    """The keyword options of `iter`, which `load`, `layers`, `load_into` and `from_pretrained` pass on."""
+def _stream(checkpoint: Checkpoint, plan: Plan, way: _Route, digests: Mapping[PurePath, Known] | None) -> TensorStream:
+    """The stream of `plan` through `way`, checked against `digests` as it is read."""
+    check = None if digests is None else _verifier(plan, digests, way)
+    stats = Stats(bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=way.read.name, device=way.make.name)
+    if way.exchange is not None:  # what a rank reads from storage for a lost rank counts as read
+        way.read.on_bytes = stats.add_read  # type: ignore[attr-defined]  # (a CooperativeReader)
+    pipeline = Pipeline(plan, checkpoint.storage, way.read, way.make, way.tuning, stats, check)
+    return TensorStream(checkpoint, plan, pipeline)
 
-    device: str | torch.device | None
-    dtype: DTypeOption
-    include: Patterns
-    exclude: Patterns
-    order: Order
-    reader: ReaderName
-    ring_bytes: int | str | None
-    slots: int | None
-    threads: int | None
-    chunk_bytes: int | str | None
-    shard: ShardSpec | None
-    cooperative: bool | ProcessGroup | Fleet
-    cache_dir: PathLike | None
-    into: Mapping[str, torch.Tensor] | None
-    verify: Verify
+
+def _verifier(plan: Plan, digests: Mapping[PurePath, Known], way: _Route) -> Check:
+    from .verify import Verifier
+
+    if way.exchange is None:
+        return Verifier(plan, digests)
+    from .exchange import CooperativeCheck
+
+    # A shared batch's hashing waits on a verifier thread for its exchange: enough threads that every
+    # batch in flight can wait (threads start only when needed).
+    most = max((len({p.item.info.path for p in b.pieces}) for b in plan.batches), default=1)
+    return CooperativeCheck(Verifier(plan, digests, max(4, (way.tuning.slots + 1) * most)), way.make)  # type: ignore[arg-type]
 
 
 def load(source: Source, **options: Unpack[Options]) -> dict[str, torch.Tensor]:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9}  # fmt: skip
+T = TypeVar("T")  # a checked value, handed back as given
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 
 
@@ -63,14 +65,14 @@ def count(value: int | None, name: str) -> int | None:
     return value
 
 
-def patterns(value: object, name: str) -> None:
+def patterns(value: T, name: str) -> T:
     """None, a pattern, a predicate, or an iterable of patterns."""
     if value is None or isinstance(value, str) or callable(value):
-        return
+        return value
     if isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping)):
-        bad = [p for p in value if not isinstance(p, str)]  # type: ignore[union-attr]
+        bad = [p for p in value if not isinstance(p, str)]
         if not bad:
-            return
+            return value
         raise TypeError(f"{name} patterns must be text, not {_kind(bad[0])}")
     raise TypeError(f"{name} must be a pattern, a list of patterns or a predicate, not {_kind(value)}")
 
@@ -91,37 +93,39 @@ def path(value: object, name: str) -> None:
         raise TypeError(f"{name} must be a path, not {_kind(value)}")
 
 
-def into(value: object) -> None:
+def into(value: T, name: str = "into") -> T:
     import torch  # here, not above: the command line parses sizes before torch is imported
 
     if value is None:
-        return
+        return value
     if not isinstance(value, Mapping):
-        raise TypeError(f"into must be a mapping of tensor names to tensors, not {_kind(value)}")
+        raise TypeError(f"{name} must be a mapping of tensor names to tensors, not {_kind(value)}")
     for key, t in value.items():
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"into[{key!r}] must be a torch.Tensor, not {_kind(t)}")
+            raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, not {_kind(t)}")
+    return value
 
 
-def shard(value: object) -> None:
+def shard(value: T, name: str = "shard") -> T:
     if value is None:
-        return  # shard.py is imported only by those who shard
+        return value  # shard.py is imported only by those who shard
     from .shard import ShardSpec
 
     if not isinstance(value, ShardSpec):
-        raise TypeError(f"shard must be a streamload.ShardSpec, not {_kind(value)}")
+        raise TypeError(f"{name} must be a streamload.ShardSpec, not {_kind(value)}")
+    return value
 
 
-def verify(value: object) -> None:
+def verify(value: T, name: str = "verify") -> T:
     """True/False, or {file name: SHA-256 hex}."""
     if isinstance(value, bool) or value is None:
-        return
+        return value
     if isinstance(value, Mapping):
         for key, digest in value.items():
             if not isinstance(key, str) or not isinstance(digest, str):
-                raise TypeError(f"verify[{key!r}] must be a SHA-256 hex digest (text), not {_kind(digest)}")
-        return
-    raise TypeError(f"verify must be True, False or {{file name: SHA-256 hex}}, not {_kind(value)}")
+                raise TypeError(f"{name}[{key!r}] must be a SHA-256 hex digest (text), not {_kind(digest)}")
+        return value
+    raise TypeError(f"{name} must be True, False or {{file name: SHA-256 hex}}, not {_kind(value)}")
 
 
 __all__ = ["count", "into", "parse_size", "path", "patterns", "shard", "size", "source", "verify"]

@@ -18,7 +18,7 @@ from .stream import TensorStream
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .api import Options
+    from .options import Options
 
 Group = tuple[str, dict[str, torch.Tensor]]
 

@@ -23,7 +23,7 @@ from .source import Checkpoint, Source, open_checkpoint
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .api import Options
+    from .options import Options
 
 OnLayer = Callable[[str, "nn.Module | None"], "Awaitable[None] | None"]
 

@@ -33,7 +33,7 @@ from .source import Checkpoint, Source, open_checkpoint
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .api import Options
+    from .options import Options
 
 
 class _KeptOpen:

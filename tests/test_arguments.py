@@ -70,3 +70,16 @@ def test_a_filter_that_selects_nothing_says_so(ckpt: Path) -> None:
 def test_from_pretrained_of_a_missing_path_says_it_is_missing(tmp_path: Path) -> None:
     with pytest.raises(streamload.SourceError, match="no such directory"):
         streamload.from_pretrained(tmp_path / "nonexistent", device="cpu")
+
+
+def test_iter_options_are_declared_once() -> None:
+    import inspect
+
+    from streamload import api, options
+
+    assert list(options.Options.__annotations__) == list(options.TABLE)
+    assert set(inspect.signature(api.iter).parameters) - {"source"} == set(options.TABLE)
+    assert options.READ == ("reader", "ring_bytes", "chunk_bytes", "threads", "slots")
+    assert options.check("chunk_bytes", "8MiB") == 8 << 20
+    with pytest.raises(ValueError, match="threads must be at least 1, not 0"):
+        options.check("threads", 0)

@@ -31,7 +31,7 @@ from streamload.storage.remote import is_url
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from streamload.api import Options
+    from streamload.options import Options
 
 PIPELINE_INDEX = "model_index.json"
 Dtype = torch.dtype | str | Mapping[str, torch.dtype | str] | None

@@ -28,7 +28,7 @@ from streamload.storage.remote import is_url
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from streamload.api import Options
+    from streamload.options import Options
 
 
 def from_pretrained(

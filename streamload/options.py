@@ -1,0 +1,136 @@
+"""The keyword options of `iter`, declared once (`TABLE`): how each is checked, and which a plain config
+carries. The rest derive from it: `Options` (the `**options` that `load`, `layers`, `load_into`,
+`from_pretrained` and `offload` pass on to `iter`), `ReadOptions` (how a stream reads) and `CONFIG`
+(the options vLLM's `model_loader_extra_config` passes on to `iter`).
+
+>>> check("ring_bytes", "1GiB")
+1073741824
+>>> CONFIG["threads"]
+<class 'int'>
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict, TypeVar
+
+from . import arguments, defaults
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+    from .fleet import Fleet
+    from .plan import DTypeOption, Order, Patterns
+    from .routes import ReaderName
+    from .shard import ShardSpec
+    from .source import PathLike
+    from .verify import Verify
+
+T = TypeVar("T")
+
+
+def _checked_where_used(value: T, name: str) -> T:
+    """For an option whose check needs what a load finds: `device.resolve` the device, `routes.route`
+    the reader, `plan.make_plan` dtype and order, `api` cooperative, `source.open_checkpoint` cache_dir
+    (a `Checkpoint` from `inspect` needs none)."""
+    return value
+
+
+class Option(NamedTuple):
+    """One keyword option of `iter`."""
+
+    name: str
+    check: Callable[[Any, str], Any]  # the value checked (TypeError, ValueError naming it) and normalised
+    config: type | tuple[type, ...] | None = None  # its types in a JSON config (vLLM's); None: no config carries it
+
+
+# In the order `iter` checks them (which error a call with two bad options gets).
+TABLE: dict[str, Option] = {
+    option.name: option
+    for option in (
+        Option("device", _checked_where_used),
+        Option("dtype", _checked_where_used),
+        Option("reader", _checked_where_used, str),
+        Option("ring_bytes", arguments.size, (int, str)),  # bytes, or with a unit: "1GiB"
+        Option("chunk_bytes", arguments.size, (int, str)),
+        Option("threads", arguments.count, int),
+        Option("slots", arguments.count, int),
+        Option("include", arguments.patterns),
+        Option("exclude", arguments.patterns),
+        Option("into", arguments.into),
+        Option("shard", arguments.shard),
+        Option("verify", arguments.verify, (bool, dict)),
+        Option("order", _checked_where_used),
+        Option("cooperative", _checked_where_used),  # a process group: vLLM's config has a switch of its own
+        Option("cache_dir", _checked_where_used, str),
+    )
+}
+# The options a JSON config carries as `iter` takes them, and their types there (vLLM's loader passes
+# these on from `model_loader_extra_config`).
+CONFIG: dict[str, type | tuple[type, ...]] = {name: o.config for name, o in TABLE.items() if o.config is not None}
+
+
+def check(name: str, value: Any) -> Any:
+    """The value of option `name`, checked and normalised (a size with a unit in bytes).
+
+    Raises:
+        TypeError, ValueError: one line naming the option.
+    """
+    return TABLE[name].check(value, name)
+
+
+def checked(given: Mapping[str, Any]) -> dict[str, Any]:
+    """Every option of `iter`, from `given` (all of them, by name), checked and normalised."""
+    return {name: option.check(given[name], name) for name, option in TABLE.items()}
+
+
+class Options(TypedDict, total=False):
+    """The keyword options of `iter`, which `load`, `layers`, `load_into`, `from_pretrained` and
+    `offload` pass on (the names of `TABLE`)."""
+
+    device: str | torch.device | None
+    dtype: DTypeOption
+    reader: ReaderName
+    ring_bytes: int | str | None
+    chunk_bytes: int | str | None
+    threads: int | None
+    slots: int | None
+    include: Patterns
+    exclude: Patterns
+    into: Mapping[str, torch.Tensor] | None
+    shard: ShardSpec | None
+    verify: Verify
+    order: Order
+    cooperative: bool | ProcessGroup | Fleet
+    cache_dir: PathLike | None
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a stream reads: the reader, and the tuning as given (None: from the machine, `defaults`)."""
+
+    reader: ReaderName = "auto"
+    ring_bytes: int | None = None
+    chunk_bytes: int | None = None
+    threads: int | None = None
+    slots: int | None = None
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> ReadOptions:
+        """Those of `options` (checked: sizes in bytes)."""
+        return cls(**{name: options[name] for name in READ if name in options})
+
+    def tuning(self, device_type: str, total_bytes: int, copies: bool) -> defaults.Tuning:
+        """The tuning of a load of `total_bytes` into `device_type`: what was given, the rest from the
+        machine; `copies`: most bytes are copied into tensors that exist already (`into=`)."""
+        return defaults.tuning(
+            device_type, total_bytes, ring_bytes=self.ring_bytes, slots=self.slots, threads=self.threads,
+            chunk_bytes=self.chunk_bytes, copies=copies,
+        )  # fmt: skip
+
+
+READ = tuple(f.name for f in fields(ReadOptions))
+
+__all__ = ["CONFIG", "READ", "TABLE", "Option", "Options", "ReadOptions", "check", "checked"]
