@@ -12,7 +12,7 @@ creation to its first token:
 - `streamload, ahead`: the script's first line is `streamload.prefetch.ahead(url)`, before vLLM's
   import (what `streamload serve -- vllm serve ...` does for a server); the format adopts that fetch;
 - `streamload, overlap`: as `ahead`, with `"overlap": true`: vLLM profiles, compiles and warms up
-  while the weights arrive; they are loaded in place after warm-up (integrations/vllm/overlap.py).
+  while the weights arrive; they are loaded in place after warm-up (integrations/vllm/startup/overlap.py).
 
 `--in-process` runs the engine in the script's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
 
@@ -144,7 +144,7 @@ def main() -> None:
     local = _run(["--one", "local", str(model), ""], flags, env, None)
     if args.compile_cache:
         from streamload import pins
-        from streamload.integrations.vllm import compiled
+        from streamload.integrations.vllm.startup import compiled
 
         archive = compiled.publish(model, caches / "warm")
         env["STREAMLOAD_BENCH_PIN"] = pins.digest(archive.read_bytes())  # the runs trust this archive only

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.checkpoint.is_dir():  # publish makes its folder: a mistyped path would get one, silently
                 raise StreamloadError(f"{args.checkpoint}: no such checkpoint directory (publish goes beside it)")
             try:
-                from .integrations.vllm import compiled as compiled_cache
+                from .integrations.vllm.startup import compiled as compiled_cache
             except ImportError as exc:
                 raise StreamloadError(f"compile-cache needs vLLM: pip install -e '.[vllm]' ({exc})") from None
             try:

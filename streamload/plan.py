@@ -335,6 +335,22 @@ def cannot_convert(stored: torch.dtype, dest: torch.dtype) -> str:
     return "only floating-point tensors are converted"
 
 
+def why_not_into(stored: torch.dtype, dest: torch.Tensor, device: torch.device | None = None) -> str:
+    """Why `iter(into=...)` refuses to write bytes stored as `stored` into `dest`, whatever the shapes
+    (`_into` checks those against the rank's part), or "". With `device`: also a `dest` elsewhere than
+    the stream's device (as `api.iter` refuses it)."""
+    if device is not None:
+        from .device import same  # (device/ imports this module)
+
+        if not same(dest.device, device):
+            return f"cannot load in place into a tensor on {dest.device} from a stream into {device}"
+    if not converts(stored, dest.dtype):
+        return f"cannot load {stored} in place into a {dest.dtype} tensor: {cannot_convert(stored, dest.dtype)}"
+    if dest.is_meta:
+        return "cannot load in place into a tensor on the meta device"
+    return ""
+
+
 def _into(item: Item, dest: torch.Tensor, land: bool = False) -> Item:
     """`item` written into `dest`: same shape (this rank's part), a dtype the stored one converts to;
     read straight into it (`land`) where it is contiguous host memory of the stored dtype."""
@@ -346,13 +362,8 @@ def _into(item: Item, dest: torch.Tensor, land: bool = False) -> Item:
             f"{where}: cannot load in place into a tensor of shape {list(dest.shape)}: the checkpoint's "
             f"{'part for this rank' if item.part is not None else 'tensor'} has shape {list(item.shape)}"
         )
-    if not converts(item.stored, dest.dtype):
-        raise UnsupportedError(
-            f"{where}: cannot load {item.stored} in place into a {dest.dtype} tensor: "
-            + cannot_convert(item.stored, dest.dtype)
-        )
-    if dest.is_meta:
-        raise UnsupportedError(f"{where}: cannot load in place into a tensor on the meta device")
+    if why := why_not_into(item.stored, dest):
+        raise UnsupportedError(f"{where}: {why}")
     lands = land and dest.device.type == "cpu" and dest.dtype == item.stored and dest.is_contiguous()
     return item._replace(out=dest.dtype, into=dest, lands=lands and not item.read_whole)
 

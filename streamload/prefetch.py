@@ -218,7 +218,7 @@ def staged_compile_caches(started: dict[str, Any], timeout: float = 30) -> Path 
 
 
 def _node_without_torch() -> dict[str, str]:
-    """The factors of `integrations.vllm.compiled.node_key` known without importing torch or vLLM (the
+    """The factors of `integrations.vllm.startup.compiled.node_key` known without importing torch or vLLM (the
     versions as their `__version__`, read from the packages' version files; "" where not found)."""
     import platform
 

@@ -1,5 +1,5 @@
 """vLLM's compiled artifacts published beside a checkpoint and installed where a node's cache lacks
-them (`streamload compile-cache publish`, `integrations/vllm/compiled.py`)."""
+them (`streamload compile-cache publish`, `integrations/vllm/startup/compiled.py`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from streamload import pins
-from streamload.integrations.vllm import compiled
+from streamload.integrations.vllm.startup import compiled
 
 from .servers import RangeServer
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from streamload.integrations.vllm.dryrun import Diverged, Unpredictable, dry_run, replay
+from streamload.integrations.vllm.placement.dryrun import Diverged, Unpredictable, dry_run, replay
 from streamload.shard import Slice
 
 Pairs = Iterable[tuple[str, torch.Tensor]]

@@ -1,4 +1,4 @@
-"""The end of a reload decides on every rank of the engine at once (integrations/vllm/restore.py), over
+"""The end of a reload decides on every rank of the engine at once (integrations/vllm/ranks.py), over
 a process group shaped as vLLM shapes pipeline parallel 2 x tensor parallel 2: four processes (gloo),
 tensor-parallel groups [0, 1] (stage 0) and [2, 3] (stage 1)."""
 
@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import save_file
 from torch import nn
 
-from streamload.integrations.vllm.restore import Ranks
+from streamload.integrations.vllm.ranks import Ranks
 
 STAGES = [[0, 1], [2, 3]]  # vLLM's tensor-parallel groups at TP=2, PP=2: stage s holds ranks 2s, 2s+1
 

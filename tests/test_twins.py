@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import streamload
-from streamload.integrations.vllm import twins
-from streamload.integrations.vllm.dryrun import Learned, dry_run, replay
+from streamload.integrations.vllm.placement import twins
+from streamload.integrations.vllm.placement.dryrun import Learned, dry_run, replay
 
 Pairs = Iterable[tuple[str, torch.Tensor]]
 EXPERTS, HIDDEN, FFN = 4, 8, 6

@@ -1,5 +1,5 @@
 """The vLLM plugin never breaks vLLM: vLLM calls it in every process of an environment where streamload
-is installed, without a guard (`integrations/vllm_plugin.py`)."""
+is installed, without a guard (`integrations/vllm/__init__.py`: `register`)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_on_an_untested_vllm_nothing_is_patched_and_the_format_refuses_in_one_li
         from vllm.engine.arg_utils import EngineArgs
         from vllm.model_executor.model_loader import get_model_loader
 
-        from streamload.integrations import vllm_plugin
+        from streamload.integrations import vllm as vllm_plugin
 
         before = EngineArgs.create_load_config
         vllm.__version__ = "0.99.0"
@@ -106,7 +106,7 @@ def test_overlap_refuses_speculative_decoding() -> None:
     in: overlap is refused, naming it (the worker's config as vLLM's Worker carries it)."""
     import torch
 
-    from streamload.integrations.vllm import overlap
+    from streamload.integrations.vllm.startup import overlap
 
     model_config = SimpleNamespace(quantization=None, enable_sleep_mode=False)
     worker = SimpleNamespace(

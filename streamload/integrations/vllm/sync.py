@@ -15,7 +15,7 @@ the streamload load format (threads, cooperative, ...):
 Never half-applied: an update whose checkpoint is corrupt or goes missing mid-read (`verify` checks
 the digest file that `publish` writes; a vanished shard is a read error) fails naming the file and
 tensor, once every rank serves the step it served before (or the model it started with) again, not
-a mix: the loader's reload restores them (restore.py), as for `reload_weights`. The engine is
+a mix: the loader's reload restores them (reload.py), as for `reload_weights`. The engine is
 registered by the plugin.
 """
 
@@ -66,7 +66,7 @@ class StreamloadWeightTransferEngine(WeightTransferEngine[StreamloadInitInfo, St
         self.options: dict[str, Any] = {}
 
     def init_transfer_engine(self, init_info: StreamloadInitInfo) -> None:
-        from . import check_options
+        from .options import check_options
 
         self.options = check_options(init_info.options)
 
@@ -83,11 +83,12 @@ class StreamloadWeightTransferEngine(WeightTransferEngine[StreamloadInitInfo, St
 
     def receive_weights(self, update_info: StreamloadUpdateInfo) -> None:
         """The step's weights, in place; a failed update raises once every rank serves its previous
-        weights again (the loader's reload restores them: restore.py)."""
+        weights again (the loader's reload restores them: reload.py)."""
         self._reload(update_info.path, update_info.verify)
 
     def _reload(self, path: str, verify: bool | dict[str, str]) -> None:
-        from . import FORMAT, StreamloadModelLoader
+        from . import FORMAT
+        from .loader import StreamloadModelLoader
 
         options = {**self.options, **({"verify": verify} if verify else {})}
         loader = StreamloadModelLoader(LoadConfig(load_format=FORMAT, model_loader_extra_config=options))

@@ -26,13 +26,26 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from streamload.collector import collector_paused
 from streamload.errors import UnsupportedError
+
+from .. import restore
+from ..feed import feed, load_weights_from
+from ..files import Part
+from ..ranks import tp_rank_world
+from ..report import last_load, record
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig
+
+    from ..loader import StreamloadModelLoader
 
 log = logging.getLogger("vllm.streamload")
 
@@ -109,3 +122,31 @@ def touch(model: nn.Module) -> None:
             continue
         flat = p.detach().reshape(-1).view(torch.uint8)
         flat[::page] = flat[::page].clone()
+
+
+@collector_paused
+def load_in_place(
+    loader: StreamloadModelLoader, model: nn.Module, model_config: ModelConfig, parts: list[Part] | None
+) -> None:
+    """The first load's weights, after compilation (`defer`'s `finish`): through vLLM's in-place
+    layerwise reload, whole tensors through the model's loaders, each layer processed as it completes
+    and its results copied into the storage the compiled code holds."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    start = time.perf_counter()
+    options, loader._stats = loader._stream_options(model), []
+    parts = parts if parts is not None else loader._parts(model_config, model, first=True)
+    last_load.plan_seconds = time.perf_counter() - start
+    initialize_layerwise_reload(model)
+    result = load_weights_from(model, feed(parts, options, loader._stats))
+    finalize_layerwise_reload(model, model_config)
+    loader._track_weights(model, model_config, result)  # a weight the checkpoint lacks: vLLM's error
+    record(parts, loader._stats, None, tp_rank_world()[1])
+    last_load.seconds = time.perf_counter() - start
+    log.info(
+        "streamload: %.1f MB read by the %s reader into the compiled model in %.2f s",
+        last_load.bytes_read / 1e6,
+        last_load.reader or "no",
+        last_load.seconds,
+    )
+    restore.SERVED[model] = loader._served(model_config, parts)

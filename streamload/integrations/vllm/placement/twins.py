@@ -36,7 +36,8 @@ from torch import nn
 
 from streamload.layer_keys import layer_of
 
-from .dryrun import Copy, Learned, Shapes, _key, dry_run
+from .dryrun import Copy, Learned, Shapes, dry_run
+from .recorder import view_key
 
 log = logging.getLogger("vllm.streamload")
 _Signature = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
@@ -185,7 +186,7 @@ def _unlike(learned: Learned, seen: Learned, layers: Layers, dry: int, index: in
         mine = layers.prefix[dry] + name[len(layers.prefix[index]) :]
         if mine in learned.copies:
             want, got = twin[mine], seen.copies.get(name)
-            if got is None or _key(got.dest) != _key(want.dest) or got.part != want.part:
+            if got is None or view_key(got.dest) != view_key(want.dest) or got.part != want.part:
                 own = _told(got) if got is not None else "not placed"
                 return f"{name!r}: {own} by its own dry run, {_told(want)} by the rule"
         elif mine in learned.unused and name not in seen.unused:

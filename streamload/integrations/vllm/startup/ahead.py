@@ -3,7 +3,7 @@ load config (in the process that starts the engine), seconds before the loader i
 
 vLLM calls a loader only after it has imported itself, spawned its engine and worker processes and
 built the model; fetching from then on makes a server's start-up the sum of the two. So the
-`create_load_config` hook adopts the fetch the process began before importing vLLM
+`create_load_config` hook (config_hook.py) adopts the fetch the process began before importing vLLM
 (`streamload.prefetch.ahead`, `streamload serve`), else starts `streamload.prefetch` in a child
 process: local files are read into the page cache; weights in object storage (`source` or an
 object-storage model) are written into `cache_dir`, or, without one, into a private staging directory
@@ -29,14 +29,20 @@ import shutil
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamload import prefetch
+
+from ..ranks import Ranks
+from ..report import last_load
+
+if TYPE_CHECKING:
+    from ..loader import StreamloadModelLoader
 
 log = logging.getLogger("vllm.streamload")
 
 
-def begin(model: str, options: dict[str, Any]) -> dict[str, Any] | None:
+def start_fetch(model: str, options: dict[str, Any]) -> dict[str, Any] | None:
     """The fetch of the weights of `model` (or `options["source"]`) under way: the one the process
     started before vLLM was imported (`prefetch.ahead`, `streamload serve`), else one started now;
     what the loader needs to find them (a plain dict: vLLM sends the load config to its workers), or
@@ -60,7 +66,7 @@ def begin(model: str, options: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
 
-def staged(ahead: dict[str, Any]) -> str | None:
+def staging_dir_for_load(ahead: dict[str, Any]) -> str | None:
     """In a worker, before the first load: the cache directory to load from, or None (fetched into the
     page cache, or not here: the load reads the source). The load does not wait for the whole
     download: it takes each file as soon as the fetch has completed it (the cache's writer, waited
@@ -78,7 +84,7 @@ def staged(ahead: dict[str, Any]) -> str | None:
     return str(ahead["cache_dir"])
 
 
-def loaded(ahead: dict[str, Any] | None, rank: int, everyone: Callable[[], None]) -> None:
+def remove_staging_after_load(ahead: dict[str, Any] | None, rank: int, everyone: Callable[[], None]) -> None:
     """After the first load (also a failed one), on every rank of the engine (`everyone()`: a barrier
     of them all): a private staging directory is removed once no rank reads it. Every rank joins the
     barrier, with a fetch or without: on several nodes each node's engine process starts its own
@@ -86,6 +92,25 @@ def loaded(ahead: dict[str, Any] | None, rank: int, everyone: Callable[[], None]
     everyone()
     if ahead and ahead.get("owned") and rank == 0 and ahead.get("host") == socket.gethostname():
         shutil.rmtree(ahead["cache_dir"], ignore_errors=True)
+
+
+def load_from_staging(loader: StreamloadModelLoader, started: Any, load: Callable[..., None], *args: Any) -> None:
+    """`load(*args)` (the loader's first load) from the files the fetch `started` with the engine stages
+    (the load config's "prefetch": a dict where one started), if any; then every rank of the engine
+    joins `remove_staging_after_load` (also after a failed load, and where no fetch started here:
+    another node's engine process may have started one)."""
+    fetched = started if isinstance(started, dict) else None
+    staged = staging_dir_for_load(fetched) if fetched is not None else None
+    options = loader.options
+    last_load.staged = staged or ""
+    if staged is not None:
+        loader.options = {**options, "cache_dir": staged}
+    try:
+        load(*args)
+    finally:
+        loader.options = options
+        ranks = Ranks.of_engine()
+        remove_staging_after_load(fetched, ranks.rank, ranks.barrier)
 
 
 def starts_engine(engine_args: Any) -> bool:

@@ -1,0 +1,55 @@
+"""The load format's options (`model_loader_extra_config`): the declared table and its checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from streamload import options, pins
+
+from . import FORMAT
+
+# model_loader_extra_config keys: streamload.iter's, as it declares those a JSON config carries
+# (`streamload.options.CONFIG`: the tuning, cache_dir, verify), where the weights are, and the switches.
+OPTIONS: dict[str, type | tuple[type, ...]] = {
+    **options.CONFIG,
+    "source": str,  # weights from here (a directory, s3://, http(s)://) while configs come from `model`
+    # dry run + rank-local reads straight into the parameters (default: where it pays, direct.dry_run_worth_it)
+    "direct": bool,
+    "cooperative": bool,  # tensor-parallel ranks divide what several of them read whole (default False)
+    # fetch while the engine starts (default true; the engine fills in a dict, startup/ahead.py)
+    "prefetch": (bool, dict),
+    # install the compiled artifacts published beside the weights whose digests are pinned: "sha256:<hex>"
+    # or a list of them (default off: they run as code; startup/compiled.py, pins.py)
+    "compile_cache": (bool, str, list),
+    "overlap": bool,  # compile and warm up while the weights arrive, then load them in place (startup/overlap.py)
+}
+STREAM = tuple(options.CONFIG)  # handed to iter as they are
+
+
+def check_options(extra: Any) -> dict[str, Any]:
+    """`model_loader_extra_config`, checked: known keys with values of the right type."""
+    if not isinstance(extra, dict):
+        raise ValueError(
+            f"model_loader_extra_config for load format {FORMAT!r} must be a dict, not {type(extra).__name__}"
+        )
+    unknown = sorted(set(extra) - set(OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"unknown model_loader_extra_config keys for load format {FORMAT!r}: {', '.join(unknown)}; "
+            f"known keys: {', '.join(OPTIONS)}"
+        )
+    checked = dict(extra)
+    for key, value in extra.items():
+        want = OPTIONS[key]
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            kinds = [want] if isinstance(want, type) else list(want)
+            kind = " or ".join(("an " if t.__name__[0] in "aeiou" else "a ") + t.__name__ for t in kinds)
+            raise ValueError(f"model_loader_extra_config[{key!r}] must be {kind}, not {value!r}")
+        try:  # as streamload.iter checks them (sizes with units made bytes), and the pins
+            if key in options.CONFIG:
+                checked[key] = options.check(key, value)
+            elif key == "compile_cache":
+                pins.pins(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"model_loader_extra_config: {exc}") from None
+    return checked
