@@ -202,7 +202,7 @@ def _plan(
         into=into,
         first_batch=checkpoint.storage.first_batch,
         # a destination's bytes read straight into it, where no one looks at them in the slot
-        land=getattr(way.read, "lands", False) and digests is None and way.exchange is None,
+        read_in_place=getattr(way.read, "reads_in_place", False) and digests is None and way.exchange is None,
     )
     return plan, digests
 

@@ -41,7 +41,7 @@ class Item(NamedTuple):
     read_whole: bool = False  # the ranges are the whole tensor: take `part` of it after reading
     into: torch.Tensor | None = None  # an existing tensor the bytes are written into (in place), delivered as is
     full_shape: bool = False  # delivered in the full tensor's shape, only `part` written (ShardSpec.full_shape)
-    lands: bool = False  # the reader writes the bytes straight into `into`: no slot holds them, nothing copies
+    read_in_place: bool = False  # the reader writes the bytes straight into `into`: no slot holds them, nothing copies
 
     @property
     def name(self) -> str:
@@ -207,7 +207,7 @@ def make_plan(
     share: Share | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
     first_batch: int = 0,
-    land: bool = False,
+    read_in_place: bool = False,
 ) -> Plan:
     """Select, order and pack the tensors of `checkpoint` into batches of at most `slot_bytes`;
     with `shard`, only this rank's part of each tensor (and only its bytes are read).
@@ -218,9 +218,9 @@ def make_plan(
 
     `share` (cooperative loading) is asked which whole-tensor reads every rank makes; those are
     packed into shared batches of their own, laid out alike on every rank whatever else a rank reads.
-    `into` names existing tensors to write in place (their dtype is the one delivered); with `land`
+    `into` names existing tensors to write in place (their dtype is the one delivered); with `read_in_place`
     (a reader that can, a load whose bytes no one else looks at in the slot) those in host memory
-    that take the stored bytes as they are are read straight into (`Item.lands`).
+    that take the stored bytes as they are are read straight into (`Item.read_in_place`).
     """
     if order not in ("layer", "file"):
         raise ValueError(f"order must be 'layer' or 'file', not {order!r}")
@@ -232,7 +232,7 @@ def make_plan(
     rules = DTypeRules.ready(dtype)
     items = tuple(item for t in infos if (item := _item(t, rules, spec)) is not None)
     if into:
-        items = tuple(_into(item, into[item.name], land) if item.name in into else item for item in items)
+        items = tuple(_into(item, into[item.name], read_in_place) if item.name in into else item for item in items)
     used = {t.path for t in infos}
     files = {f.path: f for f in checkpoint.files if f.path in used}
     if share is None:
@@ -351,9 +351,9 @@ def why_not_into(stored: torch.dtype, dest: torch.Tensor, device: torch.device |
     return ""
 
 
-def _into(item: Item, dest: torch.Tensor, land: bool = False) -> Item:
+def _into(item: Item, dest: torch.Tensor, in_place: bool = False) -> Item:
     """`item` written into `dest`: same shape (this rank's part), a dtype the stored one converts to;
-    read straight into it (`land`) where it is contiguous host memory of the stored dtype."""
+    read straight into it (`in_place`) where it is contiguous host memory of the stored dtype."""
     where = f"{item.info.path}: tensor {item.name!r}"
     if item.full_shape:
         raise UnsupportedError(f"{where}: into= and ShardSpec(full_shape=True) do not go together")
@@ -364,8 +364,8 @@ def _into(item: Item, dest: torch.Tensor, land: bool = False) -> Item:
         )
     if why := why_not_into(item.stored, dest):
         raise UnsupportedError(f"{where}: {why}")
-    lands = land and dest.device.type == "cpu" and dest.dtype == item.stored and dest.is_contiguous()
-    return item._replace(out=dest.dtype, into=dest, lands=lands and not item.read_whole)
+    direct = in_place and dest.device.type == "cpu" and dest.dtype == item.stored and dest.is_contiguous()
+    return item._replace(out=dest.dtype, into=dest, read_in_place=direct and not item.read_whole)
 
 
 def _pack(items: Sequence[Item], slot_bytes: int, first_batch: int = 0, shared: bool = False) -> list[Batch]:

@@ -200,7 +200,7 @@ def test_fp8_weights_and_scales_in_place_at_a_ranks_rows(tmp_path: Path, reader:
 @pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
 def test_destinations_in_host_memory_are_read_straight_into(tmp_path: Path, cold: bool) -> None:
     """With the posix reader, a contiguous destination of the stored dtype gets its bytes from the
-    read itself (`Item.lands`): no slot holds them and nothing copies them. Tensors larger than a slot
+    read itself (`Item.read_in_place`): no slot holds them and nothing copies them. Tensors larger than a slot
     and than a request, small ones side by side, views inside one larger tensor, a transposed view
     and another dtype (those two through the slot): all bit-exact against load_file."""
     from streamload.bench import evict
@@ -218,7 +218,7 @@ def test_destinations_in_host_memory_are_read_straight_into(tmp_path: Path, cold
         evict([str(path)])
     with streamload.iter(path, device="cpu", reader="posix", into=into, ring_bytes=64 << 10, slots=2,
                          chunk_bytes=16 << 10) as stream:  # fmt: skip
-        landed = {i.name for i in stream.plan.items if i.lands}
+        landed = {i.name for i in stream.plan.items if i.read_in_place}
         got = dict(stream)
     assert landed == {"big", *(f"e.{k}" for k in range(6))}
     for name, t in tensors.items():
@@ -228,7 +228,7 @@ def test_destinations_in_host_memory_are_read_straight_into(tmp_path: Path, cold
 
     digest = {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
     with streamload.iter(path, device="cpu", reader="posix", into=dict(into), verify=digest) as stream:
-        assert not any(i.lands for i in stream.plan.items)  # verify= hashes the bytes in the slot
+        assert not any(i.read_in_place for i in stream.plan.items)  # verify= hashes the bytes in the slot
         assert all(torch.equal(t, tensors[n].to(t.dtype)) for n, t in stream)
 
 

@@ -79,7 +79,7 @@ class Assembler:
             dest = self._partial.pop(item.name, None) if piece.offset else None
             if dest is None:
                 dest = self._allocate(item)
-            if not item.lands:  # (landed: the reader put the bytes in place)
+            if not item.read_in_place:  # (landed: the reader put the bytes in place)
                 self._write(dest, piece, slot[piece.slot_offset : piece.slot_offset + piece.length], non_blocking)
             if not piece.last:
                 self._partial[item.name] = dest

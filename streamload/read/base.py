@@ -29,7 +29,7 @@ class Reader(Protocol):
         ...
 
 
-Where = int | memoryview  # a slot offset, or (`Item.lands`) the destination's own bytes
+Where = int | memoryview  # a slot offset, or (`Item.read_in_place`) the destination's own bytes
 
 
 class Span(NamedTuple):
@@ -67,7 +67,7 @@ def spans(batch: Batch, chunk_bytes: int) -> Iterable[Span]:
             parts = []
         if not parts:
             path, start, end = info.path, p.file_offset, p.file_offset
-        parts.append((landing(p) if p.item.lands else p.slot_offset, p.length))
+        parts.append((landing(p) if p.item.read_in_place else p.slot_offset, p.length))
         end += p.length
     if parts:
         yield from _cut(Span(path, start, tuple(parts)), chunk_bytes)  # type: ignore[arg-type]
@@ -88,7 +88,7 @@ def span_groups(batch: Batch, chunk_bytes: int) -> list[list[Span]]:
 
 
 def landing(piece: Piece) -> memoryview:
-    """The bytes of the piece's destination it fills (`Item.lands`)."""
+    """The bytes of the piece's destination it fills (`Item.read_in_place`)."""
     assert piece.item.into is not None
     return writable_bytes(piece.item.into)[piece.offset : piece.offset + piece.length]
 

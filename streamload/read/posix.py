@@ -33,7 +33,7 @@ _BACKOFF = 0.001  # seconds, times the retries so far (up to 10)
 
 class PosixReader:
     name = "posix"
-    lands = True  # reads a piece straight into its destination where the plan says so (`Item.lands`)
+    reads_in_place = True  # reads a piece straight into its destination where the plan says so (`Item.read_in_place`)
 
     def __init__(self, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
@@ -59,7 +59,7 @@ class DirectReader(PosixReader):
     system allows it; elsewhere as `PosixReader` does)."""
 
     name = "direct"
-    lands = False  # its cold reads go through a bounce buffer to slot offsets
+    reads_in_place = False  # its cold reads go through a bounce buffer to slot offsets
 
     def _cold(self, files: LocalFiles, group: list[Span], view: memoryview) -> Job:
         fd = files.direct_fd(group[0].path)
