@@ -11,11 +11,12 @@ from . import FORMAT
 # model_loader_extra_config keys: streamload.iter's, as it declares those a JSON config carries
 # (`streamload.options.CONFIG`: the tuning, cache_dir, verify), where the weights are, and the switches.
 OPTIONS: dict[str, type | tuple[type, ...]] = {
-    **options.CONFIG,
+    **{name: options.CONFIG[name] for name in ("reader", "threads", "ring_bytes", "slots", "chunk_bytes", "cache_dir")},
     "source": str,  # weights from here (a directory, s3://, http(s)://) while configs come from `model`
     # dry run + rank-local reads straight into the parameters (default: where it pays, direct.dry_run_worth_it)
     "direct": bool,
     "cooperative": bool,  # tensor-parallel ranks divide what several of them read whole (default False)
+    "verify": options.CONFIG["verify"],
     # fetch while the engine starts (default true; the engine fills in a dict, startup/ahead.py)
     "prefetch": (bool, dict),
     # install the compiled artifacts published beside the weights whose digests are pinned: "sha256:<hex>"
@@ -23,6 +24,7 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "compile_cache": (bool, str, list),
     "overlap": bool,  # compile and warm up while the weights arrive, then load them in place (startup/overlap.py)
 }
+assert OPTIONS.keys() >= options.CONFIG.keys()  # every option a config carries to iter (in the order users know)
 STREAM = tuple(options.CONFIG)  # handed to iter as they are
 
 
