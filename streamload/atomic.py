@@ -18,8 +18,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from . import owned
-
 PARTIAL = ".partial."  # a file being written: `<name>.partial.<writer_tag()>`
 NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC  # a file of this writer's own
 INSTALLING = ".streamload-installing-"  # an archive being unpacked into a root (owned.py)
@@ -60,6 +58,8 @@ def unpack(data: bytes, root: Path, pick: Callable[[Path], Iterable[Path]]) -> l
     given the folder) to the same place in `root`, where `root` lacks it: each whole, or not at all
     (another process may have put it there first). The paths put in place; the rest is removed."""
     import tarfile  # only where an archive is unpacked: the fetch process starts in milliseconds
+
+    from . import owned  # (owned.py writes its records through `write`)
 
     root.mkdir(parents=True, exist_ok=True)
     owned.sweep(INSTALLING, root)

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import atomic
+
 RECORD = ".owner.json"
 _UNRECORDED_GRACE = 60.0  # s: a directory made but not yet recorded (or by an older release) is young
 
@@ -32,10 +34,7 @@ def make(prefix: str, parent: str | os.PathLike[str] | None = None) -> Path:
     process as its owner."""
     path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     try:
-        record = path / RECORD
-        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(_me(), f)
+        atomic.write(path / RECORD, json.dumps(_me()).encode())
     except BaseException:
         shutil.rmtree(path, ignore_errors=True)
         raise
@@ -46,11 +45,7 @@ def share(path: Path, pid: int) -> None:
     """Process `pid` (a child writing there too) owns `path` as well: it is kept while either runs."""
     record = json.loads((path / RECORD).read_text())
     record["also"] = [*record.get("also", []), {"pid": pid, "start": _started(pid)}]
-    tmp = path / f"{RECORD}.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, path / RECORD)
+    atomic.write(path / RECORD, json.dumps(record).encode())
 
 
 def sweep(prefix: str, parent: str | os.PathLike[str] | None = None) -> list[Path]:
@@ -60,7 +55,7 @@ def sweep(prefix: str, parent: str | os.PathLike[str] | None = None) -> list[Pat
         candidates = [p for p in folder.iterdir() if p.name.startswith(prefix)]
     except OSError:
         return []
-    removed = []
+    removed, me = [], _me()
     for path in candidates:
         try:
             st = path.lstat()  # a link is not followed (nor removed through)
@@ -68,7 +63,7 @@ def sweep(prefix: str, parent: str | os.PathLike[str] | None = None) -> list[Pat
             continue
         if not path.is_dir() or path.is_symlink() or st.st_uid != os.getuid():
             continue
-        if _owner_gone(path, st.st_mtime):
+        if _owner_gone(path, st.st_mtime, me):
             size = _size(path)
             shutil.rmtree(path, ignore_errors=True)
             if not path.exists():
@@ -77,7 +72,7 @@ def sweep(prefix: str, parent: str | os.PathLike[str] | None = None) -> list[Pat
     return removed
 
 
-def _owner_gone(path: Path, mtime: float) -> bool:
+def _owner_gone(path: Path, mtime: float, me: dict[str, object]) -> bool:
     try:
         owner = json.loads((path / RECORD).read_text())
     except FileNotFoundError:
@@ -86,7 +81,6 @@ def _owner_gone(path: Path, mtime: float) -> bool:
         return False
     if not isinstance(owner, dict):
         return False
-    me = _me()
     if owner.get("boot") != me["boot"]:
         return True  # rebooted since: no process of that boot lives
     if owner.get("pid_ns") != me["pid_ns"]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import torch
 
 from .collector import collector_paused
-from .dtypes import as_torch_dtype, torch_shape
+from .dtypes import DTYPES, as_torch_dtype, torch_shape
 from .errors import UnsupportedError
 from .format import FileHeader, TensorInfo
 from .layer_keys import layer_rank
@@ -316,7 +316,8 @@ def converts(stored: torch.dtype, dest: torch.dtype) -> bool:
     return dest == stored or (stored in _PLAIN_FLOATS and dest in _PLAIN_FLOATS)
 
 
-_PLAIN_FLOATS = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+# The dtypes `dtype=` converts (dtypes.py's `floating`): float64, float32, float16, bfloat16.
+_PLAIN_FLOATS = frozenset(d.torch_dtype for d in DTYPES.values() if d.floating)
 
 
 def scaled(dtype: torch.dtype) -> bool:
