@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -141,6 +142,30 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         process.wait()
     ENGINES["log"].close()
     shutil.rmtree(ENGINES["folder"], ignore_errors=True)
+
+
+def in_environment(environment: dict[str, str], target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`target(*args, **kwargs)` in `environment`: a forkserver's child starts with the server's own."""
+    os.environ.clear()
+    os.environ.update(environment)
+    return target(*args, **kwargs)
+
+
+# Modules the forked ranks find imported: torch's import alone is ~3.5 s of CPU a process here.
+PRELOADED = ["torch", "torch.distributed", "safetensors.torch", "streamload", "tests.test_shard", "tests.test_cache"]
+
+
+def start_ranks(rank_main: Callable[..., Any], args: tuple[Any, ...], nprocs: int) -> None:
+    """`torch.multiprocessing.start_processes(rank_main, args, nprocs, start_method="spawn")`, each rank
+    forked instead from multiprocessing's forkserver (a fresh interpreter that imported `PRELOADED`
+    once) and run in this process's environment, as a spawned rank is."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOADED)  # read when the server starts
+    ranks = functools.partial(in_environment, dict(os.environ), rank_main)
+    mp.start_processes(ranks, args=args, nprocs=nprocs, start_method="forkserver")
 
 
 Mount = Callable[..., Path]

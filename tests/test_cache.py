@@ -29,7 +29,7 @@ from streamload.storage import cache as cache_module
 from streamload.storage.cache import cache_path
 from streamload.storage.remote import ObjectPath
 
-from .conftest import Mount, random_tensor, same_bits
+from .conftest import Mount, random_tensor, same_bits, start_ranks
 from .servers import RangeServer
 
 pytest.importorskip("obstore")
@@ -466,10 +466,8 @@ def test_cooperative_ranks_on_one_host_share_a_cache_dir_without_waiting_for_eac
 ) -> None:
     """Each rank reads a part of every shared batch: no rank can complete a copy, so none is claimed
     (rank 0 used to claim all of them, and rank 1 waited for them until the group's timeout)."""
-    import torch.multiprocessing as mp
-
     url, cache = f"{server.url}/model/", tmp_path / "cache"
-    mp.start_processes(_cooperative_rank, args=(2, url, str(cache), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_cooperative_rank, (2, url, str(cache), str(tmp_path)), 2)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     want = hashes(reference(store))
     assert all(r.get("hashes") == want for r in results), [r.get("error") for r in results]

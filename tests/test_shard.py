@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 import streamload
@@ -21,7 +20,7 @@ from streamload import ShardSpec
 from streamload.layer_keys import layer_rank
 from streamload.plan import Plan, make_plan
 
-from .conftest import random_tensor, same_bits
+from .conftest import random_tensor, same_bits, start_ranks
 
 RULES = {
     "*.q_proj.weight": 0,  # column parallel
@@ -181,7 +180,7 @@ def _rank_main(rank: int, world: int, model: str, out: str, options: dict[str, A
 
 def run_ranks(model: Path, out: Path, world: int, **options: Any) -> list[dict[str, Any]]:
     options.setdefault("device", "cpu")
-    mp.start_processes(_rank_main, args=(world, str(model), str(out), options), nprocs=world, start_method="spawn")
+    start_ranks(_rank_main, (world, str(model), str(out), options), world)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
