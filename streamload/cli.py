@@ -228,6 +228,7 @@ def _vllm_check(args: argparse.Namespace) -> int:
 def _inspect(path: str, as_json: bool) -> None:
     from .api import inspect
     from .layer_keys import layer_of, layer_rank
+    from .quantization import describe
     from .verify import known_digests
 
     ckpt = inspect(path)
@@ -237,6 +238,7 @@ def _inspect(path: str, as_json: bool) -> None:
     layers = Counter(layer.name for t in in_order if (layer := layer_of(t.name)))
     dtypes = Counter(t.dtype.name for t in tensors)
     largest = max(tensors, key=lambda t: t.nbytes, default=None)
+    quantization = describe(ckpt)
     summary = {
         "files": [
             {"path": str(f.path), "bytes": f.size, "tensors": len(f.tensors), "digest": _digest_row(digests[f.path])}
@@ -252,6 +254,7 @@ def _inspect(path: str, as_json: bool) -> None:
         },
         "largest": None if largest is None else {"name": largest.name, "bytes": largest.nbytes},
         "metadata": ckpt.metadata,
+        "quantization": None if quantization is None else quantization._asdict(),
     }
     if as_json:
         print(json.dumps(summary, indent=2))
@@ -278,6 +281,8 @@ def _inspect(path: str, as_json: bool) -> None:
     if largest is not None:
         what = f"{largest.nbytes / 1e6:.1f} MB, {largest.dtype.name} {list(largest.shape)}"
         console.print(f"largest: {largest.name} ({what})")
+    if quantization is not None:
+        console.print(quantization.line(), markup=False, highlight=False, soft_wrap=True)
     if ckpt.metadata:
         console.print(f"metadata: {ckpt.metadata}")
 

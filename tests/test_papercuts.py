@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -213,20 +214,27 @@ def test_vllm_check_api_names_a_missing_path_and_a_file(tmp_path: Path) -> None:
         check(str(tmp_path / "model.safetensors"))
 
 
-def test_vllm_check_runs_on_a_cpu_without_vllms_cpu_variables(tmp_path: Path) -> None:
-    """vLLM's CPU worker reserves 92% of the machine's memory for its KV cache unless told otherwise, and
-    refuses to start where less is free: the check sizes the cache for its 256 tokens itself."""
-    pytest.importorskip("vllm")
-    transformers = pytest.importorskip("transformers")
+def vllm_check_without_cpu_variables(folder: Path, environment: dict[str, str]) -> dict[str, Any]:
+    """`streamload vllm-check` of a tiny Llama, where none of vLLM's VLLM_CPU_* variables is set: run by
+    the engines (tests/vllm_engines.py, beside the suite)."""
+    import transformers
+
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
-    run = cli("vllm-check", str(tmp_path / "tiny"), env=env, timeout=400)
-    assert run.returncode == 0, run.stderr[-3000:]
+    transformers.LlamaForCausalLM(config).save_pretrained(folder / "tiny")
+    env = {k: v for k, v in environment.items() if not k.startswith("VLLM_CPU_")}
+    run = cli("vllm-check", str(folder / "tiny"), env=env, timeout=400)
+    return {"returncode": run.returncode, "stdout": run.stdout, "stderr": run.stderr}
+
+
+def test_vllm_check_runs_on_a_cpu_without_vllms_cpu_variables(engines: dict[str, Any]) -> None:
+    """vLLM's CPU worker reserves 92% of the machine's memory for its KV cache unless told otherwise, and
+    refuses to start where less is free: the check sizes the cache for its 256 tokens itself."""
+    run = engines["vllm-check/without-cpu-variables"]
+    assert run["returncode"] == 0, run["stderr"][-3000:]
     agree = r"streamload and vLLM's default loader agree: 1 rank, \d+ tensors each, byte for byte$"
-    assert re.search(agree, run.stdout), run.stdout
+    assert re.search(agree, run["stdout"]), run["stdout"]
 
 
 # -- ShardSpec ---------------------------------------------------------------------------------------------

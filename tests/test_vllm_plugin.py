@@ -4,40 +4,29 @@ is installed, without a guard (`integrations/vllm/__init__.py`: `register`)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {
-    **os.environ,
+VLLM_IN_ONE_PROCESS = {
     "PYTHONPATH": str(ROOT),
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "0",
 }
 
-
-def _run(script: str, tmp_path: Path, timeout: float = 300) -> tuple[dict, str]:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(tmp_path)], capture_output=True,
-                         text=True, env=ENV, timeout=timeout)  # fmt: skip
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-5000:]
-    return json.loads(lines[-1][len("RESULT ") :]), out.stderr
-
-
-def test_plain_vllm_starts_when_a_name_the_plugin_uses_is_gone(tmp_path: Path) -> None:
-    """As under a vLLM release that renamed a name the integration registers through: the plugin
-    logs one line and plain vLLM starts and generates as without streamload."""
-    result, stderr = _run(
-        """
+# Each in a fresh vLLM process of its own: run by the engines (tests/vllm_engines.py, beside the suite).
+SCRIPTS = {
+    # As under a vLLM release that renamed a name the integration registers through.
+    "plugin/name-gone": """
         import json, sys
         import torch, transformers
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -57,16 +46,7 @@ def test_plain_vllm_starts_when_a_name_the_plugin_uses_is_gone(tmp_path: Path) -
                            use_tqdm=False)
         print("RESULT " + json.dumps({"tokens": list(out[0].outputs[0].token_ids)}))
         """,
-        tmp_path,
-    )
-    assert len(result["tokens"]) == 3
-    assert "the 'streamload' load format is not available (AttributeError:" in stderr
-    assert "Traceback" not in stderr
-
-
-def test_on_an_untested_vllm_nothing_is_patched_and_the_format_refuses_in_one_line(tmp_path: Path) -> None:
-    result, _ = _run(
-        """
+    "plugin/untested-vllm": """
         import json, sys
         import vllm
         from vllm.config.load import LoadConfig
@@ -91,8 +71,34 @@ def test_on_an_untested_vllm_nothing_is_patched_and_the_format_refuses_in_one_li
         print("RESULT " + json.dumps({"said": said, "patched": patched, "hooked": EngineArgs.create_load_config
               is not before, "loader": type(tested).__name__}))
         """,
-        tmp_path,
-    )
+}
+
+
+def run_script(script: str, folder: Path, environment: dict[str, str], timeout: float = 300) -> dict[str, Any]:
+    """`script` in a fresh Python, `folder` its argument: its exit status and what it printed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(folder)], capture_output=True,
+                         text=True, env={**environment, **VLLM_IN_ONE_PROCESS}, timeout=timeout)  # fmt: skip
+    return {"returncode": out.returncode, "stdout": out.stdout, "stderr": out.stderr}
+
+
+def _result(run: dict[str, Any]) -> tuple[dict, str]:
+    lines = [line for line in run["stdout"].splitlines() if line.startswith("RESULT ")]
+    assert run["returncode"] == 0 and lines, run["stdout"][-3000:] + run["stderr"][-5000:]
+    return json.loads(lines[-1][len("RESULT ") :]), run["stderr"]
+
+
+def test_plain_vllm_starts_when_a_name_the_plugin_uses_is_gone(engines: dict[str, Any]) -> None:
+    """As under a vLLM release that renamed a name the integration registers through: the plugin
+    logs one line and plain vLLM starts and generates as without streamload."""
+    result, stderr = _result(engines["plugin/name-gone"])
+    assert len(result["tokens"]) == 3
+    assert "the 'streamload' load format is not available (AttributeError:" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_on_an_untested_vllm_nothing_is_patched_and_the_format_refuses_in_one_line(engines: dict[str, Any]) -> None:
+    result, _ = _result(engines["plugin/untested-vllm"])
     assert not result["patched"]
     assert result["said"] == (
         "UnsupportedError: streamload's vLLM load format is tested with vLLM 0.32.0 only, and this is vLLM "

@@ -19,11 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process: ~4 s each, not ~35 s
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with our own functions
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: tiny models need no more
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a core per tensor-parallel rank
-
 import torch
 
 import streamload
@@ -219,6 +214,57 @@ def make_checked_models(root: Path) -> dict[str, Path]:
     torch.save({"weight": torch.randn(1, 128), "bias": torch.randn(1)}, bge / "sparse_linear.pt")
     torch.save({"weight": torch.randn(128, 128) * 0.1, "bias": torch.randn(128)}, bge / "colbert_linear.pt")
     _word_tokenizer().save_pretrained(bge)  # its pooling tasks need one
+    return paths
+
+
+def make_quantized_models(root: Path) -> dict[str, Path]:
+    """A small Llama quantized as compressed-tensors writes it (the layouts vLLM's CPU build has kernels
+    for): W8A8 int8 (an int8 weight, a scale per output channel, activations quantized per token at run
+    time) and FP8 (a float8_e4m3fn weight, a scale per output channel). The head and embeddings stay
+    unquantized, as such checkpoints keep them."""
+    import transformers
+    from safetensors.torch import save_file
+
+    torch.manual_seed(30)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    plain = root / "llama-to-quantize"
+    model.save_pretrained(plain)
+    state = model.state_dict()
+    kinds = {"w8a8-int8": ("int", torch.int8, 127.0, "int-quantized"),
+             "fp8-channel": ("float", torch.float8_e4m3fn, 448.0, "float-quantized")}  # fmt: skip
+    paths = {}
+    for name, (kind, dtype, top, fmt) in kinds.items():
+        tensors: dict[str, torch.Tensor] = {}
+        for key, w in state.items():
+            if ".layers." not in key or not key.endswith("_proj.weight"):
+                tensors[key] = w.contiguous()
+                continue
+            scale = w.abs().amax(dim=1, keepdim=True) / top
+            q = w / scale
+            tensors[key] = (q.round().clamp(-128, 127) if kind == "int" else q).to(dtype)
+            tensors[key.removesuffix("weight") + "weight_scale"] = scale.to(torch.float32)
+        folder = root / name
+        folder.mkdir()
+        half = len(tensors) // 2  # two shards and an index, as such checkpoints ship
+        names = sorted(tensors)
+        index: dict[str, str] = {}
+        for k, part in enumerate((names[:half], names[half:])):
+            file = f"model-{k + 1:05d}-of-00002.safetensors"
+            save_file({n: tensors[n] for n in part}, str(folder / file), metadata={"format": "pt"})
+            index |= dict.fromkeys(part, file)
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        config = json.loads((plain / "config.json").read_text())
+        scheme = {"targets": ["Linear"],
+                  "weights": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "channel", "dynamic": False},
+                  "input_activations": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token",
+                                        "dynamic": True}}  # fmt: skip
+        config["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt,
+                                         "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}  # fmt: skip
+        (folder / "config.json").write_text(json.dumps(config))
+        paths[name] = folder
     return paths
 
 
@@ -519,8 +565,24 @@ def run(root: Path) -> dict[str, Any]:
         started = time.perf_counter()
         out["server"] = served(server)
         out["seconds"]["server (after the rest)"] = round(time.perf_counter() - started, 2)
+        started = time.perf_counter()
+        out.update(fresh_processes(root))
+        out["seconds"]["fresh processes"] = round(time.perf_counter() - started, 2)
     finally:
         server.stop()
+    return out
+
+
+def fresh_processes(root: Path) -> dict[str, Any]:
+    """vLLM in processes of their own (test_vllm_plugin.py's scripts, test_papercuts.py's vllm-check on
+    a bare CPU): run here, beside the suite, rather than on its critical path."""
+    from tests import test_papercuts, test_vllm_plugin
+
+    out = {name: test_vllm_plugin.run_script(script, root / name, SUITE_ENVIRONMENT)
+           for name, script in test_vllm_plugin.SCRIPTS.items()}  # fmt: skip
+    bare = root / "vllm-check-bare"
+    bare.mkdir()
+    out["vllm-check/without-cpu-variables"] = test_papercuts.vllm_check_without_cpu_variables(bare, SUITE_ENVIRONMENT)
     return out
 
 
@@ -612,6 +674,21 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
         out[f"check/{name}"] = checked(path)
     out["check/cli"] = command(["vllm-check", str(checked_models["gpt2"]), "--dtype", "float32"])
     out["check/qwen3-moe"] = checked(many_experts(root))
+    quantized = make_quantized_models(root)
+    from streamload.verify import write_digests
+
+    write_digests(streamload.inspect(quantized["w8a8-int8"]))
+    # Placed straight into the parameters (the default), read whole through load_weights, verified: each
+    # against vLLM's default loader ("direct": True is the default's placement, so not run twice).
+    for mode, extra in {"default": {}, "whole": {"direct": False}, "verify": {"verify": True}}.items():
+        out[f"check/quantized/w8a8-int8/{mode}"] = checked(quantized["w8a8-int8"], model_loader_extra_config=extra)
+    out["check/quantized/fp8-channel/default"] = checked(quantized["fp8-channel"])
+    for name, path in quantized.items():  # the kernels run here: greedy tokens, vLLM's own loader's and ours
+        for fmt in ("safetensors", "streamload"):
+            llm = engine(path, fmt)
+            out[f"quantized/{name}/{fmt}"] = {"tokens": tokens(llm)}
+            close(llm)
+    out["check/quantized/w8a8-int8/tp2"] = checked(quantized["w8a8-int8"], tp=2)
     # Expert parallelism (vLLM's CPU build loads it, but its forward pass crashes: only the weights are
     # compared); the dry run, forced, learns which experts this rank keeps.
     ep = {"enable_expert_parallel": True, "model_loader_extra_config": {"direct": True}}
@@ -659,8 +736,20 @@ def compiled_tensor_parallel(root: Path) -> dict[str, Any]:
     return out
 
 
+ENGINES_ENVIRONMENT = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engines in this process: ~4 s each, not ~35 s
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with our own functions
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: tiny models need no more
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # a core per tensor-parallel rank
+}
+SUITE_ENVIRONMENT: dict[str, str] = {}  # the suite's, for the processes of their own (fresh_processes)
+
+
 def main() -> None:
     started = time.perf_counter()
+    SUITE_ENVIRONMENT.update(os.environ)
+    for name, value in ENGINES_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
     workers_from_a_forkserver()
     with tempfile.TemporaryDirectory() as tmp:
         if "--compiled-tp2" in sys.argv:
