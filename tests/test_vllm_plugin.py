@@ -122,3 +122,19 @@ def test_overlap_refuses_speculative_decoding() -> None:
     assert "speculative decoding" in overlap.refusal(torch.nn.Linear(2, 2), model_config, worker)
     worker.vllm_config.speculative_config = None
     assert overlap.refusal(torch.nn.Linear(2, 2), model_config, worker) == ""
+
+
+def test_overlap_refuses_a_quantized_model() -> None:
+    """Its in-place reload into quantized parameters (packed weights, scales a kernel has repacked) is not
+    proven exact: overlap keeps refusing quantized models, naming the method."""
+    import torch
+
+    from streamload.integrations.vllm.startup import overlap
+
+    model_config = SimpleNamespace(quantization="compressed-tensors", enable_sleep_mode=False)
+    worker = SimpleNamespace(
+        vllm_config=SimpleNamespace(model_config=model_config, speculative_config=None),
+        device_config=SimpleNamespace(device_type="cpu"),
+    )
+    said = overlap.refusal(torch.nn.Linear(2, 2), model_config, worker)
+    assert said == "the model is quantized (compressed-tensors): only unquantized models are checked"
