@@ -23,6 +23,7 @@ from .source import Checkpoint, Source, open_checkpoint
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from .dequantize import Fp8Dequantization
     from .options import Options
 
 OnLayer = Callable[[str, "nn.Module | None"], "Awaitable[None] | None"]
@@ -57,6 +58,10 @@ class _Filler:
         self.expected = set(module.state_dict(keep_vars=True))  # persistent buffers only
         self.filled: set[str] = set()
         self.result = LoadResult()
+        self.dequantization: Fp8Dequantization | None = None  # quantized weights computed as they arrive
+
+    def target_of(self, name: str) -> str:
+        return name
 
     def assign(self, name: str, tensor: torch.Tensor) -> None:
         names = self.group_of.get(name)
@@ -101,8 +106,19 @@ class _Filler:
     def start(self, groups: LayerStream, strict: bool) -> None:
         items = groups.stream.plan.items
         if strict:
-            self.check_names([i.name for i in items])
-        self.check_dtypes(items, lambda name: name)
+            self.check_names(self._names(items))
+        self.check_dtypes(self._plain(items), lambda name: name)
+
+    def _plain(self, items: Collection[Item]) -> list[Item]:
+        """The items assigned as they come: not those computed from (dequantized weights, their scales),
+        which the module gets as the computed weight, in its parameter's dtype."""
+        names = self.dequantization.names if self.dequantization else set()
+        return [i for i in items if i.name not in names]
+
+    def _names(self, items: Collection[Item]) -> list[str]:
+        """The names the module gets from `items`."""
+        names = [i.name for i in items]
+        return self.dequantization.targets(names) if self.dequantization else names
 
     def check_dtypes(self, items: Collection[Item], target_of: Callable[[str], str]) -> None:
         """Before any weight is read: a tensor assigned to a parameter or buffer of another dtype only
@@ -124,6 +140,8 @@ class _Filler:
     def fill(self, key: str, tensors: dict[str, torch.Tensor], on_layer: object) -> tuple[str, nn.Module | None] | None:
         """Assign a group's tensors; the (key, submodule) for `on_layer` when the group is a layer
         and there is an `on_layer` (the sync and async faces only differ in how they call it)."""
+        if self.dequantization is not None:
+            tensors = self.dequantization.apply(tensors, lambda name: self._get(self.target_of(name)).dtype)
         for name, t in tensors.items():
             self.assign(name, t)
         if on_layer is not None and layer_of(key + ".") is not None:
@@ -246,8 +264,11 @@ class _ConvertingFiller(_Filler):
     def start(self, groups: LayerStream, strict: bool) -> None:
         items = groups.stream.plan.items
         if strict:
-            self.check_names(self.conversion.targets(i.name for i in items))
-        self.check_dtypes(items, self.conversion.target_of)
+            self.check_names(self.conversion.targets(self._names(items)))
+        self.check_dtypes(self._plain(items), self.conversion.target_of)
+
+    def target_of(self, name: str) -> str:
+        return self.conversion.target_of(name)
 
     def assign(self, name: str, tensor: torch.Tensor) -> None:
         target = self.conversion.target_of(name)
@@ -360,6 +381,7 @@ def load_into(
     in_place: bool = False,
     on_layer: Callable[[str, nn.Module | None], Any] | None = None,
     conversion: Conversion | None = None,
+    dequantize: Fp8Dequantization | None = None,
     **options: Unpack[Options],
 ) -> LoadResult:
     """Fill `module`'s parameters and buffers from a checkpoint as the tensors arrive.
@@ -382,6 +404,8 @@ def load_into(
         conversion: checkpoint names -> the regions of the module's tensors they fill (`streamload.convert`):
             renames, module lists merged into one tensor, concatenations, each source read straight
             into its place.
+        dequantize: quantized weights computed into the module's dtype as each pair of weight and scale
+            arrives (`streamload.dequantize`: FP8 with block scales); read them as stored (`dtype`).
         **options: the options of `iter` (`Options`: device, dtype, include, ...).
 
     Returns:
@@ -396,12 +420,15 @@ def load_into(
         >>> streamload.load_into(model, "model/", device="cuda", on_layer=lambda k, m: warm_up(m))  # doctest: +SKIP
     """
     filler = _filler(module, in_place, "load_into", conversion)
+    filler.dequantization = dequantize
     checkpoint = open_checkpoint(source, options.get("cache_dir"))  # headers once; the stream reuses them
     with layers(checkpoint, **filler.destinations(options, checkpoint)) as groups:
         filler.start(groups, strict)
         for key, tensors in groups:
             if (layer := filler.fill(key, tensors, on_layer)) is not None:
                 on_layer(*layer)  # type: ignore[misc]
+    if dequantize is not None and (left := dequantize.left()):
+        raise StreamloadError(f"loading into {type(module).__name__}: {_short(left)} came without its weight or scale")
     return filler.finish(strict)
 
 

@@ -137,3 +137,99 @@ def test_plain_weights_show_no_quantization(tmp_path: Path, capsys: pytest.Captu
     assert describe(streamload.inspect(folder)) is None
     assert main(["inspect", str(folder)]) == 0
     assert "quantization" not in capsys.readouterr().out
+
+
+# -- FP8 with block scales through from_pretrained, dequantized as transformers does here -------------------
+
+
+def fp8_model(folder: Path, build: Any, config: Any, block: int = 128) -> Path:
+    """A transformers model's checkpoint with every linear weight of its layers quantized as DeepSeek-V3's
+    FP8 checkpoints are: float8_e4m3fn values, a float32 `weight_scale_inv` per `block` x `block`."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    build(config).to(torch.bfloat16).save_pretrained(folder)
+    saved = {n: t for f in sorted(folder.glob("*.safetensors")) for n, t in load_file(str(f)).items()}
+    tensors: dict[str, torch.Tensor] = {}  # as the hub has them (save_pretrained's names: experts one by one)
+    for name, w in saved.items():
+        if ".layers." in name and name.endswith("proj.weight") and w.dim() == 2:
+            rows, cols = w.shape
+            blocks = w.float().reshape(rows // block, block, cols // block, block)
+            scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+            tensors[name] = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+            tensors[name + "_scale_inv"] = scale
+        else:
+            tensors[name] = w.contiguous()
+    for old in folder.glob("*.safetensors"):
+        old.unlink()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config_file = json.loads((folder / "config.json").read_text())
+    config_file["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                          "weight_block_size": [block, block]}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config_file))
+    return folder
+
+
+def llama_fp8(folder: Path) -> Path:
+    transformers = pytest.importorskip("transformers")
+    sizes = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 300}  # fmt: skip
+    config = transformers.LlamaConfig(**sizes, tie_word_embeddings=False, dtype="bfloat16")
+    return fp8_model(folder, transformers.LlamaForCausalLM, config)
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="transformers dequantizes FP8 only without a GPU (or when told)")
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_an_fp8_block_checkpoint_loads_as_transformers_dequantizes_it(
+    tmp_path: Path, dtype: torch.dtype | None
+) -> None:
+    """transformers' own from_pretrained, on a machine without a GPU, dequantizes FP8 weights (each value
+    times its block's scale, in float32) into a plain model: streamload computes the same as each layer's
+    weights and scales arrive — every tensor bit for bit, the same logits."""
+    transformers = pytest.importorskip("transformers")
+    folder = llama_fp8(tmp_path / "fp8")
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    ours = streamload.from_pretrained(folder, device="cpu", **kwargs)
+    want, got = theirs.state_dict(), ours.state_dict()
+    assert set(want) == set(got)
+    assert want["model.layers.0.mlp.down_proj.weight"].dtype == (dtype or torch.bfloat16)
+    assert [n for n in want if want[n].dtype != got[n].dtype or bits(want[n]) != bits(got[n])] == []
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(theirs(ids).logits, ours(ids).logits)
+
+
+def test_an_fp8_scale_grid_that_does_not_divide_its_weight_is_named_before_reading(tmp_path: Path) -> None:
+    folder = llama_fp8(tmp_path / "fp8")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight_scale_inv"] = torch.ones(3, 2)  # 512 rows are not 3 blocks
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if torch.cuda.is_available():
+        pytest.skip("transformers keeps FP8 layers on this GPU: refused as quantized")
+    said = (r"model.safetensors: tensor 'model.layers.1.mlp.up_proj.weight' \[512, 256\] is not divided into whole "
+            r"blocks by its scale .*\[3, 2\]; nothing was read")  # fmt: skip
+    with pytest.raises(streamload.StreamloadError, match=said):
+        streamload.from_pretrained(folder, device="cpu")
+
+
+def test_fp8_experts_merged_into_fused_tensors_are_refused_before_reading(tmp_path: Path) -> None:
+    """transformers 5 stacks a MoE's experts into fused tensors after dequantizing each: not done while
+    streaming yet, so refused in one line before a byte is read (never loaded wrong)."""
+    transformers = pytest.importorskip("transformers")
+    sizes = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 1,
+             "shared_expert_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 300}  # fmt: skip
+    folder = fp8_model(
+        tmp_path / "moe", transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(**sizes), block=32
+    )
+    if torch.cuda.is_available():
+        pytest.skip("transformers keeps FP8 layers on this GPU: refused as quantized")
+    with pytest.raises(streamload.StreamloadError, match=r"FP8 weights merged into fused tensors .*experts"):
+        streamload.from_pretrained(folder, device="cpu")

@@ -20,6 +20,7 @@ from torch import nn
 from streamload import device as devices
 from streamload.api import inspect
 from streamload.convert import Conversion, Region, Step
+from streamload.dequantize import Fp8Dequantization
 from streamload.dtypes import as_torch_dtype
 from streamload.errors import UnsupportedError
 from streamload.module import OnLayer, empty_weights, load_into
@@ -87,15 +88,38 @@ def from_pretrained(
             model = _build(transformers, config, kwargs)
     tied(model)
     checkpoint = inspect(source, options.get("cache_dir"))
-    placed = conversion(model, {n: t.shape for n, t in checkpoint.tensors.items()})
-    fits(model, config, placed.targets(checkpoint.tensors), strict)
+    stored = checkpoint.tensors
+    computed = dequantization(config, stored)
+    names = computed.targets(stored) if computed else list(stored)
+    placed = conversion(model, {n: stored[n].shape for n in names})
+    fits(model, config, placed.targets(names), strict)
+    if computed is not None:
+        computed.check({n: stored[n].shape for n in computed.names}, lambda n: str(stored[n].path))
+        computed.refuse_fused(s for sources in placed.fused().values() for s in sources)
     if dtype is not None:  # each tensor as its parameter was built (transformers keeps some in float32)
-        dtype = _dtypes(model, placed, checkpoint.tensors, dtype)
+        dtype = _dtypes(model, placed, stored, dtype)
+    if computed is not None:  # weights and scales as stored: computed into the parameter's dtype
+        dtype = {**dict.fromkeys(computed.names), **(dtype if isinstance(dtype, dict) else {"*": dtype})}
     load_into(
-        model, checkpoint, device=dev, dtype=dtype, strict=strict, on_layer=on_layer, conversion=placed, **options
-    )
+        model, checkpoint, device=dev, dtype=dtype, strict=strict, on_layer=on_layer, conversion=placed,
+        dequantize=computed, **options,
+    )  # fmt: skip
     model.to(dev)  # the buffers the constructor made on the CPU; parameters are there already
     return model.eval()
+
+
+def dequantization(config: Any, stored: Iterable[str]) -> Fp8Dequantization | None:
+    """FP8 weights with block scales, where transformers' own loader dequantizes them (its
+    `FineGrainedFP8` quantizer: `dequantize=True`, or no GPU of compute capability 8.9 or more here),
+    computed as they stream; None for anything else (a quantized checkpoint is then refused by `fits`)."""
+    quantization = getattr(config, "quantization_config", None)
+    settings = quantization if isinstance(quantization, dict) else getattr(quantization, "__dict__", {})
+    if settings.get("quant_method") != "fp8":
+        return None
+    fp8_here = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    if fp8_here and not settings.get("dequantize"):
+        return None  # transformers keeps the FP8 weights in its FP8 layers here: refused, named by `fits`
+    return Fp8Dequantization.of(stored)
 
 
 # Names only quantized checkpoints hold beside (or instead of) a layer's `weight`: GPTQ/AWQ, FP8 and
