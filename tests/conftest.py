@@ -120,42 +120,60 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: "engines" in getattr(item, "fixturenames", ()))
 
 
+# The engines' run in two processes that start together: the engines, and vLLM in fresh processes of
+# their own (`--fresh`); their results merged.
+PARTS = ("--engines", "--fresh")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not any("engines" in getattr(item, "fixturenames", ()) for item in session.items):
         return
     if importlib.util.find_spec("vllm") is None:
         return  # the fixture says why it skips
     folder = Path(tempfile.mkdtemp(prefix="streamload-engines-"))
-    log = (folder / "engines.log").open("w")
-    ENGINES.update(folder=folder, out=folder / "engines.json", log=log, began=time.monotonic())
-    ENGINES["process"] = subprocess.Popen([sys.executable, "-m", "tests.vllm_engines", str(folder / "engines.json")],
-                                          cwd=ROOT, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    ENGINES.update(folder=folder, out=folder / "engines.json", began=time.monotonic(), logs={}, processes={})
+    for part in PARTS:
+        log = ENGINES["logs"][part] = (folder / f"{part[2:]}.log").open("w")
+        ENGINES["processes"][part] = subprocess.Popen(
+            [sys.executable, "-m", "tests.vllm_engines", str(folder / f"{part[2:]}.json"), part],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
 
 
 def engines_started() -> tuple[int, Path, Path] | None:
     """(exit status, results, log) of the engines started beside the suite, once they end; None where
     none were started (vLLM missing, or the engines' tests not collected)."""
-    process = ENGINES.get("process")
-    if process is None:
+    processes = ENGINES.get("processes")
+    if not processes:
         return None
-    left = ENGINES_TIMEOUT - (time.monotonic() - ENGINES["began"])
-    try:
-        status = process.wait(timeout=max(left, 1))
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        status = process.wait()
-    return status, ENGINES["out"], ENGINES["folder"] / "engines.log"
+    merged: dict[str, Any] = {"seconds": {}}
+    for part, process in processes.items():
+        left = ENGINES_TIMEOUT - (time.monotonic() - ENGINES["began"])
+        try:
+            status = process.wait(timeout=max(left, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            status = process.wait()
+        log = ENGINES["folder"] / f"{part[2:]}.log"
+        if status:
+            return status, ENGINES["out"], log
+        results = json.loads((ENGINES["folder"] / f"{part[2:]}.json").read_text())
+        merged["seconds"] |= {f"{part[2:]}: {k}": v for k, v in results.pop("seconds", {}).items()}
+        merged |= results
+    ENGINES["out"].write_text(json.dumps(merged))
+    return 0, ENGINES["out"], log
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    process = ENGINES.get("process")
-    if process is None:
+    processes = ENGINES.get("processes")
+    if not processes:
         return
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    ENGINES["log"].close()
+    for process in processes.values():
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    for log in ENGINES["logs"].values():
+        log.close()
     shutil.rmtree(ENGINES["folder"], ignore_errors=True)
 
 
