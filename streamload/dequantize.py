@@ -15,10 +15,15 @@ are in (a weight whose scale comes in a later group waits for it), so memory is 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import StreamloadError, UnsupportedError
+
+if TYPE_CHECKING:
+    from .format import TensorInfo
+    from .plan import DTypeOption
 
 SCALE = "_scale_inv"  # `x.weight` -> `x.weight_scale_inv`
 
@@ -28,11 +33,7 @@ def fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     block rows, cols / block cols]), in float32, cast to `dtype` (transformers' `Fp8Dequantize`)."""
     values = weight.to(torch.float32)
     rows, cols = values.shape[-2:]
-    scale_rows, scale_cols = scale.shape[-2:] if scale.dim() >= 2 else (1, 1)
-    if rows % scale_rows or cols % scale_cols:
-        raise ValueError(
-            f"a weight of {rows}x{cols} is not divided into blocks by a scale of {scale_rows}x{scale_cols}"
-        )
+    scale_rows, scale_cols = scale.shape[-2:] if scale.dim() >= 2 else (1, 1)  # whole blocks: `check`
     blocks = values.reshape(-1, scale_rows, rows // scale_rows, scale_cols, cols // scale_cols)
     scales = scale.to(torch.float32).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2)
     return (blocks * scales).to(dtype).reshape(values.shape)
@@ -56,16 +57,20 @@ class Fp8Dequantization:
         """Every weight and scale it computes from (read as stored)."""
         return {*self.pairs, *self.scales}
 
-    def check(self, shapes: Mapping[str, tuple[int, ...]], where: Callable[[str], str]) -> None:
+    def check(self, tensors: Mapping[str, TensorInfo]) -> None:
         """Before a byte is read: each weight is divided into whole blocks by its scale's grid."""
         for weight, scale in self.pairs.items():
-            shape, grid = shapes[weight], shapes[scale]
+            shape, grid = tensors[weight].shape, tensors[scale].shape
             rows, cols = grid[-2:] if len(grid) >= 2 else (1, 1)
             if len(shape) < 2 or shape[-2] % rows or shape[-1] % cols:
                 raise StreamloadError(
-                    f"{where(weight)}: tensor {weight!r} {list(shapes[weight])} is not divided into whole blocks by "
-                    f"its scale {scale!r} {list(shapes[scale])}; nothing was read"
+                    f"{tensors[weight].path}: tensor {weight!r} {list(shape)} is not divided into whole blocks by "
+                    f"its scale {scale!r} {list(grid)}; nothing was read"
                 )
+
+    def as_stored(self, dtype: DTypeOption) -> dict[str, Any]:
+        """`dtype` (the load's option) with the weights and scales read as stored: computed, not cast."""
+        return {**dict.fromkeys(self.names), **(dtype if isinstance(dtype, Mapping) else {"*": dtype})}
 
     def targets(self, names: Iterable[str]) -> list[str]:
         """The names the model gets: the weights, not their scales."""

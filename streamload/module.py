@@ -405,7 +405,7 @@ def load_into(
             renames, module lists merged into one tensor, concatenations, each source read straight
             into its place.
         dequantize: quantized weights computed into the module's dtype as each pair of weight and scale
-            arrives (`streamload.dequantize`: FP8 with block scales); read them as stored (`dtype`).
+            arrives (`streamload.dequantize`: FP8 with block scales), both read as stored whatever `dtype` says.
         **options: the options of `iter` (`Options`: device, dtype, include, ...).
 
     Returns:
@@ -422,6 +422,9 @@ def load_into(
     filler = _filler(module, in_place, "load_into", conversion)
     filler.dequantization = dequantize
     checkpoint = open_checkpoint(source, options.get("cache_dir"))  # headers once; the stream reuses them
+    if dequantize is not None:
+        dequantize.check(checkpoint.tensors)
+        options = {**options, "dtype": dequantize.as_stored(options.get("dtype"))}  # type: ignore[typeddict-item]
     with layers(checkpoint, **filler.destinations(options, checkpoint)) as groups:
         filler.start(groups, strict)
         for key, tensors in groups:

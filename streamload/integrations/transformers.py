@@ -94,12 +94,9 @@ def from_pretrained(
     placed = conversion(model, {n: stored[n].shape for n in names})
     fits(model, config, placed.targets(names), strict)
     if computed is not None:
-        computed.check({n: stored[n].shape for n in computed.names}, lambda n: str(stored[n].path))
         computed.refuse_fused(s for sources in placed.fused().values() for s in sources)
     if dtype is not None:  # each tensor as its parameter was built (transformers keeps some in float32)
         dtype = _dtypes(model, placed, stored, dtype)
-    if computed is not None:  # weights and scales as stored: computed into the parameter's dtype
-        dtype = {**dict.fromkeys(computed.names), **(dtype if isinstance(dtype, dict) else {"*": dtype})}
     load_into(
         model, checkpoint, device=dev, dtype=dtype, strict=strict, on_layer=on_layer, conversion=placed,
         dequantize=computed, **options,
@@ -112,14 +109,18 @@ def dequantization(config: Any, stored: Iterable[str]) -> Fp8Dequantization | No
     """FP8 weights with block scales, where transformers' own loader dequantizes them (its
     `FineGrainedFP8` quantizer: `dequantize=True`, or no GPU of compute capability 8.9 or more here),
     computed as they stream; None for anything else (a quantized checkpoint is then refused by `fits`)."""
-    quantization = getattr(config, "quantization_config", None)
-    settings = quantization if isinstance(quantization, dict) else getattr(quantization, "__dict__", {})
-    if settings.get("quant_method") != "fp8":
+    if _quantization(config, "quant_method") != "fp8":
         return None
     fp8_here = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-    if fp8_here and not settings.get("dequantize"):
+    if fp8_here and not _quantization(config, "dequantize"):
         return None  # transformers keeps the FP8 weights in its FP8 layers here: refused, named by `fits`
     return Fp8Dequantization.of(stored)
+
+
+def _quantization(config: Any, key: str) -> Any:
+    """A setting of the config's `quantization_config` (a dict, or transformers' config object)."""
+    quantization = getattr(config, "quantization_config", None)
+    return quantization.get(key) if isinstance(quantization, dict) else getattr(quantization, key, None)
 
 
 # Names only quantized checkpoints hold beside (or instead of) a layer's `weight`: GPTQ/AWQ, FP8 and
@@ -147,11 +148,9 @@ def fits(model: nn.Module, config: Any, names: Iterable[str], strict: bool) -> N
     what = type(model).__name__
     parts = [f"missing keys: {_short(missing, 10)}"] if missing else []
     parts += [f"unexpected keys: {_short(unexpected, 10)}"] if unexpected else []
-    quantization = getattr(config, "quantization_config", None)
     marked = [n for n in unexpected if n.endswith(_QUANTIZED)]
-    if quantization is not None or marked:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        method = method or getattr(quantization, "quant_method", None)
+    if getattr(config, "quantization_config", None) is not None or marked:
+        method = _quantization(config, "quant_method")
         how = f"its config's quant_method is {str(method)!r}" if method else f"it holds {_short(marked, 3)}"
         raise UnsupportedError(
             f"loading into {what}: the checkpoint is quantized ({how}); streamload.from_pretrained builds the "
