@@ -21,6 +21,7 @@ import gc
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,29 +109,42 @@ def check(model: str, tp: int = 1, **engine: Any) -> Report:
     """Load `model` with vLLM's default loader and with streamload (each in a real engine, `tp` ranks)
     and compare every tensor on every rank right after `load_weights`. `engine`: more `vllm.LLM`
     arguments (`dtype`, `model_loader_extra_config` for streamload's options, `runner`, ...)."""
+    extra = engine.pop("model_loader_extra_config", None) or {}
+    return check_modes(model, {"": extra}, tp, **engine)[""]
+
+
+def check_modes(model: str, modes: dict[str, dict[str, Any]], tp: int = 1, **engine: Any) -> dict[str, Report]:
+    """`check` for several sets of streamload's options (`model_loader_extra_config`, by a name of
+    your choosing), against one load by vLLM's default loader:
+
+        >>> reports = check_modes("path/to/model", {"direct": {}, "whole": {"direct": False}})  # doctest: +SKIP
+        >>> all(r.ok for r in reports.values())                                      # doctest: +SKIP
+        True
+    """
     _exists(model)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process where one rank
-    extra = engine.pop("model_loader_extra_config", None) or {}
     engine = {**_cpu_defaults(engine), **engine}
-    seen: dict[str, list[dict[str, Any]]] = {}
-    report = Report(model, tp)
     with tempfile.TemporaryDirectory(prefix="streamload-check-") as tmp:
-        for fmt in FORMATS:
-            out = Path(tmp) / fmt
-            os.environ[ENV] = str(out)
-            install()  # in this process too (its plugins may have loaded before)
-            try:
-                state = _run(
-                    model, fmt, tp, {"model_loader_extra_config": extra} if fmt == "streamload" else {}, engine
-                )
-            finally:
-                os.environ.pop(ENV, None)
-            if fmt == "streamload":
-                report.streamload = state
-            seen[fmt] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp)]
-    report.tensors = len(seen["auto"][0])
-    report.differences = compare(seen["auto"], seen["streamload"])
-    return report
+        reference, _ = _seen(model, "auto", tp, {}, engine, Path(tmp) / "auto")
+        reports = {}
+        for name, extra in modes.items():
+            ours, state = _seen(model, "streamload", tp, {"model_loader_extra_config": extra}, engine, Path(tmp) / "ours")
+            reports[name] = Report(model, tp, len(reference[0]), compare(reference, ours), state)
+    return reports
+
+
+def _seen(
+    model: str, fmt: str, tp: int, loader: dict[str, Any], engine: dict[str, Any], out: Path
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every rank's tensors right after `load_weights` by the `fmt` loader, and what streamload reported."""
+    shutil.rmtree(out, ignore_errors=True)
+    os.environ[ENV] = str(out)
+    install()  # in this process too (its plugins may have loaded before)
+    try:
+        state = _run(model, fmt, tp, loader, engine)
+    finally:
+        os.environ.pop(ENV, None)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp)], state
 
 
 def _exists(model: str) -> None:
