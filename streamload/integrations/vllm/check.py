@@ -128,7 +128,8 @@ def check_modes(model: str, modes: dict[str, dict[str, Any]], tp: int = 1, **eng
         reference, _ = _seen(model, "auto", tp, {}, engine, Path(tmp) / "auto")
         reports = {}
         for name, extra in modes.items():
-            ours, state = _seen(model, "streamload", tp, {"model_loader_extra_config": extra}, engine, Path(tmp) / "ours")
+            loader = {"model_loader_extra_config": extra}
+            ours, state = _seen(model, "streamload", tp, loader, engine, Path(tmp) / "ours")
             reports[name] = Report(model, tp, len(reference[0]), compare(reference, ours), state)
     return reports
 
