@@ -9,6 +9,7 @@ on a noisy machine hits all alike; medians are reported, with ratios to the defa
     python bench/vllm.py --make /tmp/llama-vllm        # once: a ~1 GB bf16 Llama (config + shards)
     python bench/vllm.py /tmp/llama-vllm --runs 3 --json docs/bench-vllm-cpu.json
     python bench/vllm.py MODEL --tp 2                  # tensor parallel: bytes read per rank too
+    python bench/vllm.py --make /tmp/q --quantized w8a8-int8   # a ~0.6 GB compressed-tensors W8A8 int8 Llama
     python bench/vllm.py MODEL --tp 2 --reload --modes warm --formats streamload,safetensors   # reloads
 
 A run is `python bench/vllm.py --one FORMAT MODEL`: it prints one JSON line of its timings.
@@ -52,6 +53,20 @@ def make(path: Path, hidden: int = 2048, ffn: int = 5632, layers: int = 8, vocab
     model.save_pretrained(path, max_shard_size="250MB")
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"wrote {path}: {layers} layers, {size / 1e9:.2f} GB")
+
+
+def make_quantized(path: Path, layout: str) -> None:
+    """`make`'s Llama (float32 before quantizing) with its layers' linear weights in `layout`, as the test
+    suite's quantized checkpoints are written (tests/quantized_layouts.py), in 2 shards."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests import quantized_layouts
+
+    sizes = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 8, "num_attention_heads": 16,
+             "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048}  # fmt: skip
+    path.mkdir(parents=True)
+    made = quantized_layouts.make(path, sizes, [layout])[layout]
+    size = sum(f.stat().st_size for f in made.glob("*.safetensors"))
+    print(f"wrote {made}: {layout}, 8 layers, {size / 1e9:.2f} GB")
 
 
 def one(fmt: str, model: str, tp: int, dtype: str, extra: dict[str, Any], reload: bool = False) -> None:
@@ -154,6 +169,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", type=Path, nargs="?")
     parser.add_argument("--make", type=Path, help="write a bf16 Llama checkpoint here and exit")
+    parser.add_argument("--quantized", help="with --make: the Llama's linear layers quantized in this layout "
+                        "(tests/quantized_layouts.py: w8a8-int8, fp8-channel, w4a8, gptq, ...)")  # fmt: skip
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1)
@@ -164,6 +181,8 @@ def main() -> None:
     parser.add_argument("--extra", default="", help="streamload's model_loader_extra_config, as JSON")
     parser.add_argument("--reload", action="store_true", help="also time reload_weights, warm and cold")
     args = parser.parse_args()
+    if args.make and args.quantized:
+        return make_quantized(args.make, args.quantized)
     if args.make:
         return make(args.make)
     if args.one:

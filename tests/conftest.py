@@ -120,9 +120,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: "engines" in getattr(item, "fixturenames", ()))
 
 
-# The engines' run in two processes that start together: the engines, and vLLM in fresh processes of
-# their own (`--fresh`); their results merged.
-PARTS = ("--engines", "--fresh")
+# The engines' run in three processes that start together: the engines, the quantized checkpoints'
+# (`--quantized`), and vLLM in fresh processes of their own (`--fresh`); their results merged.
+PARTS = ("--engines", "--quantized", "--fresh")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

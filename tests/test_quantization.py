@@ -229,3 +229,43 @@ def test_fp8_experts_merged_into_fused_tensors_are_refused_before_reading(tmp_pa
         pytest.skip("transformers keeps FP8 layers on this GPU: refused as quantized")
     with pytest.raises(streamload.StreamloadError, match=r"FP8 weights merged into fused tensors .*experts"):
         streamload.from_pretrained(folder, device="cpu")
+
+
+COMPRESSED = ["w8a8-int8", "w8a8-int8-tensor", "fp8-channel", "w4a16-group", "w4a16-channel", "w4a8"]
+
+
+@pytest.mark.parametrize("layout", COMPRESSED)
+def test_a_compressed_tensors_checkpoint_loads_as_transformers_places_it(tmp_path: Path, layout: str) -> None:
+    """compressed-tensors (int8 and FP8 by channel or tensor, 4-bit packed by group or channel, W4A8):
+    transformers' own quantizer lays the model out for the stored tensors (packed weights, scales,
+    shapes) and its loader puts them in as stored; streamload reads each straight into the same
+    parameters: every tensor bit for bit, the same logits (decompressed on the first forward pass)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    from .quantized_layouts import make
+    from .vllm_engines import SMALL
+
+    folder = make(tmp_path, SMALL, [layout])[layout]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    ours = streamload.from_pretrained(folder, device="cpu")
+    want, got = theirs.state_dict(), ours.state_dict()
+    assert set(want) == set(got)
+    quantized = {n: t.dtype for n, t in got.items() if n.startswith("model.layers.0.mlp.down_proj.")}
+    assert len(quantized) >= 2 and any(not d.is_floating_point or d.itemsize == 1 for d in quantized.values())
+    assert [n for n in want if not same_bits(want[n], got[n])] == []
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(theirs(ids).logits, ours(ids).logits)
+
+
+@pytest.mark.parametrize("layout", ["gptq", "awq"])
+def test_gptq_and_awq_are_refused_before_reading_naming_the_method(tmp_path: Path, layout: str) -> None:
+    """transformers loads GPTQ and AWQ through optimum and gptqmodel (not installed with streamload's
+    extras): refused in one line naming the quantization, before a byte is read."""
+    pytest.importorskip("transformers")
+    from .quantized_layouts import make
+    from .vllm_engines import SMALL
+
+    folder = make(tmp_path, SMALL, [layout])[layout]
+    with pytest.raises(streamload.StreamloadError, match=rf"quant_method is '{layout}'.*nothing was read"):
+        streamload.from_pretrained(folder, device="cpu")

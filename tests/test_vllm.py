@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 
+from . import quantized_layouts
 from .conftest import have_vllm
+from .vllm_engines import QUANTIZED_KERNELS, QUANTIZED_MODES, QUANTIZED_TP2, QUANTIZED_TP2_MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,6 +51,10 @@ def _params(run: dict[str, Any], rank: int = 0) -> dict[str, tuple[int, str]]:
     CPU, vLLM repacks linear layers' weights for its kernels and leaves their parameters empty; those
     are checked by the tokens)."""
     return {name: (ptr, digest) for name, (ptr, digest) in run["state"][rank]["params"].items() if digest != EMPTY}
+
+
+def _digests(run: dict[str, Any], rank: int = 0) -> dict[str, str]:
+    return {name: digest for name, (_, digest) in run["state"][rank]["params"].items()}
 
 
 def _report(run: dict[str, Any], rank: int = 0) -> dict[str, Any]:
@@ -149,27 +155,59 @@ def test_every_parameter_equals_vllms_own_loader_right_after_load_weights(engine
         assert report["through_model"] == 4 and "sparse_linear.weight" in report["why_whole"]
 
 
-@pytest.mark.parametrize("case", ["w8a8-int8/default", "w8a8-int8/whole", "w8a8-int8/tp2", "fp8-channel/default"])
+QUANTIZED_CASES = [f"{layout}/{mode}" for layout in quantized_layouts.CONFIGS for mode in QUANTIZED_MODES] + [
+    f"{layout}/tp2/{mode}" for layout in QUANTIZED_TP2 for mode in QUANTIZED_TP2_MODES
+]
+
+
+@pytest.mark.parametrize("case", QUANTIZED_CASES)
 def test_a_quantized_checkpoint_equals_vllms_own_loader(engines: dict[str, Any], case: str) -> None:
-    """compressed-tensors W8A8 int8 and FP8 (int8 / float8_e4m3fn weights, a float32 scale per output
-    channel, the head unquantized): every parameter (weights and scales) equals vLLM's default loader's
-    right after `load_weights`, placed straight into the parameters, read whole, and at TP=2."""
+    """Each quantization vLLM's CPU build loads, in its real layout (compressed-tensors W8A8 int8 by
+    channel and tensor, FP8, W4A16 packed by group and channel, W4A8; GPTQ with and without `g_idx`;
+    AWQ): every parameter (packed weights, scales, zero points) equals vLLM's default loader's right
+    after `load_weights`, placed straight into the parameters (by default and `direct`), read whole,
+    with `verify`, and at TP=2, on its own and `cooperative`."""
     result = engines[f"check/quantized/{case}"]
     assert result["ok"], result["differences"]
-    assert result["tensors"] == 44  # 2 layers x 7 weights with their scales, norms, embeddings and head
-    report = result["report"]
-    if case.endswith("/whole"):
+    assert result["tensors"] >= 40  # 2 layers' fused linears with their scales, norms, embeddings and head
+    report, mode = result["report"], case.rpartition("/")[2]
+    if "/tp2/" in case:  # (the report of a rank in another process is not seen here)
+        return
+    if mode == "whole":
         assert report["direct"] == 0 and report["through_model"] > 0, report
-    elif not case.endswith("/tp2"):  # (the report of a rank in another process is not seen here)
-        assert report["direct"] > 0 and report["through_model"] == 0 and not report["diverged"], report
+    else:  # straight into the parameters where the dry run saw a plain copy; whole, with the reason, where
+        # not (one weight_shape for fused shards, a per-shard scale indexed, packed columns of gate_up)
+        assert report["direct"] > 0 and not report["diverged"], report
+        assert bool(report["through_model"]) == bool(report["why_whole"]), report
 
 
-@pytest.mark.parametrize("name", ["w8a8-int8", "fp8-channel"])
-def test_a_quantized_checkpoint_generates_vllms_own_tokens(engines: dict[str, Any], name: str) -> None:
-    """Where this CPU has the kernels (oneDNN int8, FP8 by channel): greedy tokens as vLLM's own loader's."""
-    ours, theirs = engines[f"quantized/{name}/streamload"], engines[f"quantized/{name}/safetensors"]
+def test_a_quantized_checkpoint_with_a_flipped_byte_is_refused_with_verify(engines: dict[str, Any]) -> None:
+    """GPTQ with its digest file, a bit of a packed weight flipped: `verify` refuses the load, naming the
+    file and the tensor, before the engine serves it."""
+    error = engines["quantized/gptq/verify-flipped"]
+    assert "gptq-flipped" in error and "model.layers.1.mlp.down_proj.qweight" in error, error
+
+
+@pytest.mark.parametrize("layout", QUANTIZED_KERNELS)
+def test_a_quantized_checkpoint_generates_and_reloads_as_vllms_own_loader(engines: dict[str, Any], layout: str) -> None:
+    """Where this CPU has the kernels (oneDNN int8 by channel and tensor, FP8 by channel, W4A8): greedy
+    tokens and every parameter after post-processing as vLLM's own loader's; then an in-place reload of
+    other weights (`reload_weights`) into the same storage, as vLLM's own reload: FP8 then serves a fresh
+    engine's tokens on those weights. vLLM 0.32's own in-place reload of the int8 layouts on the CPU
+    serves other tokens (token 0, or one token repeated): streamload's reload leaves every parameter as
+    vLLM's does; when the last assertion fails, vLLM has mended its reload."""
+    ours, theirs, fresh = (engines[f"quantized/{layout}/{k}"] for k in ("streamload", "safetensors", "new"))
     assert len(ours["tokens"]) == 2 and all(len(t) == 12 for t in ours["tokens"])
-    assert ours["tokens"] == theirs["tokens"]
+    _same_weights(ours, theirs)
+    assert fresh["tokens"] != ours["tokens"]
+    if layout == "fp8-channel":
+        _same_weights(ours["reloaded"], theirs["reloaded"])
+        assert ours["reloaded"]["tokens"] == fresh["tokens"]
+    else:  # what either serves then is not the weights' (nor always the same): the parameters are compared
+        assert _digests(ours["reloaded"]) == _digests(theirs["reloaded"])
+        assert theirs["reloaded"]["tokens"] != fresh["tokens"]
+    before, after = _params(ours), _params(ours["reloaded"])
+    assert {n: p for n, (p, _) in after.items()} == {n: p for n, (p, _) in before.items()}
 
 
 def test_a_many_expert_checkpoint_dry_runs_one_layer_and_places_its_twins(engines: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -29,6 +30,9 @@ from tests.conftest import in_environment
 SMALL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256}  # fmt: skip
 PROMPTS = [[1, 2, 3, 4, 5], [7, 100, 42, 250, 3, 9]]
+# Each engine's KV cache: the models are tiny and 256 tokens long. (VLLM_CPU_KVCACHE_SPACE, a GiB at
+# least, would be zeroed for every engine: ~1 s of CPU each here.)
+KV_CACHE = {"kv_cache_memory_bytes": 64 << 20}
 
 
 def make_models(root: Path) -> dict[str, Path]:
@@ -219,57 +223,6 @@ def make_checked_models(root: Path) -> dict[str, Path]:
     return paths
 
 
-def make_quantized_models(root: Path) -> dict[str, Path]:
-    """A small Llama quantized as compressed-tensors writes it (the layouts vLLM's CPU build has kernels
-    for): W8A8 int8 (an int8 weight, a scale per output channel, activations quantized per token at run
-    time) and FP8 (a float8_e4m3fn weight, a scale per output channel). The head and embeddings stay
-    unquantized, as such checkpoints keep them."""
-    import transformers
-    from safetensors.torch import save_file
-
-    torch.manual_seed(30)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=False))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    plain = root / "llama-to-quantize"
-    model.save_pretrained(plain)
-    state = model.state_dict()
-    kinds = {"w8a8-int8": ("int", torch.int8, 127.0, "int-quantized"),
-             "fp8-channel": ("float", torch.float8_e4m3fn, 448.0, "float-quantized")}  # fmt: skip
-    paths = {}
-    for name, (kind, dtype, top, fmt) in kinds.items():
-        tensors: dict[str, torch.Tensor] = {}
-        for key, w in state.items():
-            if ".layers." not in key or not key.endswith("_proj.weight"):
-                tensors[key] = w.contiguous()
-                continue
-            scale = w.abs().amax(dim=1, keepdim=True) / top
-            q = w / scale
-            tensors[key] = (q.round().clamp(-128, 127) if kind == "int" else q).to(dtype)
-            tensors[key.removesuffix("weight") + "weight_scale"] = scale.to(torch.float32)
-        folder = root / name
-        folder.mkdir()
-        half = len(tensors) // 2  # two shards and an index, as such checkpoints ship
-        names = sorted(tensors)
-        index: dict[str, str] = {}
-        for k, part in enumerate((names[:half], names[half:])):
-            file = f"model-{k + 1:05d}-of-00002.safetensors"
-            save_file({n: tensors[n] for n in part}, str(folder / file), metadata={"format": "pt"})
-            index |= dict.fromkeys(part, file)
-        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-        config = json.loads((plain / "config.json").read_text())
-        scheme = {"targets": ["Linear"],
-                  "weights": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "channel", "dynamic": False},
-                  "input_activations": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token",
-                                        "dynamic": True}}  # fmt: skip
-        config["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt,
-                                         "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}  # fmt: skip
-        (folder / "config.json").write_text(json.dumps(config))
-        paths[name] = folder
-    return paths
-
-
 def _word_tokenizer() -> Any:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -285,8 +238,7 @@ def _word_tokenizer() -> Any:
 def checked(path: Path, tp: int = 1, **engine: Any) -> dict[str, Any]:
     from streamload.integrations.vllm.check import check
 
-    report = check(str(path), tp=tp, dtype="float32", **engine)
-    return {"ok": report.ok, "differences": report.differences, "tensors": report.tensors, "report": report.streamload}
+    return _checked(check(str(path), tp=tp, **{"dtype": "float32", **KV_CACHE, **engine}))
 
 
 def command(argv: list[str]) -> dict[str, Any]:
@@ -351,11 +303,13 @@ def workers_from_a_forkserver() -> None:
 def engine(path: Path, load_format: str, **kwargs: Any) -> Any:
     from vllm import LLM
 
-    kwargs = {"enforce_eager": True, **{k: v for k, v in kwargs.items() if v is not None}}
-    return LLM(
-        model=str(path), load_format=load_format, skip_tokenizer_init=True, dtype="float32", max_model_len=256, seed=0,
-        **kwargs,
-    )  # fmt: skip
+    kwargs = {
+        "enforce_eager": True,
+        "dtype": "float32",
+        **KV_CACHE,
+        **{k: v for k, v in kwargs.items() if v is not None},
+    }
+    return LLM(model=str(path), load_format=load_format, skip_tokenizer_init=True, max_model_len=256, seed=0, **kwargs)
 
 
 def tokens(llm: Any) -> list[list[int]]:
@@ -688,18 +642,6 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
         out[f"check/{name}"] = checked(path)
     out["check/cli"] = command(["vllm-check", str(checked_models["gpt2"]), "--dtype", "float32"])
     out["check/qwen3-moe"] = checked(many_experts(root))
-    quantized = make_quantized_models(root)
-    # Placed straight into the parameters (the default; "direct": True is the same placement) and read
-    # whole through load_weights: each against vLLM's default loader.
-    for mode, extra in {"default": {}, "whole": {"direct": False}}.items():
-        out[f"check/quantized/w8a8-int8/{mode}"] = checked(quantized["w8a8-int8"], model_loader_extra_config=extra)
-    out["check/quantized/fp8-channel/default"] = checked(quantized["fp8-channel"])
-    for name, path in quantized.items():  # the kernels run here: greedy tokens, vLLM's own loader's and ours
-        for fmt in ("safetensors", "streamload"):
-            llm = engine(path, fmt)
-            out[f"quantized/{name}/{fmt}"] = {"tokens": tokens(llm)}
-            close(llm)
-    out["check/quantized/w8a8-int8/tp2"] = checked(quantized["w8a8-int8"], tp=2)
     # Expert parallelism (vLLM's CPU build loads it, but its forward pass crashes: only the weights are
     # compared); the dry run, forced, learns which experts this rank keeps.
     ep = {"enable_expert_parallel": True, "model_loader_extra_config": {"direct": True}}
@@ -734,6 +676,62 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
     return out
 
 
+# What each quantized checkpoint is loaded with, at one rank and at two: streamload's options, each
+# against one load by vLLM's default loader (check_modes).
+QUANTIZED_MODES = {"default": {}, "direct": {"direct": True}, "whole": {"direct": False}, "verify": {"verify": True}}
+QUANTIZED_TP2_MODES = {"default": {}, "cooperative": {"cooperative": True}}
+QUANTIZED_TP2 = ("w8a8-int8", "w4a16-group", "gptq")  # packed and grouped along the row-parallel input too
+QUANTIZED_KERNELS = ("w8a8-int8", "w8a8-int8-tensor", "fp8-channel", "w4a8")  # those this CPU build can run
+
+
+def quantized(root: Path) -> dict[str, Any]:
+    """Every quantization vLLM's CPU build loads, in its real layout (tests/quantized_layouts.py): every
+    tensor right after `load_weights` against vLLM's default loader in each mode; where the kernel runs
+    here, greedy tokens and an in-place reload of other weights, against vLLM's own loader and reload."""
+    from streamload.integrations.vllm.check import check_modes
+    from streamload.verify import write_digests
+    from tests import quantized_layouts
+
+    out = Timed()
+    paths = quantized_layouts.make(root, SMALL)
+    new = quantized_layouts.make(root, SMALL, list(QUANTIZED_KERNELS), seed=31)
+    for path in paths.values():  # `streamload digest`: what verify=True checks against
+        write_digests(streamload.inspect(path))
+    for layout, path in paths.items():
+        dtype = "bfloat16" if layout in quantized_layouts.GPTQ_OR_AWQ else "float32"
+        for mode, report in check_modes(str(path), QUANTIZED_MODES, dtype=dtype, **KV_CACHE).items():
+            out[f"check/quantized/{layout}/{mode}"] = _checked(report)
+        if layout in QUANTIZED_TP2:
+            for mode, report in check_modes(str(path), QUANTIZED_TP2_MODES, tp=2, dtype=dtype, **KV_CACHE).items():
+                out[f"check/quantized/{layout}/tp2/{mode}"] = _checked(report)
+    # With verify: a packed weight with a flipped byte is refused, naming the file and the tensor.
+    flipped = root / "gptq-flipped"
+    shutil.copytree(paths["gptq"], flipped)
+    packed = streamload.inspect(flipped).tensors["model.layers.1.mlp.down_proj.qweight"]
+    with open(packed.path, "r+b") as f:
+        f.seek(packed.begin + 100)
+        byte = f.read(1)[0]
+        f.seek(packed.begin + 100)
+        f.write(bytes([byte ^ 0x10]))
+    verify = {"model_loader_extra_config": {"verify": True}, "dtype": "bfloat16"}
+    out["quantized/gptq/verify-flipped"] = error_of(lambda: engine(flipped, "streamload", **verify))
+    for layout in QUANTIZED_KERNELS:
+        for fmt in ("safetensors", "streamload"):
+            llm = engine(paths[layout], fmt)
+            run = {"tokens": tokens(llm), "state": state(llm)}
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new[layout])})
+            out[f"quantized/{layout}/{fmt}"] = run | {"reloaded": {"tokens": tokens(llm), "state": state(llm)}}
+            close(llm)
+        llm = engine(new[layout], "safetensors")  # a fresh engine on the reload's weights
+        out[f"quantized/{layout}/new"] = {"tokens": tokens(llm), "state": state(llm)}
+        close(llm)
+    return out
+
+
+def _checked(report: Any) -> dict[str, Any]:
+    return {"ok": report.ok, "differences": report.differences, "tensors": report.tensors, "report": report.streamload}
+
+
 def compiled_tensor_parallel(root: Path) -> dict[str, Any]:
     """The slow scenario (`--compiled-tp2`, minutes here): overlap at TP=2 with vLLM's compilation,
     against vLLM's own loader compiled at TP=2."""
@@ -750,7 +748,6 @@ def compiled_tensor_parallel(root: Path) -> dict[str, Any]:
 ENGINES_ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engines in this process: ~4 s each, not ~35 s
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with our own functions
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: tiny models need no more
     "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # a core per tensor-parallel rank
 }
 SUITE_ENVIRONMENT: dict[str, str] = {}  # the suite's, for the processes of their own (fresh_processes)
@@ -759,6 +756,8 @@ SUITE_ENVIRONMENT: dict[str, str] = {}  # the suite's, for the processes of thei
 def main() -> None:
     started = time.perf_counter()
     SUITE_ENVIRONMENT.update(os.environ)
+    if "--quantized" in sys.argv:  # its one-rank engines on the other core than the engines' (same time)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1|0")
     for name, value in ENGINES_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     workers_from_a_forkserver()
@@ -769,12 +768,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if "--compiled-tp2" in sys.argv:
             results = compiled_tensor_parallel(Path(tmp)) | {"seconds": {}}
-        elif "--fresh" in sys.argv:  # the suite starts the two parts together (conftest.py)
+        elif "--fresh" in sys.argv:  # the suite starts the three parts together (conftest.py)
             results = fresh_processes(Path(tmp)) | {"seconds": {}}
+        elif "--quantized" in sys.argv:
+            results = quantized(Path(tmp))
+            results = {**results, "seconds": results.seconds}
         elif "--engines" in sys.argv:
             results = run(Path(tmp))
         else:
-            results = run(Path(tmp)) | fresh_processes(Path(tmp))
+            results = run(Path(tmp)) | fresh_processes(Path(tmp)) | quantized(Path(tmp))
     results["seconds"]["all"] = round(time.perf_counter() - started, 2)
     Path(sys.argv[1]).write_text(json.dumps(results))
 

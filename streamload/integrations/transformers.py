@@ -76,6 +76,7 @@ def from_pretrained(
     config = _config(transformers, source)
     dtype = default_dtype(transformers, config) if dtype is None else as_torch_dtype(dtype)
     kwargs = {} if dtype is None else {"dtype": dtype}
+    quantizer = placing_quantizer(config)
     # transformers' switch first: its module, imported on first use, copies torch's initialisers
     with skipped_init(transformers), empty_weights():
         if model_class is not None:
@@ -86,12 +87,14 @@ def from_pretrained(
             )
         else:
             model = _build(transformers, config, kwargs)
+        if quantizer is not None:  # its modules, laid out for the stored bytes, as transformers' loader does
+            quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, use_kernels=False)
     tied(model)
     checkpoint = inspect(source, options.get("cache_dir"))
     stored = checkpoint.tensors
     computed = dequantization(config, stored)
     names = computed.targets(stored) if computed else list(stored)
-    placed = conversion(model, {n: stored[n].shape for n in names})
+    placed = conversion(model, {n: stored[n].shape for n in names}, quantizer)
     fits(model, config, placed.targets(names), strict)
     if computed is not None:
         computed.refuse_fused(s for sources in placed.fused().values() for s in sources)
@@ -102,7 +105,33 @@ def from_pretrained(
         dequantize=computed, **options,
     )  # fmt: skip
     model.to(dev)  # the buffers the constructor made on the CPU; parameters are there already
+    if quantizer is not None:
+        model.hf_quantizer = quantizer
+        quantizer.postprocess_model(model)
     return model.eval()
+
+
+# Quantizations whose tensors transformers' own loader puts, as stored, into the modules its quantizer
+# lays out (compressed-tensors: packed weights, scales; decompressed on the first forward pass unless
+# the config says `dequantize`): streamload reads them straight into those parameters.
+PLACED_AS_STORED = ("compressed-tensors",)
+
+
+def placing_quantizer(config: Any) -> Any | None:
+    """transformers' own quantizer for a checkpoint quantized as `PLACED_AS_STORED` lists, else None.
+
+    Raises:
+        UnsupportedError: the quantization's package is not installed (named, as transformers names it).
+    """
+    if _quantization(config, "quant_method") not in PLACED_AS_STORED:
+        return None
+    from transformers.quantizers.auto import get_hf_quantizer
+
+    try:
+        quantizer, _, _ = get_hf_quantizer(config, None, None, True, {})
+    except ImportError as exc:
+        raise UnsupportedError(f"{_quantization(config, 'quant_method')} checkpoint: {exc}") from None
+    return quantizer
 
 
 def dequantization(config: Any, stored: Iterable[str]) -> Fp8Dequantization | None:
@@ -175,7 +204,7 @@ def fits(model: nn.Module, config: Any, names: Iterable[str], strict: bool) -> N
     )
 
 
-def conversion(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> Conversion:
+def conversion(model: nn.Module, shapes: dict[str, tuple[int, ...]], quantizer: Any = None) -> Conversion:
     """Where transformers' own `from_pretrained` would put each checkpoint tensor of `shapes` in
     `model`, from its conversion rules for this model (renames, module lists merged into one tensor,
     concatenations, transposes) and its own key matching, as data. A rule that computes (or that
@@ -186,7 +215,7 @@ def conversion(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> Conversi
         from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
     except ImportError:
         return Conversion()
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(model, hf_quantizer=quantizer)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     meta = model.state_dict()

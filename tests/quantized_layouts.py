@@ -1,0 +1,138 @@
+"""Quantized checkpoints in the layouts their tools write (tensor names, dtypes, shapes, packing and
+`quantization_config`), made from a small Llama: compressed-tensors (W8A8 int8 by channel and by
+tensor, FP8 by channel, W4A16 packed by group and by channel, W4A8), GPTQ (with and without `g_idx`)
+and AutoAWQ (GEMM). The head and embeddings stay unquantized, as such checkpoints keep them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GROUP = 32  # input columns a group scale covers
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's interleave: nibble i of a word holds column ORDER[i] of its 8
+
+
+def pack_int4(q: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """Eight 4-bit values (0..15) an int32 along `dim`; nibble i of each word holds value `order[i]`."""
+    q = q.movedim(dim, -1).to(torch.int32)
+    q = q.reshape(*q.shape[:-1], -1, 8)
+    packed = torch.zeros(q.shape[:-1], dtype=torch.int32)
+    for i, k in enumerate(order):
+        packed |= (q[..., k] & 0xF) << (4 * i)
+    return packed.movedim(-1, dim).contiguous()
+
+
+def symmetric(w: torch.Tensor, bits: int, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` [out, in] as integers in [-2^(bits-1), 2^(bits-1) - 1] and their scales, one per output row and
+    `group` input columns ([out, in / group]; [out, 1] for a scale per channel)."""
+    top = 2 ** (bits - 1) - 1
+    blocks = w.reshape(w.shape[0], -1, w.shape[1] if group is None else group)
+    scale = blocks.abs().amax(dim=2, keepdim=True).clamp(min=1e-8) / top
+    q = (blocks / scale).round().clamp(-top - 1, top)
+    return q.reshape(w.shape).to(torch.int32), scale.squeeze(2)
+
+
+def _compressed(w: torch.Tensor, base: str, layout: str) -> dict[str, torch.Tensor]:
+    if layout in ("w8a8-int8", "w8a8-int8-tensor", "fp8-channel"):
+        top = 448.0 if layout == "fp8-channel" else 127.0
+        per_tensor = layout == "w8a8-int8-tensor"
+        scale = w.abs().amax().reshape(1) / top if per_tensor else w.abs().amax(dim=1, keepdim=True) / top
+        q = w / scale
+        q = q.to(torch.float8_e4m3fn) if layout == "fp8-channel" else q.round().clamp(-128, 127).to(torch.int8)
+        return {base + "weight": q, base + "weight_scale": scale.to(torch.float32)}
+    if layout in ("w4a16-group", "w4a16-channel"):  # pack-quantized: 4-bit values + 8, eight an int32 along rows
+        q, scale = symmetric(w, 4, GROUP if layout == "w4a16-group" else None)
+        return {base + "weight_packed": pack_int4(q + 8, 1), base + "weight_scale": scale.to(torch.bfloat16),
+                base + "weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}  # fmt: skip
+    if layout == "w4a8":  # int-quantized: 4-bit values stored one an int8
+        q, scale = symmetric(w, 4, GROUP)
+        return {base + "weight": q.to(torch.int8), base + "weight_scale": scale.to(torch.float32)}
+    raise ValueError(layout)
+
+
+def _gptq_or_awq(w: torch.Tensor, base: str, layout: str) -> dict[str, torch.Tensor]:
+    """GPTQ: `qweight` [in / 8, out] packed along the input, `qzeros` (stored minus one, GPTQ's v1 format)
+    [in / G, out / 8], `scales` [in / G, out] float16, `g_idx` [in]; AWQ: `qweight` [in, out / 8] and
+    `qzeros` packed along the output in AWQ's interleaved order."""
+    q, scale = symmetric(w, 4, GROUP)
+    unsigned, scales = (q + 8).T, scale.T.to(torch.float16).contiguous()
+    if layout == "awq":
+        zeros = torch.full_like(scales, 8, dtype=torch.int32)
+        return {base + "qweight": pack_int4(unsigned, 1, AWQ_ORDER), base + "qzeros": pack_int4(zeros, 1, AWQ_ORDER),
+                base + "scales": scales}  # fmt: skip
+    zeros = torch.full_like(scales, 7, dtype=torch.int32)
+    out = {base + "qweight": pack_int4(unsigned, 0), base + "qzeros": pack_int4(zeros, 1), base + "scales": scales}
+    if layout == "gptq-g-idx":
+        out[base + "g_idx"] = torch.arange(w.shape[1], dtype=torch.int32) // GROUP
+    return out
+
+
+def _scheme(weights: dict[str, Any], activations: dict[str, Any] | None, fmt: str) -> dict[str, Any]:
+    scheme: dict[str, Any] = {"targets": ["Linear"], "weights": {"symmetric": True, "dynamic": False, **weights}}
+    if activations:
+        scheme["input_activations"] = activations
+    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"group_0": scheme},
+            "ignore": ["lm_head"], "quantization_status": "compressed"}  # fmt: skip
+
+
+_FP8 = {"num_bits": 8, "type": "float", "strategy": "channel"}
+_INT4_GROUP = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": GROUP}
+_TOKEN = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+_GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True,
+         "checkpoint_format": "gptq"}  # fmt: skip
+CONFIGS: dict[str, dict[str, Any]] = {
+    "w8a8-int8": _scheme({"num_bits": 8, "type": "int", "strategy": "channel"}, _TOKEN, "int-quantized"),
+    "w8a8-int8-tensor": _scheme({"num_bits": 8, "type": "int", "strategy": "tensor"}, _TOKEN, "int-quantized"),
+    "fp8-channel": _scheme(_FP8, _TOKEN | {"type": "float"}, "float-quantized"),
+    "w4a16-group": _scheme(_INT4_GROUP, None, "pack-quantized"),
+    "w4a16-channel": _scheme({"num_bits": 4, "type": "int", "strategy": "channel"}, None, "pack-quantized"),
+    "w4a8": _scheme(_INT4_GROUP, _TOKEN, "int-quantized"),
+    "gptq": _GPTQ,
+    "gptq-g-idx": _GPTQ,
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
+}
+GPTQ_OR_AWQ = {"gptq", "gptq-g-idx", "awq"}  # (vLLM runs these in float16 or bfloat16 only)
+
+
+def quantized(key: str, w: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
+    """The tensors `layout` stores for the linear weight `key` ([out, in])."""
+    base = key.removesuffix("weight")
+    return _gptq_or_awq(w, base, layout) if layout in GPTQ_OR_AWQ else _compressed(w, base, layout)
+
+
+def make(root: Path, small: dict[str, Any], layouts: list[str] | None = None, seed: int = 30) -> dict[str, Path]:
+    """A Llama of `small`'s sizes, randomly initialised from `seed`, in each of `layouts` (default: all)
+    as a folder under `root` with two shards and an index, as such checkpoints ship."""
+    import transformers
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, tie_word_embeddings=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    plain = root / f"llama-to-quantize-{seed}"
+    model.save_pretrained(plain)
+    state = model.state_dict()
+    config = json.loads((plain / "config.json").read_text())
+    paths = {}
+    for layout in layouts or list(CONFIGS):
+        tensors: dict[str, torch.Tensor] = {}
+        for key, w in state.items():
+            is_linear = ".layers." in key and key.endswith("_proj.weight")
+            tensors |= quantized(key, w, layout) if is_linear else {key: w.contiguous()}
+        folder = root / f"{layout}-{seed}"
+        folder.mkdir()
+        names = sorted(tensors)
+        index: dict[str, str] = {}
+        for k, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+            file = f"model-{k + 1:05d}-of-00002.safetensors"
+            save_file({n: tensors[n] for n in part}, str(folder / file), metadata={"format": "pt"})
+            index |= dict.fromkeys(part, file)
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        (folder / "config.json").write_text(json.dumps(config | {"quantization_config": CONFIGS[layout]}))
+        paths[layout] = folder
+    return paths
