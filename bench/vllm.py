@@ -9,7 +9,7 @@ on a noisy machine hits all alike; medians are reported, with ratios to the defa
     python bench/vllm.py --make /tmp/llama-vllm        # once: a ~1 GB bf16 Llama (config + shards)
     python bench/vllm.py /tmp/llama-vllm --runs 3 --json docs/bench-vllm-cpu.json
     python bench/vllm.py MODEL --tp 2                  # tensor parallel: bytes read per rank too
-    python bench/vllm.py --make /tmp/q --quantized w8a8-int8   # a ~0.6 GB compressed-tensors W8A8 int8 Llama
+    python bench/vllm.py --make /tmp/q --quantized w8a8-int8   # a 0.89 GB compressed-tensors W8A8 int8 Llama
     python bench/vllm.py MODEL --tp 2 --reload --modes warm --formats streamload,safetensors   # reloads
 
 A run is `python bench/vllm.py --one FORMAT MODEL`: it prints one JSON line of its timings.
