@@ -1,7 +1,8 @@
 """Quantized checkpoints in the layouts their tools write (tensor names, dtypes, shapes, packing and
 `quantization_config`), made from a small Llama: compressed-tensors (W8A8 int8 by channel and by
-tensor, FP8 by channel, W4A16 packed by group and by channel, W4A8), GPTQ (with and without `g_idx`)
-and AutoAWQ (GEMM). The head and embeddings stay unquantized, as such checkpoints keep them."""
+tensor, FP8 by channel, W4A16 packed by group and by channel, W4A8), FP8 with block scales
+(DeepSeek-V3's), GPTQ (with and without `g_idx`) and AutoAWQ (GEMM). The head and embeddings stay
+unquantized, as such checkpoints keep them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 GROUP = 32  # input columns a group scale covers
+FP8_BLOCK = 32  # rows and columns an FP8 block scale covers (DeepSeek-V3's are 128: these models are small)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's interleave: nibble i of a word holds column ORDER[i] of its 8
 
 
@@ -47,6 +49,12 @@ def _compressed(w: torch.Tensor, base: str, layout: str) -> dict[str, torch.Tens
         q, scale = symmetric(w, 4, GROUP if layout == "w4a16-group" else None)
         return {base + "weight_packed": pack_int4(q + 8, 1), base + "weight_scale": scale.to(torch.bfloat16),
                 base + "weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}  # fmt: skip
+    if layout == "fp8-block":  # DeepSeek-V3's: float8_e4m3fn, a float32 `weight_scale_inv` per block
+        rows, cols = w.shape
+        blocks = w.reshape(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        q = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+        return {base + "weight": q, base + "weight_scale_inv": scale.to(torch.float32)}
     if layout == "w4a8":  # int-quantized: 4-bit values stored one an int8
         q, scale = symmetric(w, 4, GROUP)
         return {base + "weight": q.to(torch.int8), base + "weight_scale": scale.to(torch.float32)}
@@ -80,6 +88,8 @@ def _scheme(weights: dict[str, Any], activations: dict[str, Any] | None, fmt: st
 
 _FP8 = {"num_bits": 8, "type": "float", "strategy": "channel"}
 _INT4_GROUP = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": GROUP}
+_FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+              "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}  # fmt: skip
 _TOKEN = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
 _GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True,
          "checkpoint_format": "gptq"}  # fmt: skip
@@ -90,6 +100,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "w4a16-group": _scheme(_INT4_GROUP, None, "pack-quantized"),
     "w4a16-channel": _scheme({"num_bits": 4, "type": "int", "strategy": "channel"}, None, "pack-quantized"),
     "w4a8": _scheme(_INT4_GROUP, _TOKEN, "int-quantized"),
+    "fp8-block": _FP8_BLOCK,
     "gptq": _GPTQ,
     "gptq-g-idx": _GPTQ,
     "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},

@@ -164,7 +164,9 @@ QUANTIZED_CASES = [f"{layout}/{mode}" for layout in quantized_layouts.CONFIGS fo
 def test_a_quantized_checkpoint_equals_vllms_own_loader(engines: dict[str, Any], case: str) -> None:
     """Each quantization vLLM's CPU build loads, in its real layout (compressed-tensors W8A8 int8 by
     channel and tensor, FP8, W4A16 packed by group and channel, W4A8; GPTQ with and without `g_idx`;
-    AWQ): every parameter (packed weights, scales, zero points) equals vLLM's default loader's right
+    AWQ; FP8 with block scales, DeepSeek-V3's, whose kernel this CPU lacks: the engines run it on a
+    reference kernel, vLLM's own parameters and weight loaders unchanged): every parameter (packed
+    weights, scales, zero points) equals vLLM's default loader's right
     after `load_weights`, placed straight into the parameters (by default and `direct`), read whole,
     with `verify`, and at TP=2, on its own and `cooperative`."""
     result = engines[f"check/quantized/{case}"]
@@ -190,9 +192,10 @@ def test_a_quantized_checkpoint_with_a_flipped_byte_is_refused_with_verify(engin
 
 @pytest.mark.parametrize("layout", QUANTIZED_KERNELS)
 def test_a_quantized_checkpoint_generates_and_reloads_as_vllms_own_loader(engines: dict[str, Any], layout: str) -> None:
-    """Where this CPU has the kernels (oneDNN int8 by channel and tensor, FP8 by channel, W4A8): greedy
-    tokens and every parameter after post-processing as vLLM's own loader's; then an in-place reload of
-    other weights (`reload_weights`) into the same storage, as vLLM's own reload: FP8 then serves a fresh
+    """Where the kernels run here (oneDNN int8 by channel and tensor, FP8 by channel, W4A8; FP8 with
+    block scales on the harness's reference kernel, tests/vllm_reference_kernels.py): greedy tokens and
+    every parameter after post-processing as vLLM's own loader's; then an in-place reload of other
+    weights (`reload_weights`) into the same storage, as vLLM's own reload: FP8 then serves a fresh
     engine's tokens on those weights. vLLM 0.32's own in-place reload of the int8 layouts on the CPU
     serves other tokens (token 0, or one token repeated): streamload's reload leaves every parameter as
     vLLM's does; when the last assertion fails, vLLM has mended its reload."""
@@ -200,7 +203,7 @@ def test_a_quantized_checkpoint_generates_and_reloads_as_vllms_own_loader(engine
     assert len(ours["tokens"]) == 2 and all(len(t) == 12 for t in ours["tokens"])
     _same_weights(ours, theirs)
     assert fresh["tokens"] != ours["tokens"]
-    if layout == "fp8-channel":
+    if layout.startswith("fp8-"):
         _same_weights(ours["reloaded"], theirs["reloaded"])
         assert ours["reloaded"]["tokens"] == fresh["tokens"]
     else:  # what either serves then is not the weights' (nor always the same): the parameters are compared

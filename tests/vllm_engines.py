@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import streamload
+from tests import quantized_layouts, vllm_reference_kernels
 from tests.conftest import in_environment
 
 SMALL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -277,6 +278,8 @@ class _ForkedWorkers:
 
 def _worker(environment: dict[str, str], target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     collect_what_engines_make()
+    if environment.get(REFERENCE_KERNELS):
+        vllm_reference_kernels.install()
     return in_environment(environment, target, *args, **kwargs)
 
 
@@ -338,7 +341,7 @@ def _model_state(worker: Any) -> dict[str, Any]:
         for n, m in model.named_modules():
             k = getattr(m, "input_size_per_partition", getattr(m, "input_size", None))
             if callable(getattr(m, "cpu_linear", None)) and isinstance(k, int):
-                x = torch.linspace(-1, 1, 3 * k, dtype=torch.float32).reshape(3, k)
+                x = torch.linspace(-1, 1, 3 * k, dtype=worker.model_config.dtype).reshape(3, k)
                 kernels[n] = digest(m.cpu_linear(x, m.weight, getattr(m, "bias", None)))
     hooked = "compile_or_warm_up_model" in vars(getattr(worker, "worker", worker))
     return {"params": params, "kernels": kernels, "hooked": hooked,
@@ -680,8 +683,10 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
 # against one load by vLLM's default loader (check_modes).
 QUANTIZED_MODES = {"default": {}, "direct": {"direct": True}, "whole": {"direct": False}, "verify": {"verify": True}}
 QUANTIZED_TP2_MODES = {"default": {}, "cooperative": {"cooperative": True}}
-QUANTIZED_TP2 = ("w8a8-int8", "w4a16-group", "gptq")  # packed and grouped along the row-parallel input too
-QUANTIZED_KERNELS = ("w8a8-int8", "w8a8-int8-tensor", "fp8-channel", "w4a8")  # those this CPU build can run
+QUANTIZED_TP2 = ("w8a8-int8", "w4a16-group", "gptq", "fp8-block")  # packed, grouped, blocked: sharded rows too
+# Those whose kernels run here (FP8 with block scales on tests/vllm_reference_kernels.py's).
+QUANTIZED_KERNELS = ("w8a8-int8", "w8a8-int8-tensor", "fp8-channel", "w4a8", "fp8-block")
+HALF = {*quantized_layouts.GPTQ_OR_AWQ, "fp8-block"}  # vLLM runs these in float16 or bfloat16 only
 
 
 def quantized(root: Path) -> dict[str, Any]:
@@ -698,7 +703,7 @@ def quantized(root: Path) -> dict[str, Any]:
     for path in paths.values():  # `streamload digest`: what verify=True checks against
         write_digests(streamload.inspect(path))
     for layout, path in paths.items():
-        dtype = "bfloat16" if layout in quantized_layouts.GPTQ_OR_AWQ else "float32"
+        dtype = "bfloat16" if layout in HALF else "float32"
         for mode, report in check_modes(str(path), QUANTIZED_MODES, dtype=dtype, **KV_CACHE).items():
             out[f"check/quantized/{layout}/{mode}"] = _checked(report)
         if layout in QUANTIZED_TP2:
@@ -716,13 +721,14 @@ def quantized(root: Path) -> dict[str, Any]:
     verify = {"model_loader_extra_config": {"verify": True}, "dtype": "bfloat16"}
     out["quantized/gptq/verify-flipped"] = error_of(lambda: engine(flipped, "streamload", **verify))
     for layout in QUANTIZED_KERNELS:
+        dtype = "bfloat16" if layout in HALF else "float32"
         for fmt in ("safetensors", "streamload"):
-            llm = engine(paths[layout], fmt)
+            llm = engine(paths[layout], fmt, dtype=dtype)
             run = {"tokens": tokens(llm), "state": state(llm)}
             llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new[layout])})
             out[f"quantized/{layout}/{fmt}"] = run | {"reloaded": {"tokens": tokens(llm), "state": state(llm)}}
             close(llm)
-        llm = engine(new[layout], "safetensors")  # a fresh engine on the reload's weights
+        llm = engine(new[layout], "safetensors", dtype=dtype)  # a fresh engine on the reload's weights
         out[f"quantized/{layout}/new"] = {"tokens": tokens(llm), "state": state(llm)}
         close(llm)
     return out
@@ -750,6 +756,7 @@ ENGINES_ENVIRONMENT = {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with our own functions
     "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # a core per tensor-parallel rank
 }
+REFERENCE_KERNELS = "STREAMLOAD_TEST_REFERENCE_KERNELS"  # tests/vllm_reference_kernels.py, in the quantized part
 SUITE_ENVIRONMENT: dict[str, str] = {}  # the suite's, for the processes of their own (fresh_processes)
 
 
@@ -758,6 +765,8 @@ def main() -> None:
     SUITE_ENVIRONMENT.update(os.environ)
     if "--quantized" in sys.argv:  # its one-rank engines on the other core than the engines' (same time)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1|0")
+        os.environ[REFERENCE_KERNELS] = "1"  # FP8 with block scales: no kernel on this CPU (its ranks too)
+        vllm_reference_kernels.install()
     for name, value in ENGINES_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     workers_from_a_forkserver()
