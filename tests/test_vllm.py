@@ -160,6 +160,17 @@ QUANTIZED_CASES = [f"{layout}/{mode}" for layout in quantized_layouts.CONFIGS fo
 ]
 
 
+# vLLM's parameters (and buffers): 2 layers' fused qkv, o, gate_up and down with their scales (and
+# zero points, packed shapes), the norms, embeddings and head.
+QUANTIZED_PARAMETERS = {"w8a8-int8": 44, "w8a8-int8-tensor": 44, "fp8-channel": 44, "w4a8": 44, "w4a16-group": 52,
+                        "w4a16-channel": 52, "fp8-block": 40, "gptq": 40, "gptq-g-idx": 40, "awq": 40}  # fmt: skip
+# Tensors that go whole through load_weights, of the 2 layers' 14 linear layers' (the dry run's reason
+# in the load report): per-tensor scales written by index into one slot per fused shard, the one
+# `weight_shape` of fused shards, GPTQ/AWQ's packed columns of fused qkv and gate_up.
+QUANTIZED_WHOLE = {"w8a8-int8-tensor": 10, "w4a16-group": 10, "w4a16-channel": 10, "gptq": 30, "gptq-g-idx": 30,
+                   "awq": 30}  # fmt: skip
+
+
 @pytest.mark.parametrize("case", QUANTIZED_CASES)
 def test_a_quantized_checkpoint_equals_vllms_own_loader(engines: dict[str, Any], case: str) -> None:
     """Each quantization vLLM's CPU build loads, in its real layout (compressed-tensors W8A8 int8 by
@@ -171,7 +182,7 @@ def test_a_quantized_checkpoint_equals_vllms_own_loader(engines: dict[str, Any],
     with `verify`, and at TP=2, on its own and `cooperative`."""
     result = engines[f"check/quantized/{case}"]
     assert result["ok"], result["differences"]
-    assert result["tensors"] >= 40  # 2 layers' fused linears with their scales, norms, embeddings and head
+    assert result["tensors"] == QUANTIZED_PARAMETERS[case.partition("/")[0]]
     report, mode = result["report"], case.rpartition("/")[2]
     if "/tp2/" in case:  # (the report of a rank in another process is not seen here)
         return
@@ -179,8 +190,11 @@ def test_a_quantized_checkpoint_equals_vllms_own_loader(engines: dict[str, Any],
         assert report["direct"] == 0 and report["through_model"] > 0, report
     else:  # straight into the parameters where the dry run saw a plain copy; whole, with the reason, where
         # not (one weight_shape for fused shards, a per-shard scale indexed, packed columns of gate_up)
+        layout = case.partition("/")[0]
         assert report["direct"] > 0 and not report["diverged"], report
+        assert report["through_model"] == QUANTIZED_WHOLE.get(layout, 0), report
         assert bool(report["through_model"]) == bool(report["why_whole"]), report
+        assert report["unused"] == (14 if layout == "gptq-g-idx" else 0), report  # vLLM has no g_idx: never read
 
 
 def test_a_quantized_checkpoint_with_a_flipped_byte_is_refused_with_verify(engines: dict[str, Any]) -> None:
