@@ -6,6 +6,9 @@ before the clock, warm page cache (and cold where the page cache can be dropped)
     python bench/quantized.py /tmp/fp8-llama --make            # ~1.1 GB: 16 layers, hidden 2048
     python bench/quantized.py /tmp/fp8-llama --runs 3 --modes warm cold
     python bench/quantized.py /tmp/fp8-llama --runs 3 --reader posix --ring-bytes 64MiB
+    python bench/quantized.py /tmp/qwen3-30b-fp8-tiny --make --experts 128 --layers 48 --hidden 128 \
+        --intermediate 128 --vocab 1024                       # Qwen3-30B-A3B-FP8's 48 x 128 experts, tiny
+    python bench/quantized.py /tmp/fp8-moe --make --experts 32 --layers 16 --hidden 1024 --intermediate 512
 
 Reported: seconds (median), the ratio to transformers', and the peak memory the load added over the
 loaded model's bytes.
@@ -68,10 +71,65 @@ def make(folder: Path, hidden: int, intermediate: int, layers: int, vocab: int) 
     (folder / "config.json").write_text(json.dumps(saved))
 
 
+def make_moe(folder: Path, hidden: int, intermediate: int, layers: int, vocab: int, experts: int) -> None:
+    """Qwen3-30B-A3B-FP8's layout (its names, one tensor per expert, FP8 weights with 128x128 block scales,
+    the router, norms, embeddings and head in bfloat16) at the sizes given: `intermediate` is each
+    expert's, 8 experts a token, heads of 128 dimensions."""
+    import transformers
+    from safetensors.torch import save_file
+
+    heads, kv = max(hidden // 128, 1), max(hidden // 512, 1)
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=hidden, intermediate_size=intermediate, moe_intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=128, num_experts=experts,
+        num_experts_per_tok=min(8, experts), vocab_size=vocab, tie_word_embeddings=False, dtype="bfloat16",
+    )  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    g = torch.Generator().manual_seed(0)
+    index: dict[str, str] = {}
+
+    def fp8(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = (torch.randn(rows, cols, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return weight, torch.rand(-(-rows // BLOCK), -(-cols // BLOCK), generator=g) / 1000
+
+    def shard(tensors: dict[str, torch.Tensor], k: int) -> None:
+        name = f"model-{k:05d}.safetensors"
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        index.update(dict.fromkeys(tensors, name))
+
+    shard({"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g).to(torch.bfloat16)}, 0)
+    shapes = {"self_attn.q_proj": (heads * 128, hidden), "self_attn.k_proj": (kv * 128, hidden),
+              "self_attn.v_proj": (kv * 128, hidden), "self_attn.o_proj": (hidden, heads * 128)}  # fmt: skip
+    for e in range(experts):
+        expert = f"mlp.experts.{e}."
+        shapes |= {expert + "gate_proj": (intermediate, hidden), expert + "up_proj": (intermediate, hidden),
+                   expert + "down_proj": (hidden, intermediate)}  # fmt: skip
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors: dict[str, torch.Tensor] = {}
+        for name, (rows, cols) in shapes.items():
+            tensors[p + name + ".weight"], tensors[p + name + ".weight_scale_inv"] = fp8(rows, cols)
+        tensors[p + "mlp.gate.weight"] = torch.randn(experts, hidden, generator=g).to(torch.bfloat16)
+        for norm, size in (("input_layernorm", hidden), ("post_attention_layernorm", hidden),
+                           ("self_attn.q_norm", 128), ("self_attn.k_norm", 128)):  # fmt: skip
+            tensors[p + norm + ".weight"] = torch.ones(size, dtype=torch.bfloat16)
+        shard(tensors, i + 1)
+    shard({"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+           "lm_head.weight": torch.randn(vocab, hidden, generator=g).to(torch.bfloat16)}, layers + 1)  # fmt: skip
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    saved = json.loads((folder / "config.json").read_text())
+    saved["architectures"] = ["Qwen3MoeForCausalLM"]
+    saved["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                    "weight_block_size": [BLOCK, BLOCK]}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(saved))
+
+
 def one(loader: str, folder: Path, options: dict[str, str]) -> dict[str, float]:
     """In a fresh process: one load, its seconds and the peak resident memory it added."""
     import transformers
     import transformers.models.llama.modeling_llama
+    import transformers.models.qwen3_moe.modeling_qwen3_moe
 
     import streamload
     import streamload.integrations.transformers
@@ -109,6 +167,7 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=5632)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--experts", type=int, default=0, help="with --make: Qwen3-MoE-FP8's layout, this many experts")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--modes", nargs="+", default=["warm"], choices=["warm", "cold"])
     ap.add_argument("--reader", default="", help="streamload's reader (posix: a bounded ring, no file mapping)")
@@ -118,6 +177,9 @@ def main() -> None:
     options = {k: v for k, v in {"reader": args.reader, "ring_bytes": args.ring_bytes}.items() if v}
     if args.one:
         print(json.dumps(one(args.one, args.folder, options)))
+        return
+    if args.make and args.experts:
+        make_moe(args.folder, args.hidden, args.intermediate, args.layers, args.vocab, args.experts)
         return
     if args.make:
         make(args.folder, args.hidden, args.intermediate, args.layers, args.vocab)

@@ -76,17 +76,6 @@ class Fp8Dequantization:
         """The names the model gets: the weights, not their scales."""
         return [n for n in names if n not in self.scales]
 
-    def refuse_fused(self, fused_sources: Iterable[str]) -> None:
-        """A weight a conversion reads into a region of a fused tensor (experts merged) would need the
-        region written from the computed values: not done yet, refused before a byte is read."""
-        merged = [n for n in fused_sources if n in self.pairs]
-        if merged:
-            raise UnsupportedError(
-                f"FP8 weights merged into fused tensors ({merged[0]!r}, {len(merged)} in all) are not dequantized "
-                "while streaming yet: load this checkpoint with transformers' own from_pretrained, or serve it "
-                "with vLLM; nothing was read"
-            )
-
     def apply(
         self, tensors: dict[str, torch.Tensor], dtype_of: Callable[[str], torch.dtype]
     ) -> dict[str, torch.Tensor]:

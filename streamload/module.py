@@ -231,6 +231,7 @@ class _ConvertingFiller(_Filler):
         self.in_place = in_place
         self._fused: dict[str, torch.Tensor] = {}
         self._left: dict[str, int] = {}
+        self._computed: dict[str, torch.Tensor] = {}  # regions of weights computed as they arrive (dequantized)
 
     def destinations(self, options: Options, checkpoint: Checkpoint) -> Options:
         if options.get("into"):
@@ -258,7 +259,10 @@ class _ConvertingFiller(_Filler):
             if not parts:  # a rank's empty part of it: nothing to read
                 self._left[target] = 1
                 self.assign(target, whole)
-        into |= self.conversion.views(self._fused)
+        regions = self.conversion.views(self._fused)
+        computed = self.dequantization.names if self.dequantization else set()
+        self._computed = {n: v for n, v in regions.items() if n in computed}  # copied in once computed
+        into |= {n: v for n, v in regions.items() if n not in computed}
         return _writing_into(options, into) if into else options
 
     def start(self, groups: LayerStream, strict: bool) -> None:
@@ -274,7 +278,9 @@ class _ConvertingFiller(_Filler):
         target = self.conversion.target_of(name)
         whole = self._fused.get(target)
         if whole is not None:
-            self._left[target] -= 1  # the bytes are in its region already
+            if (region := self._computed.pop(name, None)) is not None:
+                region.copy_(tensor)
+            self._left[target] -= 1  # the bytes are in its region now
             if self._left[target] > 0:
                 return
             tensor = whole

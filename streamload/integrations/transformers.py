@@ -96,8 +96,6 @@ def from_pretrained(
     names = computed.targets(stored) if computed else list(stored)
     placed = conversion(model, {n: stored[n].shape for n in names}, quantizer)
     fits(model, config, placed.targets(names), strict)
-    if computed is not None:
-        computed.refuse_fused(s for sources in placed.fused().values() for s in sources)
     if dtype is not None:  # each tensor as its parameter was built (transformers keeps some in float32)
         dtype = _dtypes(model, placed, stored, dtype)
     load_into(
