@@ -53,8 +53,10 @@ def _params(run: dict[str, Any], rank: int = 0) -> dict[str, tuple[int, str]]:
     return {name: (ptr, digest) for name, (ptr, digest) in run["state"][rank]["params"].items() if digest != EMPTY}
 
 
-def _digests(run: dict[str, Any], rank: int = 0) -> dict[str, str]:
-    return {name: digest for name, (_, digest) in run["state"][rank]["params"].items()}
+def _digests(run: dict[str, Any], rank: int = 0, without: str | None = None) -> dict[str, str]:
+    """Each parameter's digest (but those whose name ends with `without`)."""
+    params = run["state"][rank]["params"].items()
+    return {name: digest for name, (_, digest) in params if without is None or not name.endswith(without)}
 
 
 def _report(run: dict[str, Any], rank: int = 0) -> dict[str, Any]:
@@ -220,8 +222,11 @@ def test_a_quantized_checkpoint_generates_and_reloads_as_vllms_own_loader(engine
     if layout.startswith("fp8-"):
         _same_weights(ours["reloaded"], theirs["reloaded"])
         assert ours["reloaded"]["tokens"] == fresh["tokens"]
-    else:  # what either serves then is not the weights' (nor always the same): the parameters are compared
-        assert _digests(ours["reloaded"]) == _digests(theirs["reloaded"])
+    else:  # what either serves then is not the weights' (nor always the same): what the reload wrote is compared
+        # (W4A8's kernel repacks `weight` into a new `weight_packed` after loading; after vLLM's reload that
+        # copy differs from run to run, in vLLM's own engine too)
+        repacked = "weight_packed" if layout == "w4a8" else None
+        assert _digests(ours["reloaded"], without=repacked) == _digests(theirs["reloaded"], without=repacked)
         assert theirs["reloaded"]["tokens"] != fresh["tokens"]
     before, after = _params(ours), _params(ours["reloaded"])
     assert {n: p for n, (p, _) in after.items()} == {n: p for n, (p, _) in before.items()}
