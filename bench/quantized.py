@@ -63,12 +63,7 @@ def make(folder: Path, hidden: int, intermediate: int, layers: int, vocab: int) 
         shard(tensors, i + 1)
     shard({"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
            "lm_head.weight": torch.randn(vocab, hidden, generator=g).to(torch.bfloat16)}, layers + 1)  # fmt: skip
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    saved = json.loads((folder / "config.json").read_text())
-    saved["architectures"] = ["LlamaForCausalLM"]
-    saved["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                    "weight_block_size": [BLOCK, BLOCK]}  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(saved))
+    _index_and_config(folder, index, "LlamaForCausalLM")
 
 
 def make_moe(folder: Path, hidden: int, intermediate: int, layers: int, vocab: int, experts: int) -> None:
@@ -117,9 +112,14 @@ def make_moe(folder: Path, hidden: int, intermediate: int, layers: int, vocab: i
         shard(tensors, i + 1)
     shard({"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
            "lm_head.weight": torch.randn(vocab, hidden, generator=g).to(torch.bfloat16)}, layers + 1)  # fmt: skip
+    _index_and_config(folder, index, "Qwen3MoeForCausalLM")
+
+
+def _index_and_config(folder: Path, index: dict[str, str], architecture: str) -> None:
+    """The shards' index, and the config as an FP8 block-quantized checkpoint's."""
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     saved = json.loads((folder / "config.json").read_text())
-    saved["architectures"] = ["Qwen3MoeForCausalLM"]
+    saved["architectures"] = [architecture]
     saved["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                     "weight_block_size": [BLOCK, BLOCK]}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(saved))
