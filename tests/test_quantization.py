@@ -279,3 +279,31 @@ def test_gptq_and_awq_are_refused_before_reading_naming_the_method(tmp_path: Pat
     folder = make(tmp_path, SMALL, [layout])[layout]
     with pytest.raises(streamload.StreamloadError, match=rf"quant_method is '{layout}'.*nothing was read"):
         streamload.from_pretrained(folder, device="cpu")
+
+
+def test_a_compressed_tensors_mixture_of_experts_is_refused_before_reading(tmp_path: Path) -> None:
+    """transformers decompresses compressed-tensors experts before merging them (its DecompressExperts
+    conversion): not done while streaming yet, so refused in one line naming it, before a byte is read."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    from safetensors.torch import load_file, save_file
+
+    from .quantized_layouts import CONFIGS, quantized
+
+    sizes = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 1,
+             "shared_expert_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 300}  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**sizes)).save_pretrained(tmp_path / "plain")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in load_file(str(tmp_path / "plain" / "model.safetensors")).items():
+        is_linear = ".layers." in name and name.endswith("proj.weight") and w.dim() == 2
+        tensors |= quantized(name, w.float(), "w4a16-group") if is_linear else {name: w.contiguous()}
+    folder = tmp_path / "w4a16-moe"
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"quantization_config": CONFIGS["w4a16-group"]}))
+    said = r"qwen2_moe: transformers converts '.*experts.*' with DecompressExperts.*nothing was read"
+    with pytest.raises(streamload.StreamloadError, match=said):
+        streamload.from_pretrained(folder, device="cpu")
