@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import StreamloadError, UnsupportedError
+from .errors import StreamloadError
 
 if TYPE_CHECKING:
     from .format import TensorInfo

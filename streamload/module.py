@@ -106,8 +106,8 @@ class _Filler:
     def start(self, groups: LayerStream, strict: bool) -> None:
         items = groups.stream.plan.items
         if strict:
-            self.check_names(self._names(items))
-        self.check_dtypes(self._plain(items), lambda name: name)
+            self.check_names({self.target_of(n) for n in self._names(items)})
+        self.check_dtypes(self._plain(items), self.target_of)
 
     def _plain(self, items: Collection[Item]) -> list[Item]:
         """The items assigned as they come: not those computed from (dequantized weights, their scales),
@@ -264,12 +264,6 @@ class _ConvertingFiller(_Filler):
         self._computed = {n: v for n, v in regions.items() if n in computed}  # copied in once computed
         into |= {n: v for n, v in regions.items() if n not in computed}
         return _writing_into(options, into) if into else options
-
-    def start(self, groups: LayerStream, strict: bool) -> None:
-        items = groups.stream.plan.items
-        if strict:
-            self.check_names(self.conversion.targets(self._names(items)))
-        self.check_dtypes(self._plain(items), self.conversion.target_of)
 
     def target_of(self, name: str) -> str:
         return self.conversion.target_of(name)

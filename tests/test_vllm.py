@@ -183,16 +183,16 @@ def test_a_quantized_checkpoint_equals_vllms_own_loader(engines: dict[str, Any],
     after `load_weights`, placed straight into the parameters (by default and `direct`), read whole,
     with `verify`, and at TP=2, on its own and `cooperative`."""
     result = engines[f"check/quantized/{case}"]
+    layout, mode = case.partition("/")[0], case.rpartition("/")[2]
     assert result["ok"], result["differences"]
-    assert result["tensors"] == QUANTIZED_PARAMETERS[case.partition("/")[0]]
-    report, mode = result["report"], case.rpartition("/")[2]
+    assert result["tensors"] == QUANTIZED_PARAMETERS[layout]
+    report = result["report"]
     if "/tp2/" in case:  # (the report of a rank in another process is not seen here)
         return
     if mode == "whole":
         assert report["direct"] == 0 and report["through_model"] > 0, report
     else:  # straight into the parameters where the dry run saw a plain copy; whole, with the reason, where
         # not (one weight_shape for fused shards, a per-shard scale indexed, packed columns of gate_up)
-        layout = case.partition("/")[0]
         assert report["direct"] > 0 and not report["diverged"], report
         assert report["through_model"] == QUANTIZED_WHOLE.get(layout, 0), report
         assert bool(report["through_model"]) == bool(report["why_whole"]), report

@@ -278,8 +278,7 @@ class _ForkedWorkers:
 
 def _worker(environment: dict[str, str], target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     collect_what_engines_make()
-    if environment.get(REFERENCE_KERNELS):
-        vllm_reference_kernels.install()
+    vllm_reference_kernels.install()
     return in_environment(environment, target, *args, **kwargs)
 
 
@@ -689,13 +688,16 @@ QUANTIZED_KERNELS = ("w8a8-int8", "w8a8-int8-tensor", "fp8-channel", "w4a8", "fp
 HALF = {*quantized_layouts.GPTQ_OR_AWQ, "fp8-block"}  # vLLM runs these in float16 or bfloat16 only
 
 
+def _dtype(layout: str) -> str:
+    return "bfloat16" if layout in HALF else "float32"
+
+
 def quantized(root: Path) -> dict[str, Any]:
     """Every quantization vLLM's CPU build loads, in its real layout (tests/quantized_layouts.py): every
     tensor right after `load_weights` against vLLM's default loader in each mode; where the kernel runs
     here, greedy tokens and an in-place reload of other weights, against vLLM's own loader and reload."""
     from streamload.integrations.vllm.check import check_modes
     from streamload.verify import write_digests
-    from tests import quantized_layouts
 
     out = Timed()
     paths = quantized_layouts.make(root, SMALL)
@@ -703,7 +705,7 @@ def quantized(root: Path) -> dict[str, Any]:
     for path in paths.values():  # `streamload digest`: what verify=True checks against
         write_digests(streamload.inspect(path))
     for layout, path in paths.items():
-        dtype = "bfloat16" if layout in HALF else "float32"
+        dtype = _dtype(layout)
         for mode, report in check_modes(str(path), QUANTIZED_MODES, dtype=dtype, **KV_CACHE).items():
             out[f"check/quantized/{layout}/{mode}"] = _checked(report)
         if layout in QUANTIZED_TP2:
@@ -721,7 +723,7 @@ def quantized(root: Path) -> dict[str, Any]:
     verify = {"model_loader_extra_config": {"verify": True}, "dtype": "bfloat16"}
     out["quantized/gptq/verify-flipped"] = error_of(lambda: engine(flipped, "streamload", **verify))
     for layout in QUANTIZED_KERNELS:
-        dtype = "bfloat16" if layout in HALF else "float32"
+        dtype = _dtype(layout)
         for fmt in ("safetensors", "streamload"):
             llm = engine(paths[layout], fmt, dtype=dtype)
             run = {"tokens": tokens(llm), "state": state(llm)}
@@ -756,7 +758,6 @@ ENGINES_ENVIRONMENT = {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with our own functions
     "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # a core per tensor-parallel rank
 }
-REFERENCE_KERNELS = "STREAMLOAD_TEST_REFERENCE_KERNELS"  # tests/vllm_reference_kernels.py, in the quantized part
 SUITE_ENVIRONMENT: dict[str, str] = {}  # the suite's, for the processes of their own (fresh_processes)
 
 
@@ -765,11 +766,10 @@ def main() -> None:
     SUITE_ENVIRONMENT.update(os.environ)
     if "--quantized" in sys.argv:  # its one-rank engines on the other core than the engines' (same time)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1|0")
-        os.environ[REFERENCE_KERNELS] = "1"  # FP8 with block scales: no kernel on this CPU (its ranks too)
-        vllm_reference_kernels.install()
     for name, value in ENGINES_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     workers_from_a_forkserver()
+    vllm_reference_kernels.install()  # FP8 with block scales only: no kernel on this CPU (ranks: `_worker`)
     import vllm.entrypoints.llm  # noqa: F401  (imported before the freeze)
 
     gc.collect()

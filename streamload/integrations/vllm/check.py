@@ -32,7 +32,6 @@ import torch
 from streamload.errors import MissingFileError, SourceError
 
 ENV = "STREAMLOAD_VLLM_CHECK"
-FORMATS = ("auto", "streamload")  # vLLM's default loader (its default format), then ours
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -125,7 +124,7 @@ def check_modes(model: str, modes: dict[str, dict[str, Any]], tp: int = 1, **eng
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process where one rank
     engine = {**_cpu_defaults(engine), **engine}
     with tempfile.TemporaryDirectory(prefix="streamload-check-") as tmp:
-        reference, _ = _seen(model, "auto", tp, {}, engine, Path(tmp) / "auto")
+        reference, _ = _seen(model, "auto", tp, {}, engine, Path(tmp) / "auto")  # vLLM's default loader
         reports = {}
         for name, extra in modes.items():
             loader = {"model_loader_extra_config": extra}
