@@ -1,20 +1,28 @@
-"""Quantized weights computed into plain ones as their layer streams in: FP8 weights with a float32
-scale per block (`weight_scale_inv`: DeepSeek-V3/R1, Qwen3-FP8), as transformers computes them where
-it dequantizes (a machine without a GPU, or `dequantize=True`): the float8 values and their block's
-scale multiplied in float32, then cast to the parameter's dtype.
+"""Quantized weights computed into plain ones as their layer streams in, as transformers computes them
+where it dequantizes (on a machine without the format's kernels, or `dequantize=True`):
 
-A weight and its scale belong to one layer and arrive in its group; each pair is computed once both
-are in (a weight whose scale comes in a later group waits for it), so memory is one layer's.
+- FP8 with a float32 scale per block (`x.weight` + `x.weight_scale_inv`: DeepSeek-V3/R1, Qwen3-FP8):
+  the float8 values times their block's scale in float32, cast to the parameter's dtype;
+- MXFP4 (`x_blocks` + `x_scales`: gpt-oss experts): 4-bit floats in blocks of 32 sharing an 8-bit
+  exponent, into bfloat16 (whatever the model's dtype: transformers leaves them so), transposed to
+  the experts' [experts, in, out] layout.
+
+A tensor and its scale belong to one layer and arrive in its group; each pair is computed once both
+are in (one whose partner comes in a later group waits for it), so memory is one layer's.
 
 >>> import torch
 >>> q = torch.tensor([[1.0, 2.0], [3.0, 4.0]]).to(torch.float8_e4m3fn)
 >>> fp8_blocks(q, torch.tensor([[0.5]]), torch.bfloat16).tolist()
 [[0.5, 1.0], [1.5, 2.0]]
+>>> mxfp4_blocks(torch.full((1, 1, 1, 16), 0x21, dtype=torch.uint8), torch.full((1, 1, 1), 128, dtype=torch.uint8),
+...              torch.float32).flatten()[:4].tolist()  # nibbles 1 (0.5) then 2 (1.0), times 2**(128 - 127)
+[1.0, 2.0, 1.0, 2.0]
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,74 +33,147 @@ if TYPE_CHECKING:
     from .format import TensorInfo
     from .plan import DTypeOption
 
-SCALE = "_scale_inv"  # `x.weight` -> `x.weight_scale_inv`
-
 
 def fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`weight` (float8, [..., rows, cols]) times the scale of each of its blocks (`scale`: [..., rows /
     block rows, cols / block cols]), in float32, cast to `dtype` (transformers' `Fp8Dequantize`)."""
     values = weight.to(torch.float32)
     rows, cols = values.shape[-2:]
-    scale_rows, scale_cols = scale.shape[-2:] if scale.dim() >= 2 else (1, 1)  # whole blocks: `check`
+    scale_rows, scale_cols = scale.shape[-2:] if scale.dim() >= 2 else (1, 1)  # whole blocks: `_fp8_grid`
     blocks = values.reshape(-1, scale_rows, rows // scale_rows, scale_cols, cols // scale_cols)
     scales = scale.to(torch.float32).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2)
     return (blocks * scales).to(dtype).reshape(values.shape)
 
 
-class Fp8Dequantization:
-    """The checkpoint's FP8 weights and their scales (`pairs`: weight name -> scale name)."""
+# The 16 values of an FP4 (E2M1) nibble, by its bits.
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
-    def __init__(self, pairs: dict[str, str]) -> None:
+
+def mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """MXFP4 `blocks` (uint8 [experts, out, groups, 16]: two FP4 values a byte, low nibble first) times
+    2 ** (`scales` - 127) (uint8 [experts, out, groups]: one exponent per 32 values), as [experts, in,
+    out] in `dtype`: the layout and arithmetic (each value from the table in `dtype`, then `ldexp`) of
+    transformers' dequantization of gpt-oss's experts."""
+    table = torch.tensor(FP4, dtype=dtype, device=blocks.device)
+    *outer, groups, width = blocks.shape
+    packed = blocks.reshape(-1, width)
+    values = torch.empty(packed.shape[0], width * 2, dtype=dtype, device=blocks.device)
+    values[:, 0::2] = table[(packed & 0x0F).to(torch.int)]
+    values[:, 1::2] = table[(packed >> 4).to(torch.int)]
+    torch.ldexp(values, scales.reshape(-1, 1).to(torch.int32) - 127, out=values)
+    return values.reshape(*outer, groups * width * 2).transpose(1, 2).contiguous()
+
+
+def _fp8_grid(name: str, values: TensorInfo, scale: TensorInfo) -> str | None:
+    rows, cols = scale.shape[-2:] if len(scale.shape) >= 2 else (1, 1)
+    if len(values.shape) < 2 or values.shape[-2] % rows or values.shape[-1] % cols:
+        return "is not divided into whole blocks by its scale"
+    return None
+
+
+def _mxfp4_grid(name: str, values: TensorInfo, scale: TensorInfo) -> str | None:
+    if len(values.shape) != 4 or values.shape[:-1] != scale.shape:
+        return "is not [experts, out, groups, bytes] with one exponent per group in its scale"
+    return None
+
+
+@dataclass(frozen=True)
+class Format:
+    """One way of storing a quantized tensor beside its scale: the stored names of a target's pair,
+    the shape and check before reading, the computation."""
+
+    values: Callable[[str], str]  # target -> its stored values
+    scale: Callable[[str], str]  # target -> its stored scale
+    target: Callable[[str], str | None]  # a stored name -> the target it is the values of (None: not one)
+    shape: Callable[[tuple[int, ...]], tuple[int, ...]]  # the values' shape -> the target's
+    grid: Callable[[str, TensorInfo, TensorInfo], str | None]  # what is wrong with a pair, before reading
+    compute: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+    own_dtype: torch.dtype | None = None  # the computed tensor's dtype, whatever the parameter's (None: its)
+
+
+FORMATS: dict[str, Format] = {
+    "fp8": Format(
+        values=lambda t: t, scale=lambda t: t + "_scale_inv", target=lambda n: n, shape=lambda s: s,
+        grid=_fp8_grid, compute=fp8_blocks,
+    ),
+    "mxfp4": Format(
+        values=lambda t: t + "_blocks", scale=lambda t: t + "_scales",
+        target=lambda n: n.removesuffix("_blocks") if n.endswith("_blocks") else None,
+        shape=lambda s: (s[0], s[2] * s[3] * 2, s[1]) if len(s) == 4 else s,
+        grid=_mxfp4_grid, compute=mxfp4_blocks, own_dtype=torch.bfloat16,
+    ),
+}  # fmt: skip
+
+
+class Dequantization:
+    """The checkpoint's quantized tensors of one `Format` and their scales (`pairs`: target ->
+    (values, scale), all stored names but the target)."""
+
+    def __init__(self, fmt: Format, pairs: dict[str, tuple[str, str]]) -> None:
+        self.format = fmt
         self.pairs = pairs
-        self.scales = {s: w for w, s in pairs.items()}
+        self.role = {s: (t, i) for t, pair in pairs.items() for i, s in enumerate(pair)}  # stored -> (target, 0|1)
         self._waiting: dict[str, torch.Tensor] = {}
 
     @staticmethod
-    def of(names: Iterable[str]) -> Fp8Dequantization:
+    def of(method: str, names: Iterable[str]) -> Dequantization:
+        """The pairs `names` hold in the format of `method` ("fp8", "mxfp4")."""
+        fmt = FORMATS[method]
         present = set(names)
-        return Fp8Dequantization({n: n + SCALE for n in sorted(present) if n + SCALE in present})
+        targets = sorted(t for n in present if (t := fmt.target(n)) is not None and fmt.scale(t) in present)
+        return Dequantization(fmt, {t: (fmt.values(t), fmt.scale(t)) for t in targets})
 
     @property
     def names(self) -> set[str]:
-        """Every weight and scale it computes from (read as stored)."""
-        return {*self.pairs, *self.scales}
+        """Every stored tensor it computes from (read as stored)."""
+        return set(self.role)
 
     def check(self, tensors: Mapping[str, TensorInfo]) -> None:
-        """Before a byte is read: each weight is divided into whole blocks by its scale's grid."""
-        for weight, scale in self.pairs.items():
-            shape, grid = tensors[weight].shape, tensors[scale].shape
-            rows, cols = grid[-2:] if len(grid) >= 2 else (1, 1)
-            if len(shape) < 2 or shape[-2] % rows or shape[-1] % cols:
+        """Before a byte is read: each pair fits its format (whole blocks, one scale per group)."""
+        for values, scale in self.pairs.values():
+            if (wrong := self.format.grid(values, tensors[values], tensors[scale])) is not None:
                 raise StreamloadError(
-                    f"{tensors[weight].path}: tensor {weight!r} {list(shape)} is not divided into whole blocks by "
-                    f"its scale {scale!r} {list(grid)}; nothing was read"
+                    f"{tensors[values].path}: tensor {values!r} {list(tensors[values].shape)} {wrong} {scale!r} "
+                    f"{list(tensors[scale].shape)}; nothing was read"
                 )
 
+    def shapes(self, tensors: Mapping[str, TensorInfo]) -> dict[str, tuple[int, ...]]:
+        """{name the model gets: its shape}: the stored tensors', each pair's by its computed target."""
+        plain = {n: tuple(t.shape) for n, t in tensors.items() if n not in self.role}
+        return plain | {t: self.format.shape(tuple(tensors[v].shape)) for t, (v, _) in self.pairs.items()}
+
     def as_stored(self, dtype: DTypeOption) -> dict[str, Any]:
-        """`dtype` (the load's option) with the weights and scales read as stored: computed, not cast."""
+        """`dtype` (the load's option) with the pairs read as stored: computed, not cast."""
         return {**dict.fromkeys(self.names), **(dtype if isinstance(dtype, Mapping) else {"*": dtype})}
 
     def targets(self, names: Iterable[str]) -> list[str]:
-        """The names the model gets: the weights, not their scales."""
-        return [n for n in names if n not in self.scales]
+        """The names the model gets from `names`: each pair's target once, the rest as they are."""
+        out: list[str] = []
+        for n in names:
+            target, which = self.role.get(n, (n, 0))
+            if which == 0:
+                out.append(target)
+        return out
 
     def apply(
         self, tensors: dict[str, torch.Tensor], dtype_of: Callable[[str], torch.dtype]
     ) -> dict[str, torch.Tensor]:
-        """A group's tensors with each weight whose scale is in computed into `dtype_of(weight)`, the
-        scales taken out; a weight or scale whose partner is not in yet waits for it."""
+        """A group's tensors with each pair whose both halves are in computed into its target (in
+        `dtype_of(target)` or the format's own dtype), the pair taken out; a half whose partner is not
+        in yet waits for it."""
         out: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
-            weight = self.scales.get(name, name)
-            if weight not in self.pairs:
+            if name not in self.role:
                 out[name] = t
                 continue
             self._waiting[name] = t
-            scale = self.pairs[weight]
-            if weight in self._waiting and scale in self._waiting:
-                out[weight] = fp8_blocks(self._waiting.pop(weight), self._waiting.pop(scale), dtype_of(weight))
+            target = self.role[name][0]
+            values, scale = self.pairs[target]
+            if values in self._waiting and scale in self._waiting:
+                dtype = self.format.own_dtype or dtype_of(target)
+                out[target] = self.format.compute(self._waiting.pop(values), self._waiting.pop(scale), dtype)
         return out
 
     def left(self) -> list[str]:
-        """Weights or scales whose partner never came (a load that included one and not the other)."""
+        """Tensors whose partner never came (a load that included one half of a pair and not the other)."""
         return sorted(self._waiting)

@@ -23,7 +23,7 @@ from .source import Checkpoint, Source, open_checkpoint
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .dequantize import Fp8Dequantization
+    from .dequantize import Dequantization
     from .options import Options
 
 OnLayer = Callable[[str, "nn.Module | None"], "Awaitable[None] | None"]
@@ -58,7 +58,7 @@ class _Filler:
         self.expected = set(module.state_dict(keep_vars=True))  # persistent buffers only
         self.filled: set[str] = set()
         self.result = LoadResult()
-        self.dequantization: Fp8Dequantization | None = None  # quantized weights computed as they arrive
+        self.dequantization: Dequantization | None = None  # quantized weights computed as they arrive
 
     def target_of(self, name: str) -> str:
         return name
@@ -260,7 +260,7 @@ class _ConvertingFiller(_Filler):
                 self._left[target] = 1
                 self.assign(target, whole)
         regions = self.conversion.views(self._fused)
-        computed = self.dequantization.names if self.dequantization else set()
+        computed = self.dequantization.pairs if self.dequantization else {}
         self._computed = {n: v for n, v in regions.items() if n in computed}  # copied in once computed
         into |= {n: v for n, v in regions.items() if n not in computed}
         return _writing_into(options, into) if into else options
@@ -381,7 +381,7 @@ def load_into(
     in_place: bool = False,
     on_layer: Callable[[str, nn.Module | None], Any] | None = None,
     conversion: Conversion | None = None,
-    dequantize: Fp8Dequantization | None = None,
+    dequantize: Dequantization | None = None,
     **options: Unpack[Options],
 ) -> LoadResult:
     """Fill `module`'s parameters and buffers from a checkpoint as the tensors arrive.
@@ -404,8 +404,8 @@ def load_into(
         conversion: checkpoint names -> the regions of the module's tensors they fill (`streamload.convert`):
             renames, module lists merged into one tensor, concatenations, each source read straight
             into its place.
-        dequantize: quantized weights computed into the module's dtype as each pair of weight and scale
-            arrives (`streamload.dequantize`: FP8 with block scales), both read as stored whatever `dtype` says.
+        dequantize: quantized weights computed as each pair of values and scale arrives
+            (`streamload.dequantize`: FP8 with block scales, MXFP4), both read as stored whatever `dtype` says.
         **options: the options of `iter` (`Options`: device, dtype, include, ...).
 
     Returns:
@@ -431,7 +431,8 @@ def load_into(
             if (layer := filler.fill(key, tensors, on_layer)) is not None:
                 on_layer(*layer)  # type: ignore[misc]
     if dequantize is not None and (left := dequantize.left()):
-        raise StreamloadError(f"loading into {type(module).__name__}: {_short(left)} came without its weight or scale")
+        what = f"loading into {type(module).__name__}"
+        raise StreamloadError(f"{what}: {_short(left)} came without its partner (values or scale)")
     return filler.finish(strict)
 
 

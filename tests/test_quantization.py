@@ -307,3 +307,77 @@ def test_a_compressed_tensors_mixture_of_experts_is_refused_before_reading(tmp_p
     said = r"qwen2_moe: transformers converts '.*experts.*' with DecompressExperts.*nothing was read"
     with pytest.raises(streamload.StreamloadError, match=said):
         streamload.from_pretrained(folder, device="cpu")
+
+
+# -- MXFP4 (gpt-oss) through from_pretrained, dequantized as transformers does without its kernels ---------
+
+
+def gpt_oss_mxfp4(folder: Path) -> Path:
+    """A gpt-oss checkpoint as OpenAI ships it: the experts' fused weights as MXFP4 (`*_blocks`: uint8
+    [experts, out, in / 32, 16], two 4-bit floats a byte; `*_scales`: uint8 [experts, out, in / 32], a
+    power-of-two exponent per 32 values), everything else bfloat16."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    sizes = {"hidden_size": 128, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+             "vocab_size": 300, "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**sizes, dtype="bfloat16"))
+    model.to(torch.bfloat16).save_pretrained(folder)
+    random = torch.Generator().manual_seed(1)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in load_file(str(folder / "model.safetensors")).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, rows_in, cols_out = w.shape
+            tensors[name + "_blocks"] = torch.randint(0, 256, (experts, cols_out, rows_in // 32, 16), generator=random,
+                                                      dtype=torch.uint8)  # fmt: skip
+            tensors[name + "_scales"] = torch.randint(118, 131, (experts, cols_out, rows_in // 32), generator=random,
+                                                      dtype=torch.uint8)  # fmt: skip
+        else:
+            tensors[name] = w.contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="transformers may keep MXFP4 on a GPU with its kernels")
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_an_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(tmp_path: Path, dtype: torch.dtype | None) -> None:
+    """transformers' own from_pretrained, without its MXFP4 kernels (always on the CPU), dequantizes
+    gpt-oss's experts into bfloat16 (even in a float32 model) in the experts' layout: streamload
+    computes the same as each layer's blocks and exponents arrive — every tensor bit for bit (dtypes
+    included), the same logits."""
+    transformers = pytest.importorskip("transformers")
+    folder = gpt_oss_mxfp4(tmp_path / "gpt-oss")
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    ours = streamload.from_pretrained(folder, device="cpu", **kwargs)
+    want, got = theirs.state_dict(), ours.state_dict()
+    assert set(want) == set(got)
+    assert want["model.layers.1.mlp.experts.down_proj"].shape == (4, 64, 128)
+    assert want["model.layers.1.mlp.experts.down_proj"].dtype == torch.bfloat16
+    assert want["model.layers.1.mlp.router.weight"].dtype == (dtype or torch.bfloat16)
+    assert [n for n in want if not same_bits(want[n], got[n])] == []
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(theirs(ids).logits, ours(ids).logits)
+
+
+def test_mxfp4_blocks_whose_exponents_do_not_match_are_named_before_reading(tmp_path: Path) -> None:
+    folder = gpt_oss_mxfp4(tmp_path / "gpt-oss")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.1.mlp.experts.down_proj_scales"] = torch.zeros(4, 128, 3, dtype=torch.uint8)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    said = (
+        r"model.safetensors: tensor 'model.layers.1.mlp.experts.down_proj_blocks' \[4, 128, 2, 16\] is not "
+        r"\[experts, out, groups, bytes\] with one exponent per group in its scale .*\[4, 128, 3\]; nothing was "
+        "read"
+    )
+    with pytest.raises(streamload.StreamloadError, match=said):
+        streamload.from_pretrained(folder, device="cpu")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,7 @@ from torch import nn
 from streamload import device as devices
 from streamload.api import inspect
 from streamload.convert import Conversion, Region, Step
-from streamload.dequantize import Fp8Dequantization
+from streamload.dequantize import Dequantization
 from streamload.dtypes import as_torch_dtype
 from streamload.errors import UnsupportedError
 from streamload.module import OnLayer, empty_weights, load_into
@@ -93,9 +93,9 @@ def from_pretrained(
     checkpoint = inspect(source, options.get("cache_dir"))
     stored = checkpoint.tensors
     computed = dequantization(config, stored)
-    names = computed.targets(stored) if computed else list(stored)
-    placed = conversion(model, {n: stored[n].shape for n in names}, quantizer)
-    fits(model, config, placed.targets(names), strict)
+    shapes = computed.shapes(stored) if computed else {n: tuple(t.shape) for n, t in stored.items()}
+    placed = conversion(model, shapes, quantizer)
+    fits(model, config, placed.targets(shapes), strict)
     if dtype is not None:  # each tensor as its parameter was built (transformers keeps some in float32)
         dtype = _dtypes(model, placed, stored, dtype)
     load_into(
@@ -132,16 +132,33 @@ def placing_quantizer(config: Any) -> Any | None:
     return quantizer
 
 
-def dequantization(config: Any, stored: Iterable[str]) -> Fp8Dequantization | None:
-    """FP8 weights with block scales, where transformers' own loader dequantizes them (its
-    `FineGrainedFP8` quantizer: `dequantize=True`, or no GPU of compute capability 8.9 or more here),
-    computed as they stream; None for anything else (a quantized checkpoint is then refused by `fits`)."""
-    if _quantization(config, "quant_method") != "fp8":
-        return None
-    fp8_here = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-    if fp8_here and not _quantization(config, "dequantize"):
-        return None  # transformers keeps the FP8 weights in its FP8 layers here: refused, named by `fits`
-    return Fp8Dequantization.of(stored)
+def dequantization(config: Any, stored: Mapping[str, Any]) -> Dequantization | None:
+    """The quantized tensors transformers' own loader dequantizes here (`DEQUANTIZED_HERE`), computed
+    as they stream; None for anything else (a quantized checkpoint is then refused by `fits`)."""
+    method = _quantization(config, "quant_method")
+    rule = DEQUANTIZED_HERE.get(method)
+    if rule is None or not (_quantization(config, "dequantize") or rule()):
+        return None  # transformers keeps them quantized in its own layers here: refused, named by `fits`
+    return Dequantization.of(method, stored)
+
+
+def _fp8_kernel_missing() -> bool:
+    """transformers' `FineGrainedFP8`: FP8 layers need a GPU of compute capability 8.9 or more."""
+    return not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9))
+
+
+def _mxfp4_kernel_missing() -> bool:
+    """transformers' `Mxfp4`: kept as MXFP4 only on a GPU of compute capability 7.5 or more with triton
+    and the `kernels` package (on the CPU it always dequantizes, its kernels being opt-in)."""
+    from importlib.util import find_spec
+
+    on_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (7, 5)
+    return not (on_gpu and find_spec("triton") is not None and find_spec("kernels") is not None)
+
+
+# quant_method -> whether transformers' own loader dequantizes it on this machine (besides the config's
+# `dequantize: true`, which always does).
+DEQUANTIZED_HERE = {"fp8": _fp8_kernel_missing, "mxfp4": _mxfp4_kernel_missing}
 
 
 def _quantization(config: Any, key: str) -> Any:
