@@ -64,14 +64,14 @@ def mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype 
     return values.reshape(*outer, groups * width * 2).transpose(1, 2).contiguous()
 
 
-def _fp8_grid(name: str, values: TensorInfo, scale: TensorInfo) -> str | None:
+def _fp8_grid(values: TensorInfo, scale: TensorInfo) -> str | None:
     rows, cols = scale.shape[-2:] if len(scale.shape) >= 2 else (1, 1)
     if len(values.shape) < 2 or values.shape[-2] % rows or values.shape[-1] % cols:
         return "is not divided into whole blocks by its scale"
     return None
 
 
-def _mxfp4_grid(name: str, values: TensorInfo, scale: TensorInfo) -> str | None:
+def _mxfp4_grid(values: TensorInfo, scale: TensorInfo) -> str | None:
     if len(values.shape) != 4 or values.shape[:-1] != scale.shape:
         return "is not [experts, out, groups, bytes] with one exponent per group in its scale"
     return None
@@ -79,49 +79,56 @@ def _mxfp4_grid(name: str, values: TensorInfo, scale: TensorInfo) -> str | None:
 
 @dataclass(frozen=True)
 class Format:
-    """One way of storing a quantized tensor beside its scale: the stored names of a target's pair,
-    the shape and check before reading, the computation."""
+    """One way of storing a quantized tensor in parts (its values, its scale, more where the format
+    has them): the stored names of a target's parts, the shape and check before reading, the computation."""
 
-    values: Callable[[str], str]  # target -> its stored values
-    scale: Callable[[str], str]  # target -> its stored scale
+    parts: Callable[[str], tuple[str, ...]]  # target -> its stored parts: values, scale, then optional ones
     target: Callable[[str], str | None]  # a stored name -> the target it is the values of (None: not one)
     shape: Callable[[tuple[int, ...]], tuple[int, ...]]  # the values' shape -> the target's
-    grid: Callable[[str, TensorInfo, TensorInfo], str | None]  # what is wrong with a pair, before reading
-    compute: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
-    own_dtype: torch.dtype | None = None  # the computed tensor's dtype, whatever the parameter's (None: its)
+    compute: Callable[[list[torch.Tensor], torch.dtype], torch.Tensor]  # the parts, in `parts`' order
+    grid: Callable[[TensorInfo, TensorInfo], str | None] = lambda values, scale: None  # what is wrong, before reading
+    # the computed tensor's dtype whatever the parameter's, from its parts' (None: the parameter's)
+    own_dtype: Callable[[list[TensorInfo]], torch.dtype | None] = lambda parts: None
 
 
 FORMATS: dict[str, Format] = {
     "fp8": Format(
-        values=lambda t: t, scale=lambda t: t + "_scale_inv", target=lambda n: n, shape=lambda s: s,
-        grid=_fp8_grid, compute=fp8_blocks,
+        parts=lambda t: (t, t + "_scale_inv"), target=lambda n: n, shape=lambda s: s,
+        compute=lambda p, dtype: fp8_blocks(p[0], p[1], dtype), grid=_fp8_grid,
     ),
     "mxfp4": Format(
-        values=lambda t: t + "_blocks", scale=lambda t: t + "_scales",
+        parts=lambda t: (t + "_blocks", t + "_scales"),
         target=lambda n: n.removesuffix("_blocks") if n.endswith("_blocks") else None,
         shape=lambda s: (s[0], s[2] * s[3] * 2, s[1]) if len(s) == 4 else s,
-        grid=_mxfp4_grid, compute=mxfp4_blocks, own_dtype=torch.bfloat16,
+        compute=lambda p, dtype: mxfp4_blocks(p[0], p[1], dtype), grid=_mxfp4_grid,
+        own_dtype=lambda parts: torch.bfloat16,
     ),
 }  # fmt: skip
 
 
 class Dequantization:
-    """The checkpoint's quantized tensors of one `Format` and their scales (`pairs`: target ->
-    (values, scale), all stored names but the target)."""
+    """The checkpoint's quantized tensors of one `Format` (`pairs`: target -> its stored parts, values
+    and scale first; a target is no stored name but its values')."""
 
-    def __init__(self, fmt: Format, pairs: dict[str, tuple[str, str]]) -> None:
+    def __init__(self, fmt: Format, pairs: dict[str, tuple[str, ...]]) -> None:
         self.format = fmt
         self.pairs = pairs
-        self.role = {s: (t, i) for t, pair in pairs.items() for i, s in enumerate(pair)}  # stored -> (target, 0|1)
+        self.role = {s: (t, i) for t, parts in pairs.items() for i, s in enumerate(parts)}  # stored -> (target, i)
         self._waiting: dict[str, torch.Tensor] = {}
+        self.dtypes: dict[str, torch.dtype] = {}  # targets of the format's own dtype (`check` finds them)
 
     @staticmethod
-    def of(method: str, names: Iterable[str]) -> Dequantization:
-        """The pairs `names` hold in the format of `method` ("fp8", "mxfp4")."""
-        fmt = FORMATS[method]
+    def of(fmt: str | Format, names: Iterable[str]) -> Dequantization:
+        """The targets `names` hold in a format (its name in `FORMATS`, or one of its own): each whose
+        values and scale are there, with the optional parts that are."""
+        fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
         present = set(names)
-        targets = sorted(t for n in present if (t := fmt.target(n)) is not None and fmt.scale(t) in present)
-        return Dequantization(fmt, {t: (fmt.values(t), fmt.scale(t)) for t in targets})
+        pairs: dict[str, tuple[str, ...]] = {}
+        for target in sorted(t for n in present if (t := fmt.target(n)) is not None):
+            values, scale, *optional = fmt.parts(target)
+            if scale in present:
+                pairs[target] = (values, scale, *(p for p in optional if p in present))
+        return Dequantization(fmt, pairs)
 
     @property
     def names(self) -> set[str]:
@@ -129,9 +136,13 @@ class Dequantization:
         return set(self.role)
 
     def check(self, tensors: Mapping[str, TensorInfo]) -> None:
-        """Before a byte is read: each pair fits its format (whole blocks, one scale per group)."""
-        for values, scale in self.pairs.values():
-            if (wrong := self.format.grid(values, tensors[values], tensors[scale])) is not None:
+        """Before a byte is read: each target's parts fit its format (whole blocks, one scale per
+        group); the dtypes of targets the format computes into its own (`dtypes`)."""
+        for target, parts in self.pairs.items():
+            if (dtype := self.format.own_dtype([tensors[p] for p in parts])) is not None:
+                self.dtypes[target] = dtype
+            values, scale = parts[:2]
+            if (wrong := self.format.grid(tensors[values], tensors[scale])) is not None:
                 raise StreamloadError(
                     f"{tensors[values].path}: tensor {values!r} {list(tensors[values].shape)} {wrong} {scale!r} "
                     f"{list(tensors[scale].shape)}; nothing was read"
@@ -140,7 +151,7 @@ class Dequantization:
     def shapes(self, tensors: Mapping[str, TensorInfo]) -> dict[str, tuple[int, ...]]:
         """{name the model gets: its shape}: the stored tensors', each pair's by its computed target."""
         plain = {n: tuple(t.shape) for n, t in tensors.items() if n not in self.role}
-        return plain | {t: self.format.shape(tuple(tensors[v].shape)) for t, (v, _) in self.pairs.items()}
+        return plain | {t: self.format.shape(tuple(tensors[parts[0]].shape)) for t, parts in self.pairs.items()}
 
     def as_stored(self, dtype: DTypeOption) -> dict[str, Any]:
         """`dtype` (the load's option) with the pairs read as stored: computed, not cast."""
@@ -158,9 +169,8 @@ class Dequantization:
     def apply(
         self, tensors: dict[str, torch.Tensor], dtype_of: Callable[[str], torch.dtype]
     ) -> dict[str, torch.Tensor]:
-        """A group's tensors with each pair whose both halves are in computed into its target (in
-        `dtype_of(target)` or the format's own dtype), the pair taken out; a half whose partner is not
-        in yet waits for it."""
+        """A group's tensors with each target whose parts are all in computed (in `dtype_of(target)` or
+        the format's own dtype), the parts taken out; a part whose partners are not in yet waits."""
         out: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
             if name not in self.role:
@@ -168,12 +178,12 @@ class Dequantization:
                 continue
             self._waiting[name] = t
             target = self.role[name][0]
-            values, scale = self.pairs[target]
-            if values in self._waiting and scale in self._waiting:
-                dtype = self.format.own_dtype or dtype_of(target)
-                out[target] = self.format.compute(self._waiting.pop(values), self._waiting.pop(scale), dtype)
+            parts = self.pairs[target]
+            if all(p in self._waiting for p in parts):
+                dtype = self.dtypes.get(target) or dtype_of(target)
+                out[target] = self.format.compute([self._waiting.pop(p) for p in parts], dtype)
         return out
 
     def left(self) -> list[str]:
-        """Tensors whose partner never came (a load that included one half of a pair and not the other)."""
+        """Parts whose partners never came (a load that included some parts of a target and not all)."""
         return sorted(self._waiting)

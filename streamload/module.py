@@ -237,7 +237,8 @@ class _ConvertingFiller(_Filler):
         if options.get("into"):
             raise UnsupportedError("load_into(conversion=...) makes the stream's destinations itself: leave out into=")
         stored = checkpoint.tensors
-        shapes = {n: stored[n].shape for n in self.conversion.regions if n in stored}
+        known = self.dequantization.shapes(stored) if self.dequantization else {n: t.shape for n, t in stored.items()}
+        shapes = {n: known[n] for n in self.conversion.regions if n in known}  # computed targets by their shape
         self.conversion.check(shapes)
         if (shard := options.get("shard")) is not None:  # the rank's part of each target, from its sources' parts
             self.conversion, spec = self.conversion.sharded(shard, shapes)
@@ -252,7 +253,7 @@ class _ConvertingFiller(_Filler):
             whole = (
                 own[target]
                 if self.in_place
-                else torch.empty(self.conversion.shapes[target], dtype=self._get(target).dtype, device=device)
+                else torch.empty(self.conversion.shapes[target], dtype=self._dtype_of(target, parts), device=device)
             )
             self._fused[target] = whole
             self._left[target] = len(parts)
@@ -267,6 +268,11 @@ class _ConvertingFiller(_Filler):
 
     def target_of(self, name: str) -> str:
         return self.conversion.target_of(name)
+
+    def _dtype_of(self, target: str, sources: list[str]) -> torch.dtype:
+        """A fused target's dtype: its parameter's, or the one its computed sources all come in."""
+        computed = {self.dequantization.dtypes.get(s) for s in sources} if self.dequantization else {None}
+        return computed.pop() if len(computed) == 1 and None not in computed else self._get(target).dtype
 
     def assign(self, name: str, tensor: torch.Tensor) -> None:
         target = self.conversion.target_of(name)

@@ -281,16 +281,16 @@ def test_gptq_and_awq_are_refused_before_reading_naming_the_method(tmp_path: Pat
         streamload.from_pretrained(folder, device="cpu")
 
 
-def test_a_compressed_tensors_mixture_of_experts_is_refused_before_reading(tmp_path: Path) -> None:
-    """transformers decompresses compressed-tensors experts before merging them (its DecompressExperts
-    conversion): not done while streaming yet, so refused in one line naming it, before a byte is read."""
+def compressed_moe(tmp_path: Path, layout: str) -> Path:
+    """A Qwen2-MoE checkpoint quantized by compressed-tensors (`layout`), the experts one by one as the
+    hub stores them, the routers' gates left unquantized as llm-compressor's MoE recipes leave them."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("compressed_tensors")
     from safetensors.torch import load_file, save_file
 
     from .quantized_layouts import CONFIGS, quantized
 
-    sizes = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 1,
+    sizes = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 2,
              "shared_expert_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
              "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 300}  # fmt: skip
     torch.manual_seed(0)
@@ -298,12 +298,46 @@ def test_a_compressed_tensors_mixture_of_experts_is_refused_before_reading(tmp_p
     tensors: dict[str, torch.Tensor] = {}
     for name, w in load_file(str(tmp_path / "plain" / "model.safetensors")).items():
         is_linear = ".layers." in name and name.endswith("proj.weight") and w.dim() == 2
-        tensors |= quantized(name, w.float(), "w4a16-group") if is_linear else {name: w.contiguous()}
-    folder = tmp_path / "w4a16-moe"
+        tensors |= quantized(name, w.float(), layout) if is_linear else {name: w.contiguous()}
+    folder = tmp_path / f"{layout}-moe"
     folder.mkdir()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((tmp_path / "plain" / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config | {"quantization_config": CONFIGS["w4a16-group"]}))
+    quantization = CONFIGS[layout] | {
+        "ignore": [*CONFIGS[layout]["ignore"], "re:.*mlp.gate$", "re:.*shared_expert_gate$"]
+    }
+    (folder / "config.json").write_text(json.dumps(config | {"quantization_config": quantization}))
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["w4a16-group", "fp8-channel"])
+def test_a_compressed_tensors_mixture_of_experts_loads_as_transformers_decompresses_it(
+    tmp_path: Path, layout: str
+) -> None:
+    """transformers 5 decompresses compressed-tensors experts (packed 4-bit, FP8) before merging them
+    into fused tensors (its DecompressExperts conversion; in the scale's dtype, or bfloat16 for FP8,
+    whatever the model's) and keeps every other layer as stored: streamload decompresses each expert
+    with transformers' own operation as its parts arrive, into its region of the fused parameter, and
+    places the rest as stored — every tensor bit for bit (dtypes included), the same logits."""
+    transformers = pytest.importorskip("transformers")
+    folder = compressed_moe(tmp_path, layout)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    ours = streamload.from_pretrained(folder, device="cpu")
+    want, got = theirs.state_dict(), ours.state_dict()
+    assert set(want) == set(got)
+    assert want["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 256, 128)
+    assert want["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16  # the model's is float32
+    assert any(n.startswith("model.layers.1.self_attn.q_proj.weight_") for n in want)  # kept as stored
+    assert [n for n in want if not same_bits(want[n], got[n])] == []
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(theirs(ids).logits, ours(ids).logits)
+
+
+def test_int8_compressed_tensors_experts_are_refused_before_reading(tmp_path: Path) -> None:
+    """int8 experts (compressed-tensors `int-quantized`: no packed weights) are not what transformers'
+    DecompressExperts reads (its own loader fails on them too): refused in one line naming it."""
+    folder = compressed_moe(tmp_path, "w8a8-int8")
     said = r"qwen2_moe: transformers converts '.*experts.*' with DecompressExperts.*nothing was read"
     with pytest.raises(streamload.StreamloadError, match=said):
         streamload.from_pretrained(folder, device="cpu")

@@ -20,7 +20,7 @@ from torch import nn
 from streamload import device as devices
 from streamload.api import inspect
 from streamload.convert import Conversion, Region, Step
-from streamload.dequantize import Dequantization
+from streamload.dequantize import Dequantization, Format
 from streamload.dtypes import as_torch_dtype
 from streamload.errors import UnsupportedError
 from streamload.module import OnLayer, empty_weights, load_into
@@ -92,9 +92,10 @@ def from_pretrained(
     tied(model)
     checkpoint = inspect(source, options.get("cache_dir"))
     stored = checkpoint.tensors
-    computed = dequantization(config, stored)
+    computed = dequantization(config, stored) or decompressed_experts(quantizer, model, stored)
     shapes = computed.shapes(stored) if computed else {n: tuple(t.shape) for n, t in stored.items()}
-    placed = conversion(model, shapes, quantizer)
+    # the quantizer's conversions decompress the experts it computes from: placed as computed here
+    placed = conversion(model, shapes, None if computed else quantizer)
     fits(model, config, placed.targets(shapes), strict)
     if dtype is not None:  # each tensor as its parameter was built (transformers keeps some in float32)
         dtype = _dtypes(model, placed, stored, dtype)
@@ -140,6 +141,43 @@ def dequantization(config: Any, stored: Mapping[str, Any]) -> Dequantization | N
     if rule is None or not (_quantization(config, "dequantize") or rule()):
         return None  # transformers keeps them quantized in its own layers here: refused, named by `fits`
     return Dequantization.of(method, stored)
+
+
+def decompressed_experts(quantizer: Any, model: nn.Module, stored: Mapping[str, Any]) -> Dequantization | None:
+    """compressed-tensors experts that transformers 5 merges into fused tensors (its `DecompressExperts`
+    conversion: every other quantized layer stays as stored): each expert's weight decompressed by
+    transformers' own operation as its packed values, scale and shape arrive, then copied into its
+    region of the fused parameter. None where there are none."""
+    if quantizer is None or not hasattr(quantizer, "compressor"):
+        return None
+    from transformers.integrations.compressed_tensors import DecompressExperts, get_experts_scheme
+
+    scheme = get_experts_scheme(quantizer.quantization_config.quantization_config)
+    operation = DecompressExperts(quantizer, scheme=scheme)
+    fp8 = scheme.weights.type == "float" and scheme.weights.num_bits == 8  # plain (weight, scale) pairs
+    ending = ".weight" if fp8 else ".weight_packed"
+    widen = 1 if fp8 else 32 // scheme.weights.num_bits  # packed: `num_bits`-bit integers in int32 words
+
+    def parts(target: str) -> tuple[str, ...]:
+        return (target, target + "_scale") if fp8 else (target + "_packed", target + "_scale", target + "_shape")
+
+    def dtype(infos: list[Any]) -> torch.dtype | None:  # FP8: transformers casts; packed: the scale's
+        return torch.bfloat16 if fp8 else infos[1].dtype.torch_dtype
+
+    def decompress(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        names = parts("expert.weight")  # transformers' own operation, on one expert's parts
+        out = operation.convert({n: [t] for n, t in zip(names, tensors, strict=False)}, [], [])
+        return out[names[0]][0]
+
+    def target(name: str) -> str | None:
+        return name.removesuffix(ending) + ".weight" if ".experts." in name and name.endswith(ending) else None
+
+    fmt = Format(parts, target, lambda s: (*s[:-1], s[-1] * widen), decompress, own_dtype=dtype)
+    candidates = Dequantization.of(fmt, stored)
+    if not candidates.pairs:
+        return None
+    merged = {n for sources in conversion(model, candidates.shapes(stored)).fused().values() for n in sources}
+    return Dequantization(fmt, {t: p for t, p in candidates.pairs.items() if t in merged})  # only those merged
 
 
 def _fp8_kernel_missing() -> bool:
