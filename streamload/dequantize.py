@@ -21,6 +21,9 @@ are in (one whose partner comes in a later group waits for it), so memory is one
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,9 +43,9 @@ def fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     values = weight.to(torch.float32)
     rows, cols = values.shape[-2:]
     scale_rows, scale_cols = scale.shape[-2:] if scale.dim() >= 2 else (1, 1)  # whole blocks: `_fp8_grid`
-    blocks = values.reshape(-1, scale_rows, rows // scale_rows, scale_cols, cols // scale_cols)
-    scales = scale.to(torch.float32).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2)
-    return (blocks * scales).to(dtype).reshape(values.shape)
+    blocks = values.view(-1, scale_rows, rows // scale_rows, scale_cols, cols // scale_cols)
+    blocks.mul_(scale.to(torch.float32).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2))
+    return values.to(dtype)  # in place: one float32 temporary a weight, not two
 
 
 # The 16 values of an FP4 (E2M1) nibble, by its bits.
@@ -184,6 +187,27 @@ class Dequantization:
                 out[target] = self.format.compute([self._waiting.pop(p) for p in parts], dtype)
         return out
 
+    def released(self) -> None:
+        """A group's parts and its computations' temporaries, freed by its caller, handed back to the
+        system before the next group is read (see `_give_back_freed`)."""
+        _give_back_freed()
+
     def left(self) -> list[str]:
         """Parts whose partners never came (a load that included some parts of a target and not all)."""
         return sorted(self._waiting)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def _give_back_freed() -> None:
+    """The heap memory a group's computations freed, handed back to the system. Their temporaries
+    (megabytes each) come from glibc's heap, between the long-lived tensors computed beside them: left
+    there, the holes add ~10% of the model to the process's peak by the end of a load."""
+    if (trim := _malloc_trim()) is not None:
+        trim(0)

@@ -434,7 +434,11 @@ def load_into(
     with layers(checkpoint, **filler.destinations(options, checkpoint)) as groups:
         filler.start(groups, strict)
         for key, tensors in groups:
-            if (layer := filler.fill(key, tensors, on_layer)) is not None:
+            layer = filler.fill(key, tensors, on_layer)
+            if dequantize is not None:
+                del tensors  # what was computed from (only its results are kept)
+                dequantize.released()
+            if layer is not None:
                 on_layer(*layer)  # type: ignore[misc]
     if dequantize is not None and (left := dequantize.left()):
         what = f"loading into {type(module).__name__}"
