@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Awaitable, Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -108,6 +108,46 @@ class _Filler:
         if strict:
             self.check_names({self.target_of(n) for n in self._names(items)})
         self.check_dtypes(self._plain(items), self.target_of)
+        self.check_shapes(self._delivered(items))
+
+    def _delivered(self, items: Collection[Item]) -> dict[str, tuple[object, tuple[int, ...]]]:
+        """{name the module gets: (its file, its shape)}: the items assigned as they come, and the
+        weights computed from others (by the shape they are computed in)."""
+        shapes = {i.name: (i.info.path, _whole_shape(i)) for i in items if i.into is None}
+        if self.dequantization is not None:
+            for target, (values, *_) in self.dequantization.pairs.items():
+                if values in shapes:
+                    path, shape = shapes.pop(values)
+                    shapes[target] = (path, self.dequantization.format.shape(shape))
+        return shapes
+
+    def _assigned_whole(self, target: str) -> bool:
+        """Whether `target` gets one tensor as it comes (not regions of it, which `Conversion` checks)."""
+        return True
+
+    def check_shapes(
+        self, shapes: Mapping[str, tuple[object, tuple[int, ...]]],
+        hint: Callable[[str, tuple[int, ...], tuple[int, ...]], str] | None = None,
+    ) -> None:  # fmt: skip
+        """Before any weight is read: each tensor the module gets whole (`shapes`: name -> (its file,
+        its shape)) has the shape its parameter or buffer declares, as torch's `load_state_dict`
+        requires ("size mismatch"); `hint` adds where a declared shape came from (a config's field)."""
+        wrong: list[str] = []
+        for name, (path, shape) in shapes.items():
+            target = self.target_of(name)
+            if target not in self.group_of or not self._assigned_whole(target):
+                continue
+            declared = tuple(self._get(target).shape)
+            if shape != declared:
+                why = hint(target, shape, declared) if hint is not None else ""
+                wrong.append(f"{path}: tensor {name!r} is {list(shape)}, {self.kind[target]} {target!r} is "
+                             f"{list(declared)}{why}")  # fmt: skip
+        if wrong:
+            more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+            raise StreamloadError(
+                f"loading into {type(self.module).__name__}: shapes differ: {'; '.join(wrong[:3])}{more}; nothing was "
+                "read. Check that the checkpoint is this model's, built with the checkpoint's config"
+            )
 
     def _plain(self, items: Collection[Item]) -> list[Item]:
         """The items assigned as they come: not those computed from (dequantized weights, their scales),
@@ -269,6 +309,9 @@ class _ConvertingFiller(_Filler):
     def target_of(self, name: str) -> str:
         return self.conversion.target_of(name)
 
+    def _assigned_whole(self, target: str) -> bool:
+        return target not in self.conversion.shapes
+
     def _dtype_of(self, target: str, sources: list[str]) -> torch.dtype:
         """A fused target's dtype: its parameter's, or the one its computed sources all come in."""
         computed = {self.dequantization.dtypes.get(s) for s in sources} if self.dequantization else {None}
@@ -288,6 +331,15 @@ class _ConvertingFiller(_Filler):
             self.written(target)
         else:
             super().assign(target, tensor)
+
+
+def _whole_shape(item: Item) -> tuple[int, ...]:
+    """The shape of the whole tensor `item` is (a rank's part of, with `shard`): what a module built
+    whole declares (the rank's part replaces it as it comes)."""
+    shape = list(item.shape)
+    if item.part is not None and not item.full_shape:
+        shape[item.part.dim] = item.info.shape[item.part.dim]
+    return tuple(shape)
 
 
 # torch's CPU allocator aligns every allocation to 64 bytes; a view of a file mapping sits at its file

@@ -4,6 +4,7 @@ status 1, no traceback; and the README's test command as CI runs it."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -366,3 +367,49 @@ def test_compile_cache_publish_refuses_a_checkpoint_that_is_not_there(tmp_path: 
         run = cli("compile-cache", "publish", str(target), "--cache-root", str(cache_root), timeout=120)
         one_line_error(run, f"{target}: no such checkpoint directory")
     assert not missing.exists() and a_file.read_bytes() == b""
+
+
+# -- shapes that disagree with the model -------------------------------------------------------------------
+
+
+def test_load_into_refuses_a_tensor_of_another_shape_than_its_parameter_before_reading(tmp_path: Path) -> None:
+    """torch's load_state_dict says "size mismatch"; a weight of another shape assigned under the
+    module's declared one would load silently and fail (or compute garbage) later."""
+    save_file({"lm_head.weight": torch.ones(64, 32), "lm_head.bias": torch.ones(64)}, str(tmp_path / "m.safetensors"))
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(30, 64)
+    before = model.lm_head.weight.detach().clone()
+    said = (r"loading into Module: shapes differ: .*m.safetensors: tensor 'lm_head.weight' is \[64, 32\], parameter "
+            r"'lm_head.weight' is \[64, 30\]; nothing was read")  # fmt: skip
+    for strict in (True, False):
+        with pytest.raises(streamload.StreamloadError, match=said):
+            streamload.load_into(model, tmp_path, include="lm_head*", strict=strict)
+    assert torch.equal(model.lm_head.weight, before)
+
+
+def test_from_pretrained_names_the_config_field_a_shape_came_from(tmp_path: Path) -> None:
+    """A config.json whose intermediate_size disagrees with the weights: refused before reading (as
+    transformers refuses without ignore_mismatched_sizes), naming tensor, both shapes and the field."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    edited = json.loads((tmp_path / "config.json").read_text()) | {"intermediate_size": 200}
+    (tmp_path / "config.json").write_text(json.dumps(edited))
+    said = (
+        r"tensor 'model.layers.0.mlp.down_proj.weight' is \[64, 256\], parameter "
+        r"'model.layers.0.mlp.down_proj.weight' is \[64, 200\] \(the config's intermediate_size = 200\)"
+        r".*nothing was read"
+    )
+    with pytest.raises(streamload.StreamloadError, match=said):
+        streamload.from_pretrained(tmp_path, device="cpu")
+
+
+def test_from_pretrained_on_a_config_that_is_not_json_names_the_file(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{nope")
+    pytest.importorskip("transformers")
+    with pytest.raises(
+        streamload.StreamloadError, match=rf"{tmp_path}/config.json: transformers cannot read this config"
+    ):
+        streamload.from_pretrained(tmp_path, device="cpu")

@@ -50,7 +50,11 @@ def _kind(folder: Path) -> str | None:
     if (folder / PIPELINE_INDEX).is_file():
         return "pipeline"
     config = folder / "config.json"
-    return "model" if config.is_file() and "_class_name" in json.loads(config.read_text()) else None
+    try:
+        settings = json.loads(config.read_text()) if config.is_file() else None
+    except (OSError, ValueError):
+        return None  # not diffusers' (transformers' loader names what is wrong with it)
+    return "model" if isinstance(settings, dict) and "_class_name" in settings else None
 
 
 def from_pretrained(

@@ -97,6 +97,7 @@ def from_pretrained(
     # the quantizer's conversions decompress the experts it computes from: placed as computed here
     placed = conversion(model, shapes, None if computed else quantizer)
     fits(model, config, placed.targets(shapes), strict)
+    shapes_fit(model, config, placed, shapes, stored, computed)
     if dtype is not None:  # each tensor as its parameter was built (transformers keeps some in float32)
         dtype = _dtypes(model, placed, stored, dtype)
     load_into(
@@ -255,6 +256,31 @@ def fits(model: nn.Module, config: Any, names: Iterable[str], strict: bool) -> N
         f"loading into {what}: {'; '.join(parts)}; nothing was read. Check that the checkpoint is this model's "
         f"(it holds e.g. {shown}){fix}"
     )
+
+
+def shapes_fit(
+    model: nn.Module, config: Any, placed: Conversion, shapes: Mapping[str, tuple[int, ...]],
+    stored: Mapping[str, Any], computed: Dequantization | None,
+) -> None:  # fmt: skip
+    """Before any weight is read: each tensor the model gets whole has its parameter's shape (what
+    transformers refuses without `ignore_mismatched_sizes`), the config's fields that gave the
+    parameter its shape named."""
+    from streamload.module import _Filler
+
+    files = {n: t.path for n, t in stored.items()} | {
+        t: stored[p[0]].path for t, p in (computed.pairs if computed else {}).items()
+    }
+    whole = {
+        placed.target_of(n): (files[n], tuple(s)) for n, s in shapes.items() if placed.target_of(n) not in placed.shapes
+    }
+    settings = {k: v for k, v in config.to_dict().items() if isinstance(v, int) and not isinstance(v, bool)}
+
+    def fields(target: str, shape: tuple[int, ...], declared: tuple[int, ...]) -> str:
+        dims = {d for got, d in zip(shape, declared, strict=False) if got != d}
+        named = [f"{k} = {v}" for k, v in settings.items() if v in dims]
+        return f" (the config's {', '.join(named)})" if named else ""
+
+    _Filler(model).check_shapes(whole, fields)
 
 
 def conversion(model: nn.Module, shapes: dict[str, tuple[int, ...]], quantizer: Any = None) -> Conversion:
