@@ -21,7 +21,7 @@ import pytest
 
 from . import quantized_layouts
 from .conftest import have_vllm
-from .vllm_engines import QUANTIZED_KERNELS, QUANTIZED_MODES, QUANTIZED_TP2, QUANTIZED_TP2_MODES
+from .vllm_engines import QUANTIZED_KERNELS, QUANTIZED_MODES, QUANTIZED_MOE_TP2, QUANTIZED_TP2, QUANTIZED_TP2_MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -230,6 +230,73 @@ def test_a_quantized_checkpoint_generates_and_reloads_as_vllms_own_loader(engine
         assert theirs["reloaded"]["tokens"] != fresh["tokens"]
     before, after = _params(ours), _params(ours["reloaded"])
     assert {n: p for n, (p, _) in after.items()} == {n: p for n, (p, _) in before.items()}
+
+
+QUANTIZED_MOE_CASES = [f"{layout}/{mode}" for layout in quantized_layouts.MOE_CONFIGS for mode in QUANTIZED_MODES] + [
+    f"{layout}/tp2/{mode}" for layout in QUANTIZED_MOE_TP2 for mode in QUANTIZED_TP2_MODES
+]
+# vLLM's parameters: 2 layers' fused qkv and o (with their scales, packed shapes), each layer's experts
+# fused into w13 and w2 (with their scales, W4A16's packed shapes; gpt-oss's biases), the router, norms
+# (Qwen3's q and k norms; gpt-oss's sinks), embeddings and head.
+QUANTIZED_MOE_PARAMETERS = {"moe-w4a16-group": 58, "moe-fp8-block": 46, "gpt-oss-mxfp4": 42}
+# Tensors that go whole through load_weights: W4A16's `weight_shape` of fused qkv and of every expert's
+# projections (24 + 6); gpt-oss's fused experts' bias and down blocks, narrowed by its load_weights.
+QUANTIZED_MOE_WHOLE = {"moe-w4a16-group": 30, "moe-fp8-block": 0, "gpt-oss-mxfp4": 10}
+
+
+@pytest.mark.parametrize("case", QUANTIZED_MOE_CASES)
+def test_a_quantized_mixture_of_experts_equals_vllms_own_loader(engines: dict[str, Any], case: str) -> None:
+    """Quantized mixtures of experts whose MoE kernels this CPU lacks, in their hub layouts: Qwen3-MoE in
+    compressed-tensors W4A16 (pack-quantized, by group; each expert's projections stored one by one) and
+    in FP8 with block scales (Qwen3-30B-A3B-FP8's, DeepSeek-V3's), gpt-oss in MXFP4 as OpenAI ships it
+    (the experts fused, uint8 blocks and exponents). vLLM's own parameters and weight loaders; only the
+    choice of the MoE kernel (and what it would do with the weights once loaded) is replaced, in the
+    engines' process (tests/vllm_reference_kernels.py). Every parameter (packed experts, block scales,
+    exponents, biases) equals vLLM's default loader's right after `load_weights`, in every mode and at
+    TP=2 on its own and `cooperative`."""
+    result = engines[f"check/quantized/{case}"]
+    layout, mode = case.partition("/")[0], case.rpartition("/")[2]
+    assert result["ok"], result["differences"]
+    assert result["tensors"] == QUANTIZED_MOE_PARAMETERS[layout]
+    report = result["report"]
+    if "/tp2/" in case:  # (the report of a rank in another process is not seen here)
+        return
+    if mode == "whole":
+        assert report["direct"] == 0 and report["through_model"] > 0, report
+    else:
+        assert report["direct"] > 0 and report["by_twin"] > 0 and not report["diverged"], report
+        assert report["through_model"] == QUANTIZED_MOE_WHOLE[layout], report
+        assert bool(report["through_model"]) == bool(report["why_whole"]), report
+        assert report["unused"] == 0, report
+
+
+@pytest.mark.parametrize("layout", list(quantized_layouts.MOE_CONFIGS))
+def test_a_quantized_mixture_of_experts_generates_as_vllms_own_loader(engines: dict[str, Any], layout: str) -> None:
+    """The same mixtures of experts served on the reference kernels (each expert dequantized by its
+    format's definition, the MoE in torch): greedy tokens, every parameter and what each CPU linear
+    layer's packed copy computes equal vLLM's own loader's."""
+    ours, theirs = (engines[f"quantized/{layout}/{k}"] for k in ("streamload", "safetensors"))
+    assert len(ours["tokens"]) == 2 and all(len(t) == 12 for t in ours["tokens"])
+    assert all(len(set(t)) > 2 for t in ours["tokens"]), ours["tokens"]  # not a NaN's token 0, repeated
+    _same_weights(ours, theirs)
+
+
+def test_the_reference_kernels_dequantize_as_the_layouts_quantize() -> None:
+    """tests/vllm_reference_kernels.py reads back what tests/quantized_layouts.py writes: W4A16's packed
+    values exactly, FP8 blocks and MXFP4 within their formats' rounding (which the reference forward's
+    tokens would not show)."""
+    import torch
+
+    from . import vllm_reference_kernels as reference
+
+    w = torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(0)) * 0.2
+    q, scale = quantized_layouts.symmetric(w[0], 4, quantized_layouts.GROUP)
+    packed = quantized_layouts.pack_int4(q + 8, 1)
+    assert torch.equal(reference._packed_int4(packed, scale), q * scale.repeat_interleave(quantized_layouts.GROUP, 1))
+    fp8 = quantized_layouts.quantized("x.weight", w[0], "fp8-block")
+    assert (reference._fp8_block(fp8["x.weight"], fp8["x.weight_scale_inv"]) - w[0]).norm() < 0.05 * w[0].norm()
+    blocks, scales = quantized_layouts.mxfp4(w)
+    assert (reference._mxfp4(blocks.flatten(-2), scales) - w).norm() < 0.15 * w.norm()
 
 
 def test_a_many_expert_checkpoint_dry_runs_one_layer_and_places_its_twins(engines: dict[str, Any]) -> None:
