@@ -16,11 +16,18 @@ exchange.py).
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+log = logging.getLogger("streamload")
 
 ENVIRONMENT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 
@@ -83,15 +90,71 @@ def _form(fleet: Fleet) -> tuple[Any, Any]:
     from .errors import StreamloadError
 
     host, _, port = fleet.address.rpartition(":")
+    me = f"rank {fleet.rank} of {fleet.world_size}"
+    try:  # a name that does not resolve never will within the timeout: said at once, not after it
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise StreamloadError(f"joining the fleet at {fleet.address} as {me}: cannot resolve {host!r}: {exc}") from None
+    # Under torchrun its agent serves the store at MASTER_ADDR:MASTER_PORT already: join it as a client.
+    serve = fleet.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    what = f"the other {fleet.world_size - 1} member(s) to join" if serve else "rank 0 to serve the fleet's store"
+    bound = fleet.timeout.total_seconds()
     try:
-        # Under torchrun its agent serves the store at MASTER_ADDR:MASTER_PORT already: join it as a client.
-        serve = fleet.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        store = dist.TCPStore(host, int(port), fleet.world_size, is_master=serve, timeout=fleet.timeout)
-        group = dist.ProcessGroupGloo(dist.PrefixStore("streamload/fleet/", store), fleet.rank, fleet.world_size,
-                                      fleet.timeout)  # fmt: skip
+        with _saying_while(f"fleet {fleet.address}, {me}: waiting for {what}", bound):
+            if not serve and not _listening(host, int(port), time.monotonic() + bound):
+                raise StreamloadError(
+                    f"joining the fleet at {fleet.address} as {me}: nothing served the fleet's store there within "
+                    f"{bound:.0f} s (rank 0 serves it: is it started, with this address?)"
+                )
+            store = dist.TCPStore(host, int(port), fleet.world_size, is_master=serve, timeout=fleet.timeout)
+            group = dist.ProcessGroupGloo(dist.PrefixStore("streamload/fleet/", store), fleet.rank, fleet.world_size,
+                                          fleet.timeout)  # fmt: skip
+    except StreamloadError:
+        raise
     except Exception as exc:
         raise StreamloadError(
-            f"joining the fleet at {fleet.address} as rank {fleet.rank} of {fleet.world_size} failed (every member "
-            f"must join within {fleet.timeout.total_seconds():.0f} s; rank 0 serves the address): {exc}"
+            f"joining the fleet at {fleet.address} as {me} failed (every member must join within "
+            f"{fleet.timeout.total_seconds():.0f} s; rank 0 serves the address): {exc}"
         ) from exc
     return store, group
+
+
+def _listening(host: str, port: int, deadline: float) -> bool:
+    """Whether something accepts connections at host:port before `deadline` (tried each second): a
+    member waits for rank 0 here, in its own words, not in torch's store client's retries and traces."""
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return True
+        except OSError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(1.0, left))
+
+
+# First word after this long, then every `_SAY_EVERY` seconds: a member started first waits in silence no
+# longer than a user would before thinking it hung.
+_SAY_AFTER, _SAY_EVERY = 5.0, 30.0
+
+
+@contextmanager
+def _saying_while(what: str, bound: float) -> Iterator[None]:
+    """Logs `what` (with the seconds waited, of `bound`) while the block waits; the thread that says it
+    ends with the block."""
+    done = threading.Event()
+    started = time.monotonic()
+
+    def say() -> None:
+        wait = _SAY_AFTER
+        while not done.wait(wait):
+            log.warning("streamload: %s (%.0f s of at most %.0f s)", what, time.monotonic() - started, bound)
+            wait = _SAY_EVERY
+
+    speaker = threading.Thread(target=say, name="streamload-fleet-wait", daemon=True)
+    speaker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        speaker.join()

@@ -413,3 +413,41 @@ def test_from_pretrained_on_a_config_that_is_not_json_names_the_file(tmp_path: P
         streamload.StreamloadError, match=rf"{tmp_path}/config.json: transformers cannot read this config"
     ):
         streamload.from_pretrained(tmp_path, device="cpu")
+
+
+# -- a fleet that cannot form --------------------------------------------------------------------------------
+
+
+def test_a_fleet_address_that_does_not_resolve_fails_at_once_naming_it(tmp_path: Path) -> None:
+    fleet = streamload.Fleet("nohost.invalid:29511", world_size=2, rank=1)  # waits 5 minutes by default
+    started = time.monotonic()
+    with pytest.raises(
+        streamload.StreamloadError, match=r"fleet at nohost.invalid:29511 as rank 1 of 2: cannot resolve"
+    ):
+        streamload.load(small_checkpoint(tmp_path), cooperative=fleet)
+    assert time.monotonic() - started < 30
+
+
+def test_a_member_waiting_for_rank_0_says_so_and_gives_up_at_its_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import datetime
+
+    from streamload import fleet as fleets
+
+    monkeypatch.setattr(fleets, "_SAY_AFTER", 0.5)
+    monkeypatch.setattr(fleets, "_SAY_EVERY", 1.0)
+    with socket.socket() as s:  # a port nothing listens on (rank 0 never started)
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    fleet = streamload.Fleet(address, world_size=2, rank=1, timeout=datetime.timedelta(seconds=3))
+    threads = threading.active_count()
+    started = time.monotonic()
+    with pytest.raises(
+        streamload.StreamloadError, match=rf"{address} as rank 1 of 2: nothing served the fleet's store"
+    ):
+        streamload.load(small_checkpoint(tmp_path), cooperative=fleet)
+    assert 2.5 < time.monotonic() - started < 15
+    said = [r.getMessage() for r in caplog.records if "waiting for rank 0 to serve the fleet's store" in r.getMessage()]
+    assert len(said) >= 2 and all(address in line and "of at most 3 s" in line for line in said), said
+    assert threading.active_count() == threads  # the thread that said it ended with the wait
