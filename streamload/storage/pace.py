@@ -96,6 +96,20 @@ class Pace:
         self._count(-1)
         self._wake()
 
+    def refused(self, ticket: tuple[int, int]) -> bool:
+        """The store refused or dropped a request's connection before answering (it caps connections:
+        nginx's `worker_connections`, a proxy's limit): half as many requests at once, kept for the load,
+        as object-store clients back off. True where the request may be tried again at no cost to its
+        attempts: the count was halved now, or already since it began; False at one request at once."""
+        if ticket[0] != self.level:
+            return True
+        if self.limit <= 1:
+            return False
+        log.info("streamload: the store refused connections: %d requests at once, not %d", self.limit // 2, self.limit)
+        self._settled, self._before = True, None
+        self._change(self.limit // 2)
+        return True
+
     def _count(self, change: int) -> None:
         now = time.perf_counter()
         self._area += self._active * (now - self._tick)

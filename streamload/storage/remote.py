@@ -233,7 +233,8 @@ class ObjectStorage:
         is raised at once, named."""
         last: BaseException | None = None
         timed_out = 0  # attempts that ran out the timeout: a server that accepts and never answers says nothing
-        for attempt in range(self.retries + 1):
+        attempt = 0
+        while attempt <= self.retries:
             if stopped is not None and stopped.is_set():
                 raise ReadError(f"{path}: the load was stopped")
             ticket = await self.pace.acquire(measured)
@@ -244,14 +245,17 @@ class ObjectStorage:
                 if not _transient(exc):
                     raise _named(exc, path, span) from exc
                 last = exc
-                if time.monotonic() - began >= 0.9 * _timeout():
+                if _connection_refused(exc) and self.pace.refused(ticket):
+                    attempt -= 1  # fewer connections now: this one is tried again at no cost
+                elif time.monotonic() - began >= 0.9 * _timeout():
                     timed_out += 1
                     if attempt < self.retries:  # minutes may pass in silence otherwise
                         log.warning("streamload: %s: %s got no answer within %g s; trying again (attempt %d of %d)",
                                     path, _what(span), _timeout(), attempt + 2, self.retries + 1)  # fmt: skip
             finally:
                 self.pace.release()
-            await asyncio.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
+            attempt += 1
+            await asyncio.sleep(min(2.0, 0.05 * 2 ** max(0, attempt - 1)) * (0.5 + random.random()))
         if timed_out:
             raise ReadError(
                 f"{path}: {_what(span)} got no answer within {_timeout():g} s in {timed_out} of {self.retries + 1} "
@@ -436,6 +440,16 @@ def _identity(meta: Any) -> tuple[object, ...]:
     """(size, "etag", ETag), or (size, "modified", Last-Modified) from a server that sends no ETag."""
     tag = meta.get("e_tag")
     return (int(meta["size"]), "etag", tag) if tag else (int(meta["size"]), "modified", str(meta.get("last_modified")))
+
+
+# How a store that caps its connections turns one away: refused, or accepted and closed before the
+# request went out (hyper's "error sending request"); a request sent and dropped unanswered is not this.
+_CONNECTION_REFUSED = ("error sending request", "connection refused", "connection reset")
+
+
+def _connection_refused(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(words in text for words in _CONNECTION_REFUSED)
 
 
 def _transient(exc: BaseException) -> bool:
