@@ -451,3 +451,28 @@ def test_a_member_waiting_for_rank_0_says_so_and_gives_up_at_its_timeout(
     said = [r.getMessage() for r in caplog.records if "waiting for rank 0 to serve the fleet's store" in r.getMessage()]
     assert len(said) >= 2 and all(address in line and "of at most 3 s" in line for line in said), said
     assert threading.active_count() == threads  # the thread that said it ended with the wait
+
+
+# -- vLLM's --model-loader-extra-config, checked where the engine's config is built ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (
+            {"bogus": 1},
+            "unknown model_loader_extra_config keys for load format 'streamload': bogus; known keys: reader",
+        ),
+        ({"threads": "many"}, "model_loader_extra_config['threads'] must be an int, not 'many'"),
+        ({"source": "/nonexistent/dir"}, "model_loader_extra_config['source']: /nonexistent/dir: no such file or"),
+    ],
+)
+def test_bad_loader_options_are_one_line_before_the_engine_starts(extra: dict[str, Any], said: str) -> None:
+    """What vLLM's `create_load_config` (patched in the process that starts the engine, before any
+    worker) calls: a wrong key, a wrong type and a source that is not there each one line, no traceback
+    from a worker a minute later (the engines' own run asserts the first two through a real engine)."""
+    from streamload.integrations.vllm.options import check_options
+
+    with pytest.raises(ValueError, match=re.escape(said)):
+        check_options(extra)
+    assert check_options({"source": "s3://bucket/model/"}) == {"source": "s3://bucket/model/"}  # not looked up here

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from streamload import options, pins
+from streamload.storage.remote import is_url
 
 from . import FORMAT
 
@@ -54,4 +56,7 @@ def check_options(extra: Any) -> dict[str, Any]:
                 pins.pins(value)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"model_loader_extra_config: {exc}") from None
+    source = extra.get("source")
+    if source is not None and not is_url(source) and not Path(source).exists():  # not a minute later, in a worker
+        raise ValueError(f"model_loader_extra_config['source']: {source}: no such file or directory")
     return checked
