@@ -102,8 +102,18 @@ def test_vllms_model_inspections_are_installed_by_the_fetch_started_first(
     (node / "modelinfos").mkdir()
     (node / "modelinfos" / "vllm-models-llama-LlamaForCausalLM.json").write_text('{"hash": "h", "modelinfo": {}}')
     (node / "modelinfos" / "vllm-models-qwen2-Qwen2ForCausalLM.json").write_text('{"hash": "q"}')
+    (node / "modelinfos" / "vllm-models-bert-BertModel.json").write_text('{"hash": "b"}')  # another model's
     model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (node / "modelinfos" / "vllm-models-llama-LlamaForCausalLM.json").chmod(0o600)  # as private here
     compiled.publish(model, node)
+    import tarfile
+
+    with tarfile.open(model / prefetch.MODEL_INFOS) as tar:  # this model's classes only, readable by all
+        assert [(m.name, m.mode) for m in tar.getmembers()] == [
+            ("modelinfos/vllm-models-llama-LlamaForCausalLM.json", 0o644)
+        ]
     cold = tmp_path / "node-b"
     (cold / "modelinfos").mkdir(parents=True)
     (cold / "modelinfos" / "vllm-models-qwen2-Qwen2ForCausalLM.json").write_text("its own")
@@ -300,6 +310,8 @@ def test_model_inspections_are_installed_only_as_the_plain_data_vllm_parses(
     (written / "modelinfos" / "x-Extra.json").write_text('{"hash": "h", "modelinfo": {}, "code": "print(1)"}')
     _cache(written)
     model = tmp_path / "model"
+    model.mkdir()  # a config naming them all, so that publishing packs them: what installs is decided there
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM", "Evil", "Pickle", "Extra"]}')
     compiled.publish(model, written)
     cold = tmp_path / "node-b"
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(cold))

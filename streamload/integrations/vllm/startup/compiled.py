@@ -79,7 +79,7 @@ def publish(checkpoint: str | os.PathLike[str], root: str | os.PathLike[str] | N
     target = folder / f"{key_name(key)}.tar"
     atomic.write(target, lambda f: _tar(f, [(source / CACHE, CACHE)]), sync=True)
     if (source / "modelinfos").is_dir():  # vLLM's model inspections: installed by the fetch started first
-        _pack_model_infos(source / "modelinfos", Path(checkpoint) / MODEL_INFOS)
+        _pack_model_infos(source / "modelinfos", Path(checkpoint) / MODEL_INFOS, _architectures(Path(checkpoint)))
     index = _read_index(folder / INDEX)
     index[key_name(key)] = key
     atomic.write(folder / INDEX, json.dumps(index, indent=1, sort_keys=True).encode())
@@ -153,16 +153,37 @@ def _compiled_folders(cache: Path) -> list[Path]:
     return out
 
 
-def _pack_model_infos(folder: Path, target: Path) -> None:
-    infos = [(info, f"modelinfos/{info.name}") for info in sorted(folder.glob("*.json"))]
-    atomic.write(target, lambda f: _tar(f, infos))
+def _architectures(checkpoint: Path) -> list[str]:
+    """The model classes the checkpoint's config.json names (none where it has no readable one)."""
+    try:
+        names = json.loads((checkpoint / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [n for n in names if isinstance(n, str)]
+
+
+def _pack_model_infos(folder: Path, target: Path, architectures: list[str]) -> None:
+    """vLLM's inspections of this checkpoint's model classes only (`...-<Architecture>.json`), not
+    those of every model the node ever ran."""
+    ours = [i for i in sorted(folder.glob("*.json")) if i.stem.rpartition("-")[2] in architectures]
+    if ours:
+        atomic.write(target, lambda f: _tar(f, [(info, f"modelinfos/{info.name}") for info in ours]))
 
 
 def _tar(into: BinaryIO, members: list[tuple[Path, str]]) -> None:
-    """A tar archive of each (path, name in the archive), written into `into`."""
+    """A tar archive of each (path, name in the archive), written into `into`: readable by every user
+    of the node that installs it (files 0644, folders 0755, owned by no one in particular), whatever
+    the modes and owner they have here."""
+
+    def shared(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.mode = 0o755 if info.isdir() or info.mode & 0o100 else 0o644
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        return info
+
     with tarfile.open(fileobj=into, mode="w") as tar:
         for path, name in members:
-            tar.add(path, arcname=name)
+            tar.add(path, arcname=name, filter=shared)
 
 
 def _read_index(path: Path) -> dict[str, dict[str, str]]:
