@@ -476,3 +476,28 @@ def test_bad_loader_options_are_one_line_before_the_engine_starts(extra: dict[st
     with pytest.raises(ValueError, match=re.escape(said)):
         check_options(extra)
     assert check_options({"source": "s3://bucket/model/"}) == {"source": "s3://bucket/model/"}  # not looked up here
+
+
+def test_compile_cache_publish_onto_a_read_only_checkpoint_is_one_line(mount: Mount, tmp_path: Path) -> None:
+    cache_root = tmp_path / "vllm-cache"
+    (cache_root / "torch_compile_cache" / "abc").mkdir(parents=True)
+    (cache_root / "torch_compile_cache" / "abc" / "artifact").write_text("compiled")
+    folder = mount(fill=small_checkpoint, read_only=True)
+    run = cli("compile-cache", "publish", str(folder), "--cache-root", str(cache_root), timeout=120)
+    line = one_line_error(run, str(folder))
+    assert "Read-only file system" in line or "not writable" in line, line
+
+
+def test_from_pretrained_takes_torch_dtype_as_transformers_does_and_refuses_an_unknown_option_first(
+    tmp_path: Path,
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = streamload.from_pretrained(tmp_path, device="cpu", torch_dtype=torch.float16)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    with pytest.raises(ValueError, match="give dtype= or torch_dtype= .*not both"):
+        streamload.from_pretrained(tmp_path, device="cpu", dtype=torch.float16, torch_dtype=torch.float16)
+    with pytest.raises(TypeError, match="from_pretrained\\(\\) got unexpected keyword arguments: low_cpu_mem_usage"):
+        streamload.from_pretrained(tmp_path, device="cpu", low_cpu_mem_usage=True)

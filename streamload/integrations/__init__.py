@@ -12,6 +12,7 @@ from torch import nn
 
 from streamload.errors import SourceError
 from streamload.module import OnLayer
+from streamload.options import TABLE
 from streamload.storage.remote import is_url
 
 if TYPE_CHECKING:
@@ -61,6 +62,13 @@ def from_pretrained(
         >>> pipe = streamload.from_pretrained("path/to/sd-turbo", device="cuda", variant="fp16")  # doctest: +SKIP
         >>> image = pipe("a lighthouse at dusk", num_inference_steps=1).images[0]  # doctest: +SKIP
     """
+    if "torch_dtype" in options:  # transformers' and diffusers' earlier name for dtype=, which they accept
+        if dtype is not None:
+            raise ValueError(f"{path}: give dtype= or torch_dtype= (its earlier name), not both")
+        dtype = options.pop("torch_dtype")  # type: ignore[typeddict-item]
+    unknown = sorted(set(options) - set(TABLE))
+    if unknown:  # before a model is built, not when its weights are read
+        raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(unknown)}")
     if not is_url(str(path)):
         _check_folder(Path(path))
     from . import diffusers
