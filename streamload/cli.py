@@ -382,6 +382,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.path is None:
         print("streamload: error: bench needs a checkpoint PATH (or --list)", file=sys.stderr)
         return 2
+    from . import device, routes
+
+    routes.usable(device.resolve(args.device))  # before any run, not in each run's failure
     if args.sweep:
         if args.loaders or args.verify:
             print(

@@ -132,6 +132,15 @@ DEVICES: dict[tuple[str, Into], Callable[[torch.device], Device]] = {
 }
 
 
+def usable(dev: torch.device) -> torch.device:
+    """`dev`, where a load can put tensors here; else one line saying why."""
+    if dev.type not in {kind for kind, _ in DEVICES}:
+        raise UnsupportedError(f"device {dev} is not supported (use 'cpu', 'cuda' or 'cuda:N')")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedError(f"device {dev}: this torch sees no CUDA device")
+    return dev
+
+
 def route(
     dev: torch.device,
     reader: str,
@@ -149,10 +158,7 @@ def route(
     names = [r.name for r in READERS]
     if reader != "auto" and reader not in names:
         raise ValueError(f"reader must be 'auto' or one of {', '.join(repr(n) for n in names)}, not {reader!r}")
-    if dev.type not in {kind for kind, _ in DEVICES}:
-        raise UnsupportedError(f"device {dev} is not supported (use 'cpu', 'cuda' or 'cuda:N')")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UnsupportedError(f"device {dev}: this torch sees no CUDA device")
+    usable(dev)
     chosen = reader != "auto"
     load = Load(dev, tuning, first_file, total_bytes, chosen, copies)
     for row in READERS:
