@@ -505,6 +505,6 @@ def test_from_pretrained_takes_torch_dtype_as_transformers_does_and_refuses_an_u
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_bench_on_a_device_this_machine_lacks_is_one_line_before_any_run(tmp_path: Path) -> None:
-    run = cli("bench", str(small_checkpoint(tmp_path / "ckpt")), "--device", "cuda", timeout=120)
+    run = cli("bench", str(small_checkpoint(tmp_path)), "--device", "cuda", timeout=120)
     one_line_error(run, "device cuda: this torch sees no CUDA device")
     assert "run 1/" not in run.stderr + run.stdout
