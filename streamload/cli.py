@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, NoReturn
@@ -110,6 +111,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="fetch, first, the compiled-artifact archive of this digest published beside the "
                        "weights (it runs as code: only a pinned one is installed; repeat for several)")  # fmt: skip
     serve.add_argument("server", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the server to run")
+    ahead = sub.add_parser("prefetch", help="read a checkpoint ahead of its load: local files into the page cache, "
+                           "object storage into --cache-dir")  # fmt: skip
+    ahead.add_argument("source", help="a checkpoint directory, file, s3:// or http(s):// prefix")
+    ahead.add_argument("--cache-dir", type=Path, default=None, help="where objects go (loads with it read them there)")
+    ahead.add_argument("--threads", type=_positive, default=None, help="reads at once (default: as a load)")
     compiled = sub.add_parser(
         "compile-cache", help="publish vLLM's compiled artifacts beside a checkpoint, for nodes that start cold",
         description="Pack vLLM's torch.compile cache (VLLM_CACHE_ROOT, ~/.cache/vllm) into "
@@ -173,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args)
         elif args.command == "vllm-check":
             return _vllm_check(args)
+        elif args.command == "prefetch":
+            _prefetch(args.source, args.cache_dir, args.threads)
         elif args.command == "compile-cache":
             if not args.checkpoint.is_dir():  # publish makes its folder: a mistyped path would get one, silently
                 raise StreamloadError(f"{args.checkpoint}: no such checkpoint directory (publish goes beside it)")
@@ -208,6 +216,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streamload: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _prefetch(source: str, cache_dir: Path | None, threads: int | None) -> None:
+    from .prefetch import fetch
+
+    started = time.perf_counter()
+    report = fetch(source, cache_dir, None, threads)
+    if not report["ok"]:
+        raise StreamloadError(f"{source}: {report['error']}")
+    where = f" into {cache_dir}" if cache_dir is not None else ""
+    print(f"prefetched {source}{where}: {report['bytes'] / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s")
 
 
 def _vllm_check(args: argparse.Namespace) -> int:

@@ -508,3 +508,22 @@ def test_bench_on_a_device_this_machine_lacks_is_one_line_before_any_run(tmp_pat
     run = cli("bench", str(small_checkpoint(tmp_path)), "--device", "cuda", timeout=120)
     one_line_error(run, "device cuda: this torch sees no CUDA device")
     assert "run 1/" not in run.stderr + run.stdout
+
+
+def test_prefetch_is_a_subcommand_as_the_readme_shows(tmp_path: Path) -> None:
+    folder = small_checkpoint(tmp_path)
+    run = cli("prefetch", str(folder), timeout=120)
+    assert run.returncode == 0 and f"prefetched {folder}: " in run.stdout, run.stderr
+    one_line_error(cli("prefetch", str(tmp_path / "typo"), timeout=120), str(tmp_path / "typo"))
+    assert "streamload prefetch PATH|URL" in (ROOT / "README.md").read_text()
+
+
+def test_the_readmes_engine_snippets_run_as_scripts() -> None:
+    """vLLM starts its workers by spawning, which imports the script again: an `LLM(...)` at a script's
+    top level starts engines without end (or fails); every README snippet that builds one guards it."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    engines = [b for b in blocks if "= LLM(" in b]
+    assert len(engines) >= 3
+    for block in engines:
+        guard = block.index('if __name__ == "__main__":')
+        assert all(guard < m.start() for m in re.finditer(r"= LLM\(", block)), block
