@@ -21,10 +21,7 @@ are in (one whose partner comes in a later group waits for it), so memory is one
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -171,43 +168,24 @@ class Dequantization:
 
     def apply(
         self, tensors: dict[str, torch.Tensor], dtype_of: Callable[[str], torch.dtype]
-    ) -> dict[str, torch.Tensor]:
-        """A group's tensors with each target whose parts are all in computed (in `dtype_of(target)` or
-        the format's own dtype), the parts taken out; a part whose partners are not in yet waits."""
-        out: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A group's tensors (taken out of `tensors` as they go), each target whose parts are all in
+        computed (in `dtype_of(target)` or the format's own dtype) in place of its parts, one at a time:
+        the caller puts each away before the next is computed, so a group holds one computed tensor at
+        a time, not all of them. A part whose partners are not in yet waits for them."""
+        for name in list(tensors):
+            t = tensors.pop(name)
             if name not in self.role:
-                out[name] = t
+                yield name, t
                 continue
             self._waiting[name] = t
+            del t
             target = self.role[name][0]
             parts = self.pairs[target]
             if all(p in self._waiting for p in parts):
                 dtype = self.dtypes.get(target) or dtype_of(target)
-                out[target] = self.format.compute([self._waiting.pop(p) for p in parts], dtype)
-        return out
-
-    def released(self) -> None:
-        """A group's parts and its computations' temporaries, freed by its caller, handed back to the
-        system before the next group is read (see `_give_back_freed`)."""
-        _give_back_freed()
+                yield target, self.format.compute([self._waiting.pop(p) for p in parts], dtype)
 
     def left(self) -> list[str]:
         """Parts whose partners never came (a load that included some parts of a target and not all)."""
         return sorted(self._waiting)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def _give_back_freed() -> None:
-    """The heap memory a group's computations freed, handed back to the system. Their temporaries
-    (megabytes each) come from glibc's heap, between the long-lived tensors computed beside them: left
-    there, the holes add ~10% of the model to the process's peak by the end of a load."""
-    if (trim := _malloc_trim()) is not None:
-        trim(0)

@@ -180,10 +180,11 @@ class _Filler:
     def fill(self, key: str, tensors: dict[str, torch.Tensor], on_layer: object) -> tuple[str, nn.Module | None] | None:
         """Assign a group's tensors; the (key, submodule) for `on_layer` when the group is a layer
         and there is an `on_layer` (the sync and async faces only differ in how they call it)."""
-        if self.dequantization is not None:
-            tensors = self.dequantization.apply(tensors, lambda name: self._get(self.target_of(name)).dtype)
-        for name, t in tensors.items():
-            self.assign(name, t)
+        arriving = tensors.items() if self.dequantization is None else self.dequantization.apply(
+            tensors, lambda name: self._get(self.target_of(name)).dtype
+        )  # fmt: skip
+        for name, t in arriving:
+            self.assign(name, t)  # (a computed weight is put away before the next is computed)
         if on_layer is not None and layer_of(key + ".") is not None:
             return key, self.submodule(key)
         return None
@@ -487,9 +488,6 @@ def load_into(
         filler.start(groups, strict)
         for key, tensors in groups:
             layer = filler.fill(key, tensors, on_layer)
-            if dequantize is not None:
-                del tensors  # what was computed from (only its results are kept)
-                dequantize.released()
             if layer is not None:
                 on_layer(*layer)  # type: ignore[misc]
     if dequantize is not None and (left := dequantize.left()):
