@@ -527,3 +527,20 @@ def test_the_readmes_engine_snippets_run_as_scripts() -> None:
     for block in engines:
         guard = block.index('if __name__ == "__main__":')
         assert all(guard < m.start() for m in re.finditer(r"= LLM\(", block)), block
+
+
+def test_a_passing_tests_temporary_files_are_not_kept(tmp_path: Path) -> None:
+    """The suite writes gigabytes of checkpoints under pytest's temporary directory: with this
+    project's settings only a failed test's are kept to look at (pytest keeps every test's of the last
+    three runs otherwise: ~1.3 GB)."""
+    (tmp_path / "test_two.py").write_text(
+        "def test_passes(tmp_path):\n    (tmp_path / 'ckpt').write_bytes(b'x')\n\n"
+        "def test_fails(tmp_path):\n    (tmp_path / 'ckpt').write_bytes(b'x')\n    assert False\n"
+    )
+    base = tmp_path / "base"
+    argv = ["-q", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path), "-p", "no:cacheprovider",
+            "--basetemp", str(base), str(tmp_path / "test_two.py")]  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "pytest", *argv], capture_output=True, text=True, timeout=120)
+    assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
+    kept = sorted(p.name for p in base.iterdir() if not p.is_symlink()) if base.exists() else []
+    assert kept == ["test_fails0"], kept
