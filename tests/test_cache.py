@@ -123,6 +123,7 @@ def assert_later_loads_exact(url: str, cache: Path, store: Path) -> None:
         got = dict(stream)
     assert all(same_bits(got[n], ref[n]) for n in ref)
     assert_cache_holds_only_whole_copies(cache, store)
+    assert sorted(cache.rglob("*.lock")) == []  # each removed by the process that held it last
 
 
 def start_two(url: str, cache: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:

@@ -1,7 +1,8 @@
 """A local copy of objects, written as their bytes stream past, so that the next load is local.
 
 Layout: `cache_dir/<scheme>/<bucket or host>/<key>`, with `<key>.streamload.json` beside it (the object's
-size and ETag or Last-Modified, and the copy's inode and mtime) and `<key>.lock`, which the writer of `<key>` holds.
+size and ETag or Last-Modified, and the copy's inode and mtime) and `<key>.lock`, which the writer of `<key>` holds
+(and removes as it lets go).
 
 Any number of processes, on one host or on several over a shared file system, may fill and read one
 cache at once:
@@ -200,6 +201,7 @@ class Claim:
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
+            _unlink_if_ours(Path(str(self.final) + LOCK), fd)  # while held: no lock file outlives its use
             os.close(fd)  # drops the lock
         if self._holding:
             self._holding = False
@@ -207,18 +209,44 @@ class Claim:
 
 
 def _locked(final: Path) -> int | None:
-    """A descriptor holding `final`'s lock; None where another process holds it."""
+    """A descriptor holding `final`'s lock; None where another process holds it. Its holder removes the
+    lock file as it lets go (`Claim.release`): a lock taken on a file no longer at the path (removed,
+    or removed and made anew, between this process opening it and locking it) locks nothing anyone
+    else sees, so it is let go and the path's file taken instead."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd = _open_lock(Path(str(final) + LOCK))
+    lock = Path(str(final) + LOCK)
+    while True:
+        fd = _open_lock(lock)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process writes it
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _is_at(lock, fd):
+            return fd
+        os.close(fd)
+
+
+def _is_at(path: Path, fd: int) -> bool:
+    """Whether the file open at `fd` is the one at `path` now."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # another process writes it
-        os.close(fd)
-        return None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        at, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _unlink_if_ours(lock: Path, fd: int) -> None:
+    """`lock` removed, if it is still the file this process holds locked at `fd` (where this user may:
+    another user's, in a folder this one cannot write, stays)."""
+    try:
+        if _is_at(lock, fd):
+            lock.unlink()
+    except OSError:
+        pass
 
 
 def _open_lock(lock: Path) -> int:
