@@ -182,21 +182,29 @@ def test_a_quantized_checkpoint_equals_vllms_own_loader(engines: dict[str, Any],
     weights, scales, zero points) equals vLLM's default loader's right
     after `load_weights`, placed straight into the parameters (by default and `direct`), read whole,
     with `verify`, and at TP=2, on its own and `cooperative`."""
-    result = engines[f"check/quantized/{case}"]
-    layout, mode = case.partition("/")[0], case.rpartition("/")[2]
+    layout = case.partition("/")[0]
+    unused = 14 if layout == "gptq-g-idx" else 0  # vLLM has no g_idx: never read
+    _identical(engines[f"check/quantized/{case}"], case, QUANTIZED_PARAMETERS[layout], QUANTIZED_WHOLE.get(layout, 0),
+               unused)  # fmt: skip
+
+
+def _identical(result: dict[str, Any], case: str, tensors: int, whole: int, unused: int = 0) -> None:
+    """A quantized check's `result`: every parameter as vLLM's default loader left it (`tensors` of
+    them), placed straight into the parameters where the dry run saw a plain copy, `whole` of them
+    through load_weights with the reason (one weight_shape for fused shards, a per-shard scale
+    indexed, packed columns of gate_up), `unused` never read; read whole in the mode that says so."""
     assert result["ok"], result["differences"]
-    assert result["tensors"] == QUANTIZED_PARAMETERS[layout]
+    assert result["tensors"] == tensors
     report = result["report"]
     if "/tp2/" in case:  # (the report of a rank in another process is not seen here)
         return
-    if mode == "whole":
+    if case.endswith("/whole"):
         assert report["direct"] == 0 and report["through_model"] > 0, report
-    else:  # straight into the parameters where the dry run saw a plain copy; whole, with the reason, where
-        # not (one weight_shape for fused shards, a per-shard scale indexed, packed columns of gate_up)
-        assert report["direct"] > 0 and not report["diverged"], report
-        assert report["through_model"] == QUANTIZED_WHOLE.get(layout, 0), report
-        assert bool(report["through_model"]) == bool(report["why_whole"]), report
-        assert report["unused"] == (14 if layout == "gptq-g-idx" else 0), report  # vLLM has no g_idx: never read
+        return
+    assert report["direct"] > 0 and not report["diverged"], report
+    assert report["through_model"] == whole, report
+    assert bool(report["through_model"]) == bool(report["why_whole"]), report
+    assert report["unused"] == unused, report
 
 
 def test_a_quantized_checkpoint_with_a_flipped_byte_is_refused_with_verify(engines: dict[str, Any]) -> None:
@@ -254,20 +262,11 @@ def test_a_quantized_mixture_of_experts_equals_vllms_own_loader(engines: dict[st
     engines' process (tests/vllm_reference_kernels.py). Every parameter (packed experts, block scales,
     exponents, biases) equals vLLM's default loader's right after `load_weights`, in every mode and at
     TP=2 on its own and `cooperative`."""
+    layout = case.partition("/")[0]
     result = engines[f"check/quantized/{case}"]
-    layout, mode = case.partition("/")[0], case.rpartition("/")[2]
-    assert result["ok"], result["differences"]
-    assert result["tensors"] == QUANTIZED_MOE_PARAMETERS[layout]
-    report = result["report"]
-    if "/tp2/" in case:  # (the report of a rank in another process is not seen here)
-        return
-    if mode == "whole":
-        assert report["direct"] == 0 and report["through_model"] > 0, report
-    else:
-        assert report["direct"] > 0 and report["by_twin"] > 0 and not report["diverged"], report
-        assert report["through_model"] == QUANTIZED_MOE_WHOLE[layout], report
-        assert bool(report["through_model"]) == bool(report["why_whole"]), report
-        assert report["unused"] == 0, report
+    _identical(result, case, QUANTIZED_MOE_PARAMETERS[layout], QUANTIZED_MOE_WHOLE[layout])
+    if not case.endswith(("/whole", "/tp2/default", "/tp2/cooperative")):  # the later layers placed as layer 0's twins
+        assert result["report"]["by_twin"] > 0, result["report"]
 
 
 @pytest.mark.parametrize("layout", list(quantized_layouts.MOE_CONFIGS))
