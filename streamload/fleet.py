@@ -113,8 +113,8 @@ def _form(fleet: Fleet) -> tuple[Any, Any]:
         raise
     except Exception as exc:
         raise StreamloadError(
-            f"joining the fleet at {fleet.address} as {me} failed (every member must join within "
-            f"{fleet.timeout.total_seconds():.0f} s; rank 0 serves the address): {exc}"
+            f"joining the fleet at {fleet.address} as {me} failed (every member must join within {bound:.0f} s; "
+            f"rank 0 serves the address): {exc}"
         ) from exc
     return store, group
 

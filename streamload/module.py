@@ -487,8 +487,7 @@ def load_into(
     with layers(checkpoint, **filler.destinations(options, checkpoint)) as groups:
         filler.start(groups, strict)
         for key, tensors in groups:
-            layer = filler.fill(key, tensors, on_layer)
-            if layer is not None:
+            if (layer := filler.fill(key, tensors, on_layer)) is not None:
                 on_layer(*layer)  # type: ignore[misc]
     if dequantize is not None and (left := dequantize.left()):
         what = f"loading into {type(module).__name__}"

@@ -23,7 +23,7 @@ from streamload.convert import Conversion, Region, Step
 from streamload.dequantize import Dequantization, Format
 from streamload.dtypes import as_torch_dtype
 from streamload.errors import UnsupportedError
-from streamload.module import OnLayer, empty_weights, load_into
+from streamload.module import OnLayer, _Filler, empty_weights, load_into
 from streamload.storage.remote import is_url
 
 if TYPE_CHECKING:
@@ -92,12 +92,15 @@ def from_pretrained(
     tied(model)
     checkpoint = inspect(source, options.get("cache_dir"))
     stored = checkpoint.tensors
-    computed = dequantization(config, stored) or decompressed_experts(quantizer, model, stored)
+    computed, placed = dequantization(config, stored), None
+    if computed is None and (experts := decompressed_experts(quantizer, model, stored)) is not None:
+        computed, placed = experts  # placed as computed: the quantizer's conversions would decompress them
     shapes = computed.shapes(stored) if computed else {n: tuple(t.shape) for n, t in stored.items()}
-    # the quantizer's conversions decompress the experts it computes from: placed as computed here
-    placed = conversion(model, shapes, None if computed else quantizer)
-    fits(model, config, placed.targets(shapes), strict)
-    shapes_fit(model, config, placed, shapes, stored, computed)
+    if placed is None:
+        placed = conversion(model, shapes, None if computed else quantizer)
+    filler = _Filler(model)
+    fits(filler, config, placed.targets(shapes), strict)
+    shapes_fit(filler, config, placed, shapes, stored, computed)
     if dtype is not None:  # each tensor as its parameter was built (transformers keeps some in float32)
         dtype = _dtypes(model, placed, stored, dtype)
     load_into(
@@ -144,11 +147,13 @@ def dequantization(config: Any, stored: Mapping[str, Any]) -> Dequantization | N
     return Dequantization.of(method, stored)
 
 
-def decompressed_experts(quantizer: Any, model: nn.Module, stored: Mapping[str, Any]) -> Dequantization | None:
+def decompressed_experts(
+    quantizer: Any, model: nn.Module, stored: Mapping[str, Any]
+) -> tuple[Dequantization, Conversion] | None:
     """compressed-tensors experts that transformers 5 merges into fused tensors (its `DecompressExperts`
     conversion: every other quantized layer stays as stored): each expert's weight decompressed by
     transformers' own operation as its packed values, scale and shape arrive, then copied into its
-    region of the fused parameter. None where there are none."""
+    region of the fused parameter; with the checkpoint's placement as computed. None where there are none."""
     if quantizer is None or not hasattr(quantizer, "compressor"):
         return None
     from transformers.integrations.compressed_tensors import DecompressExperts, get_experts_scheme
@@ -177,8 +182,12 @@ def decompressed_experts(quantizer: Any, model: nn.Module, stored: Mapping[str, 
     candidates = Dequantization.of(fmt, stored)
     if not candidates.pairs:
         return None
-    merged = {n for sources in conversion(model, candidates.shapes(stored)).fused().values() for n in sources}
-    return Dequantization(fmt, {t: p for t, p in candidates.pairs.items() if t in merged})  # only those merged
+    placed = conversion(model, candidates.shapes(stored))
+    merged = {n for sources in placed.fused().values() for n in sources}
+    if merged >= candidates.pairs.keys():
+        return candidates, placed
+    chosen = Dequantization(fmt, {t: p for t, p in candidates.pairs.items() if t in merged})  # only those merged
+    return chosen, conversion(model, chosen.shapes(stored))
 
 
 def _fp8_kernel_missing() -> bool:
@@ -213,17 +222,17 @@ _QUANTIZED = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale", ".wei
               ".SCB", ".weight_format")  # fmt: skip
 
 
-def fits(model: nn.Module, config: Any, names: Iterable[str], strict: bool) -> None:
+def fits(filler: _Filler, config: Any, names: Iterable[str], strict: bool) -> None:
     """Before any weight is read: the checkpoint's `names` (as placed in the model) against what the
     model needs, each mismatch named with the remedy that really applies. strict=False only drops
     unexpected keys and keeps a missing buffer's initial value: the parameters are built on meta, so
     one the checkpoint lacks would have no values at all, and a quantized checkpoint's weights are
     not the unquantized model's (loading what matches would give wrong values)."""
     from streamload.errors import StreamloadError
-    from streamload.module import _Filler, _short
+    from streamload.module import _short
 
+    model = filler.module
     present = set(names)
-    filler = _Filler(model)
     missing = sorted(n for n in filler.expected if not any(a in present for a in filler.group_of.get(n, [n])))
     unexpected = sorted(n for n in present if n not in filler.group_of)
     if not (missing or unexpected):
@@ -259,20 +268,16 @@ def fits(model: nn.Module, config: Any, names: Iterable[str], strict: bool) -> N
 
 
 def shapes_fit(
-    model: nn.Module, config: Any, placed: Conversion, shapes: Mapping[str, tuple[int, ...]],
+    filler: _Filler, config: Any, placed: Conversion, shapes: Mapping[str, tuple[int, ...]],
     stored: Mapping[str, Any], computed: Dequantization | None,
 ) -> None:  # fmt: skip
     """Before any weight is read: each tensor the model gets whole has its parameter's shape (what
     transformers refuses without `ignore_mismatched_sizes`), the config's fields that gave the
     parameter its shape named."""
-    from streamload.module import _Filler
-
     files = {n: t.path for n, t in stored.items()} | {
         t: stored[p[0]].path for t, p in (computed.pairs if computed else {}).items()
     }
-    whole = {
-        placed.target_of(n): (files[n], tuple(s)) for n, s in shapes.items() if placed.target_of(n) not in placed.shapes
-    }
+    whole = {t: (files[n], tuple(s)) for n, s in shapes.items() if (t := placed.target_of(n)) not in placed.shapes}
     settings = {k: v for k, v in config.to_dict().items() if isinstance(v, int) and not isinstance(v, bool)}
 
     def fields(target: str, shape: tuple[int, ...], declared: tuple[int, ...]) -> str:
@@ -280,7 +285,7 @@ def shapes_fit(
         named = [f"{k} = {v}" for k, v in settings.items() if v in dims]
         return f" (the config's {', '.join(named)})" if named else ""
 
-    _Filler(model).check_shapes(whole, fields)
+    filler.check_shapes(whole, fields)
 
 
 def conversion(model: nn.Module, shapes: dict[str, tuple[int, ...]], quantizer: Any = None) -> Conversion:

@@ -60,6 +60,7 @@ class Pace:
         self._issued = 0  # requests begun under the current count
         self._before: tuple[int, float] | None = None  # (count, total rate) of the last count tried
         self._settled = False
+        self._halved = 0  # the level the count was last halved at (`refused`)
 
     def restart(self) -> None:
         """A new load: check the count again (the store, or its link's load, may have changed)."""
@@ -101,13 +102,14 @@ class Pace:
         nginx's `worker_connections`, a proxy's limit): half as many requests at once, kept for the load,
         as object-store clients back off. True where the request may be tried again at no cost to its
         attempts: the count was halved now, or already since it began; False at one request at once."""
-        if ticket[0] != self.level:
+        if ticket[0] < self._halved:
             return True
         if self.limit <= 1:
             return False
         log.info("streamload: the store refused connections: %d requests at once, not %d", self.limit // 2, self.limit)
         self._settled, self._before = True, None
         self._change(self.limit // 2)
+        self._halved = self.level
         return True
 
     def _count(self, change: int) -> None:
