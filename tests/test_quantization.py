@@ -142,6 +142,18 @@ def test_plain_weights_show_no_quantization(tmp_path: Path, capsys: pytest.Captu
 # -- FP8 with block scales through from_pretrained, dequantized as transformers does here -------------------
 
 
+def same_as_theirs(theirs: torch.nn.Module, ours: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """transformers' own model and streamload's: the same names, every tensor bit for bit (dtypes
+    included), the same logits; their state dicts, for what a test checks more."""
+    want, got = theirs.state_dict(), ours.state_dict()
+    assert set(want) == set(got)
+    assert [n for n in want if not same_bits(want[n], got[n])] == []
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(theirs(ids).logits, ours(ids).logits)
+    return want, got
+
+
 def fp8_model(folder: Path, build: Any, config: Any, block: int = 128) -> Path:
     """A transformers model's checkpoint with every linear weight of its layers quantized as DeepSeek-V3's
     FP8 checkpoints are: float8_e4m3fn values, a float32 `weight_scale_inv` per `block` x `block`."""
@@ -191,13 +203,8 @@ def test_an_fp8_block_checkpoint_loads_as_transformers_dequantizes_it(
     kwargs = {} if dtype is None else {"dtype": dtype}
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     ours = streamload.from_pretrained(folder, device="cpu", **kwargs)
-    want, got = theirs.state_dict(), ours.state_dict()
-    assert set(want) == set(got)
+    want, _ = same_as_theirs(theirs, ours)
     assert want["model.layers.0.mlp.down_proj.weight"].dtype == (dtype or torch.bfloat16)
-    assert [n for n in want if not same_bits(want[n], got[n])] == []
-    ids = torch.tensor([[1, 2, 3, 4, 5]])
-    with torch.no_grad():
-        assert torch.equal(theirs(ids).logits, ours(ids).logits)
 
 
 def test_an_fp8_scale_grid_that_does_not_divide_its_weight_is_named_before_reading(tmp_path: Path) -> None:
@@ -231,14 +238,9 @@ def test_fp8_experts_merged_into_fused_tensors_load_as_transformers_dequantizes_
         pytest.skip("transformers keeps FP8 layers on this GPU")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder)
     ours = streamload.from_pretrained(folder, device="cpu")
-    want, got = theirs.state_dict(), ours.state_dict()
-    assert set(want) == set(got)
+    want, _ = same_as_theirs(theirs, ours)
     fused = [n for n in want if n.endswith("experts.gate_up_proj")]
     assert fused and want[fused[0]].dim() == 3 and want[fused[0]].dtype == torch.bfloat16
-    assert [n for n in want if not same_bits(want[n], got[n])] == []
-    ids = torch.tensor([[1, 2, 3, 4, 5]])
-    with torch.no_grad():
-        assert torch.equal(theirs(ids).logits, ours(ids).logits)
 
 
 COMPRESSED = ["w8a8-int8", "w8a8-int8-tensor", "fp8-channel", "w4a16-group", "w4a16-channel", "w4a8"]
@@ -258,14 +260,9 @@ def test_a_compressed_tensors_checkpoint_loads_as_transformers_places_it(tmp_pat
     folder = make(tmp_path, SMALL, [layout])[layout]
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder)
     ours = streamload.from_pretrained(folder, device="cpu")
-    want, got = theirs.state_dict(), ours.state_dict()
-    assert set(want) == set(got)
+    _, got = same_as_theirs(theirs, ours)
     quantized = {n: t.dtype for n, t in got.items() if n.startswith("model.layers.0.mlp.down_proj.")}
     assert len(quantized) >= 2 and any(not d.is_floating_point or d.itemsize == 1 for d in quantized.values())
-    assert [n for n in want if not same_bits(want[n], got[n])] == []
-    ids = torch.tensor([[1, 2, 3, 4, 5]])
-    with torch.no_grad():
-        assert torch.equal(theirs(ids).logits, ours(ids).logits)
 
 
 @pytest.mark.parametrize("layout", ["gptq", "awq"])
@@ -323,15 +320,10 @@ def test_a_compressed_tensors_mixture_of_experts_loads_as_transformers_decompres
     folder = compressed_moe(tmp_path, layout)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder)
     ours = streamload.from_pretrained(folder, device="cpu")
-    want, got = theirs.state_dict(), ours.state_dict()
-    assert set(want) == set(got)
+    want, _ = same_as_theirs(theirs, ours)
     assert want["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 256, 128)
     assert want["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16  # the model's is float32
     assert any(n.startswith("model.layers.1.self_attn.q_proj.weight_") for n in want)  # kept as stored
-    assert [n for n in want if not same_bits(want[n], got[n])] == []
-    ids = torch.tensor([[1, 2, 3, 4, 5]])
-    with torch.no_grad():
-        assert torch.equal(theirs(ids).logits, ours(ids).logits)
 
 
 def test_int8_compressed_tensors_experts_are_refused_before_reading(tmp_path: Path) -> None:
@@ -390,15 +382,10 @@ def test_an_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(tmp_path: Path
     kwargs = {} if dtype is None else {"dtype": dtype}
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     ours = streamload.from_pretrained(folder, device="cpu", **kwargs)
-    want, got = theirs.state_dict(), ours.state_dict()
-    assert set(want) == set(got)
+    want, _ = same_as_theirs(theirs, ours)
     assert want["model.layers.1.mlp.experts.down_proj"].shape == (4, 64, 128)
     assert want["model.layers.1.mlp.experts.down_proj"].dtype == torch.bfloat16
     assert want["model.layers.1.mlp.router.weight"].dtype == (dtype or torch.bfloat16)
-    assert [n for n in want if not same_bits(want[n], got[n])] == []
-    ids = torch.tensor([[1, 2, 3, 4, 5]])
-    with torch.no_grad():
-        assert torch.equal(theirs(ids).logits, ours(ids).logits)
 
 
 def test_mxfp4_blocks_whose_exponents_do_not_match_are_named_before_reading(tmp_path: Path) -> None:
