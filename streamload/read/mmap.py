@@ -81,3 +81,46 @@ def _populate(fd: int, mapping: torch.UntypedStorage, span: Span) -> int:
 def _touch(mapping: torch.UntypedStorage, span: Span) -> None:
     raw = torch.empty(0, dtype=torch.uint8).set_(mapping)
     raw[span.file_offset : span.file_offset + span.length : PAGE].sum()
+
+
+_MADV_DONTNEED = 4
+
+
+class Release:
+    """Takes back from the process the pages of tensors the caller has used up (quantized parts once
+    computed), where they view a private file mapping (this reader's): the pages stay in the page
+    cache, the process no longer holds them, so a load that computes its weights holds one layer's
+    file pages, not the checkpoint's (0.5x of a dequantized model's bytes). Only pages wholly inside
+    a tensor's own bytes go (no other tensor views them), and a page of such a mapping that comes back
+    is the file's: nothing is lost even where it was read again. Anything else is left alone."""
+
+    def __init__(self) -> None:
+        self._file_backed: dict[int, bool] = {}  # a storage's first byte -> whether a private file mapping holds it
+
+    def __call__(self, t: torch.Tensor) -> None:
+        if _madvise is None or t.device.type != "cpu":
+            return
+        storage = t.untyped_storage()
+        base = storage.data_ptr()
+        if base not in self._file_backed:  # a few storages a load (a file each): /proc read once each
+            self._file_backed[base] = _private_file_mapping(base)
+        if not self._file_backed[base]:
+            return
+        start = base + t.storage_offset() * t.element_size()
+        first = -(-start // PAGE) * PAGE
+        last = (start + t.numel() * t.element_size()) // PAGE * PAGE
+        if last > first:
+            _madvise(first, last - first, _MADV_DONTNEED)
+
+
+def _private_file_mapping(address: int) -> bool:
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:  # "start-end perms offset dev inode path"
+                span, perms, _, _, inode, *_ = line.split()
+                low, high = (int(x, 16) for x in span.split("-"))
+                if low <= address < high:
+                    return perms.endswith("p") and inode != "0"
+    except OSError:
+        pass
+    return False
