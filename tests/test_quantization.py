@@ -225,14 +225,16 @@ def test_an_fp8_scale_grid_that_does_not_divide_its_weight_is_named_before_readi
 @pytest.mark.parametrize("stored", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_every_float8_value_times_any_scale_is_transformers_own_product(
-    stored: torch.dtype, dtype: torch.dtype
+    stored: torch.dtype, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The float8 values are widened by their bits (through float16, which holds each exactly: the
     vectorized conversion), not by torch's float8 one, which bounded a load's time: every one of the 256
     values times scales from subnormal to where the shortcut steps aside gives transformers' formula's
     bits (float32 product, cast once), NaN included."""
+    from streamload import dequantize
     from streamload.dequantize import fp8_blocks
 
+    monkeypatch.setattr(dequantize, "_CHUNK", 128 * 256)  # a block row at a time: two chunks here
     rows = torch.stack([torch.arange(256, dtype=torch.uint8).roll(i) for i in range(256)])  # each value in each column
     every = rows.view(stored)  # 65,536 values: enough for the shortcut
     finite = rows.masked_fill(every.float().isnan(), 0).view(stored)  # no NaN: the shortcut taken
