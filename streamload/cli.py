@@ -192,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
                 archive = compiled_cache.publish(args.checkpoint, args.cache_root)
                 pin = pins.digest(archive.read_bytes())
                 print(f"{pin}  {archive}")  # as sha256sum prints, the digest first
+                if len(folders := compiled_cache.packed(args.cache_root)) > 1:
+                    print(f"packed {len(folders)} compiled folders ({', '.join(folders[:4])}"
+                          f"{', ...' if len(folders) > 4 else ''}): vLLM names them by hashes that do not say "
+                          "which model they compiled, so every model compiled under this cache root went in; to "
+                          "publish this model's alone, run its engine with VLLM_CACHE_ROOT set to a folder of its "
+                          "own, then publish with --cache-root that folder", file=sys.stderr)  # fmt: skip
                 print(f"pin it where nodes load (it runs as code there): --model-loader-extra-config "
                       f"'{{\"compile_cache\": \"{pin}\"}}', or streamload serve --compile-cache {pin}",
                       file=sys.stderr)  # fmt: skip

@@ -161,7 +161,18 @@ def engines_started() -> tuple[int, Path, Path] | None:
         merged["seconds"] |= {f"{part[2:]}: {k}": v for k, v in results.pop("seconds", {}).items()}
         merged |= results
     ENGINES["out"].write_text(json.dumps(merged))
+    ENGINES["seconds"] = merged["seconds"]
     return 0, ENGINES["out"], log
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Where the engines' time went (each part's slowest steps, and all of it), beside pytest's own
+    durations: the suite's time on 2 cores is the engines' and the rest's, sharing the cores."""
+    seconds = ENGINES.get("seconds")  # (their folder is gone by now)
+    if not seconds:
+        return
+    slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:12]
+    terminalreporter.write_line("vLLM engines (s): " + ", ".join(f"{k} {v:.0f}" for k, v in slowest))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

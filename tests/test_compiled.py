@@ -89,6 +89,27 @@ def test_nothing_to_publish_is_one_line(tmp_path: Path) -> None:
     assert out.returncode == 1 and "no compiled artifacts to publish" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_publish_says_it_packs_every_model_compiled_under_the_cache_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's compiled folders are named by hashes that do not say which model they compiled, so publish
+    packs a cache root's every one: it says so, and how to publish one model's alone."""
+    from streamload.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    shared = tmp_path / "shared"
+    _cache(shared)
+    assert main(["compile-cache", "publish", str(model), "--cache-root", str(shared)]) == 0
+    said = capsys.readouterr().err
+    assert "packed 2 compiled folders (bb22, torch_aot_compile/aa11)" in said and "VLLM_CACHE_ROOT" in said
+    own = tmp_path / "own"
+    (own / "torch_compile_cache" / "cc33").mkdir(parents=True)
+    (own / "torch_compile_cache" / "cc33" / "artifact").write_bytes(b"compiled")
+    assert main(["compile-cache", "publish", str(model), "--cache-root", str(own)]) == 0
+    assert "packed" not in capsys.readouterr().err
+
+
 def test_vllms_model_inspections_are_installed_by_the_fetch_started_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -135,6 +135,13 @@ def install(
     return said
 
 
+def packed(root: str | os.PathLike[str] | None = None) -> list[str]:
+    """The compiled folders `publish` packs from `root` (default: vLLM's cache root), by name: every
+    one there, since vLLM names them by hashes that do not say which model they compiled."""
+    cache = (Path(root) if root is not None else cache_root()) / CACHE
+    return sorted(str(folder.relative_to(cache)) for folder in _compiled_folders(cache))
+
+
 def _unpack(data: bytes, root: Path) -> list[Path]:
     """Each compiled folder of the archive (`torch_compile_cache/<hash>`, and `.../torch_aot_compile/
     <hash>`) that `root` lacks, unpacked beside it and renamed into place whole; the rest dropped."""
