@@ -52,7 +52,6 @@ class Net:
         slow_down_percent: float = 0.0,
         reset_percent: float = 0.0,
         s3: bool = False,
-        store_connections: int = 4096,
     ) -> None:
         self.root, self.nodes = Path(root).resolve(), nodes
         self.storage_mbit, self.connection_mbps, self.first_byte_ms = storage_mbit, connection_mbps, first_byte_ms
@@ -65,7 +64,6 @@ class Net:
         self.storage_ip = f"{subnet}.1"
         self.node_ips = [f"{subnet}.{i + 2}" for i in range(nodes)]
         self.s3 = s3
-        self.store_connections = store_connections  # nginx's worker_connections (each of its 2 workers)
         self.url = f"s3://{BUCKET}/" if s3 else f"http://{self.storage_ip}/"
         self._made: list[str] = []  # namespaces, removed in reverse
         self._procs: list[subprocess.Popen[Any]] = []
@@ -175,7 +173,7 @@ class Net:
         temp = " ".join(f"{k}_temp_path {tmp};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
         (tmp / "nginx.conf").write_text(
             f"load_module {ECHO_MODULE};\nuser root;\npid {tmp}/nginx.pid;\nerror_log {tmp}/error.log;\ndaemon off;\n"
-            f"worker_processes 2;\nevents {{ worker_connections {self.store_connections}; }}\n"
+            f"worker_processes 2;\nevents {{ worker_connections 4096; }}\n"
             f"http {{ log_format body '$body_bytes_sent'; access_log {tmp}/served.log body; {temp}\n"
             "  keepalive_requests 100000;\n"
             f"  split_clients $request_id $fault {{ {faults}* 0; }}\n"
@@ -197,11 +195,6 @@ class Net:
                 return
             time.sleep(0.05)
         raise RuntimeError(f"nginx did not start: {(tmp / 'error.log').read_text()[-2000:]}")
-
-    def store_log(self) -> str:
-        """What nginx logged (refused connections, errors)."""
-        assert self._tmp is not None
-        return (Path(self._tmp.name) / "error.log").read_text(errors="replace")
 
     # --- running things
     def run_on(self, host: str, argv: Sequence[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:

@@ -24,9 +24,17 @@ class RangeServer:
     without Range support at all (`ranges=False`, like `python -m http.server`), or with Last-Modified
     but no ETag (`etags=False`)."""
 
-    def __init__(self, root: Path, ranges: bool = True, etags: bool = True, rate: float | None = None) -> None:
+    def __init__(
+        self, root: Path, ranges: bool = True, etags: bool = True, rate: float | None = None,
+        connections: int | None = None,
+    ) -> None:  # fmt: skip
         self.root, self.ranges, self.etags = root, ranges, etags
         self.rate = rate  # bytes a second, per response (a store capped per connection); None: as fast as it goes
+        # At most this many connections open at once: one more is accepted and closed unanswered, as
+        # nginx does with its `worker_connections` used up ("error sending request" at the client).
+        self.connections = connections
+        self.open = 0
+        self.refused = 0
         self.sent = 0  # body bytes of data requests sent
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
@@ -103,7 +111,23 @@ class RangeServer:
                 self.end_headers()
                 self.wfile.write(text)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def verify_request(self, request: Any, client_address: Any) -> bool:
+                with server._lock:
+                    if server.connections is not None and server.open >= server.connections:
+                        server.refused += 1
+                        return False  # closed at once: socketserver's shutdown_request
+                    server.open += 1
+                    return True
+
+            def process_request_thread(self, request: Any, client_address: Any) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    with server._lock:
+                        server.open -= 1
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

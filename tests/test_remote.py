@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import streamload
 
@@ -168,6 +168,21 @@ def test_transient_faults_are_retried(checkpoint: Path, http: RangeServer, fast_
     got = streamload.load(f"{http.url}/model/", device="cpu", chunk_bytes=256 << 10)
     assert_same(got, ref)
     assert not http.faults  # both were met, and retried past
+
+
+def test_a_store_that_closes_connections_past_its_cap_is_backed_off_from_not_failed(tmp_path: Path) -> None:
+    """A store that accepts a few connections at once and closes the rest unanswered (nginx with its
+    `worker_connections` used up), 1 MB/s a response: the load goes down to fewer requests at once, as
+    object-store clients back off, and is exact, instead of failing after its attempts."""
+    torch.manual_seed(1)
+    tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(1024, 1024, dtype=torch.bfloat16) for i in range(12)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))  # 24 MB
+    server = RangeServer(tmp_path, rate=1e6, connections=6)
+    try:
+        assert_same(streamload.load(f"{server.url}/model.safetensors", device="cpu"), tensors)
+        assert server.refused > 0  # it did meet closed connections (16 requests at first)
+    finally:
+        server.close()
 
 
 def test_persistent_failure_names_url_and_range(checkpoint: Path, http: RangeServer, fast_retries: None) -> None:
