@@ -362,7 +362,8 @@ def test_ctrl_c_while_torch_is_importing_is_one_line(small_model: Path) -> None:
         "real = builtins.__import__\n"
         "def slow(name, *a, **k):\n"
         "    if name == 'torch' and 'torch' not in sys.modules:\n"
-        "        print('importing', flush=True); time.sleep(30)\n"
+        "        print('importing', flush=True)\n"
+        "        for _ in range(3000): time.sleep(0.01)\n"  # not one sleep: a signal just before it waited 30 s
         "    return real(name, *a, **k)\n"
         "builtins.__import__ = slow\n"
         "from streamload.cli import main\n"
