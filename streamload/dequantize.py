@@ -21,6 +21,7 @@ are in (one whose partner comes in a later group waits for it), so memory is one
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,14 +41,15 @@ def fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     block rows, cols / block cols]), in float32, cast to `dtype` (transformers' `Fp8Dequantize`)."""
     rows, cols = weight.shape[-2:]
     scale_rows, scale_cols = scale.shape[-2:] if scale.dim() >= 2 else (1, 1)  # whole blocks: `_fp8_grid`
-    if weight.numel() < _FEWEST:  # torch's own conversion, in place: the fewest operations
+    if weight.numel() < _FEWEST or weight.device.type != "cpu":  # torch's own, in place: the fewest operations
         values = weight.to(torch.float32)
         blocks = values.view(-1, scale_rows, rows // scale_rows, scale_cols, cols // scale_cols)
         blocks.mul_(scale.to(torch.float32).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2))
         return values.to(dtype)
     block_rows = rows // scale_rows
     values = weight.reshape(-1, block_rows, cols)  # [block rows of every matrix, block's rows, cols]
-    scales = scale.to(torch.float32).reshape(-1, 1, scale_cols, 1)
+    grid = scale.to(torch.float32).reshape(-1, scale_rows, scale_cols)  # one grid, or one a matrix
+    scales = grid.expand(values.shape[0] // scale_rows, -1, -1).reshape(-1, 1, scale_cols, 1)
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     into = out.view(-1, block_rows, cols)
     step = max(1, _CHUNK // (block_rows * cols))  # block rows at a time: its temporaries stay in the cache
@@ -110,6 +112,8 @@ def _fp8_grid(values: TensorInfo, scale: TensorInfo) -> str | None:
     rows, cols = scale.shape[-2:] if len(scale.shape) >= 2 else (1, 1)
     if len(values.shape) < 2 or values.shape[-2] % rows or values.shape[-1] % cols:
         return "is not divided into whole blocks by its scale"
+    if math.prod(scale.shape[:-2]) not in (1, math.prod(values.shape[:-2])):
+        return "is not given one block grid, or one a matrix, by its scale"
     return None
 
 
@@ -181,6 +185,7 @@ class Dequantization:
     def check(self, tensors: Mapping[str, TensorInfo]) -> None:
         """Before a byte is read: each target's parts fit its format (whole blocks, one scale per
         group); the dtypes of targets the format computes into its own (`dtypes`)."""
+        self._release = Release()  # a load's own: what it learnt of the last load's memory is stale
         for target, parts in self.pairs.items():
             if (dtype := self.format.own_dtype([tensors[p] for p in parts])) is not None:
                 self.dtypes[target] = dtype

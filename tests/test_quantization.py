@@ -4,6 +4,7 @@ format's real layout (the names, dtypes and shapes its writers use, and its `qua
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +246,25 @@ def test_every_float8_value_times_any_scale_is_transformers_own_product(
             blocks = weight.to(torch.float32).view(len(scale), -1, 2, 64 if len(weight) == 2 else 128)
             want = (blocks * scale.view(len(scale), 1, 2, 1)).view(weight.shape).to(dtype)
             assert same_bits(fp8_blocks(weight, scale, dtype), want), (stored, dtype, value)
+
+
+def test_stacked_fp8_matrices_take_one_scale_grid_or_one_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts stacked [E, rows, cols] with one scale, one block grid for all, or one grid each: each
+    block times its own scale, over several chunks, as the broadcast product gives it."""
+    from streamload import dequantize
+    from streamload.dequantize import fp8_blocks
+
+    monkeypatch.setattr(dequantize, "_CHUNK", 128 * 512)  # a block row at a time
+    weight = (torch.randn(4, 256, 512, generator=torch.Generator().manual_seed(0)) * 50).to(torch.float8_e4m3fn)
+    for scale in (torch.tensor(0.3), torch.rand(2, 4) + 0.5, torch.rand(4, 2, 4) + 0.5):
+        grid = scale.reshape(-1, 2, 4) if scale.dim() else scale.reshape(1, 1, 1)
+        rows, cols = grid.shape[-2:]
+        blocks = weight.to(torch.float32).view(-1, rows, 256 // rows, cols, 512 // cols)
+        want = (blocks * grid[:, :, None, :, None]).view(weight.shape).to(torch.bfloat16)
+        assert same_bits(fp8_blocks(weight, scale, torch.bfloat16), want), tuple(scale.shape)
+    shaped = types.SimpleNamespace  # a header's shape is all the check reads
+    said = dequantize._fp8_grid(shaped(shape=[4, 256, 512]), shaped(shape=[2, 2, 4]))  # 2 grids for 4 matrices
+    assert said == "is not given one block grid, or one a matrix, by its scale"
 
 
 def _file_pages_held() -> int:

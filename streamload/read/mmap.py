@@ -102,6 +102,8 @@ class Release:
             return
         storage = t.untyped_storage()
         base = storage.data_ptr()
+        if base % PAGE:  # a mapping starts on a page; the heap's allocations mostly do not
+            return
         if base not in self._file_backed:  # a few storages a load (a file each): /proc read once each
             self._file_backed[base] = _private_file_mapping(base)
         if not self._file_backed[base]:
