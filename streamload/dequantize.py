@@ -66,8 +66,8 @@ def fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 # subnormals land on float16's), so the scale is taken times 2**8: the product, rounded once, is the
 # same float32. E5M2 is float16's upper byte. Done a chunk of block rows at a time (~2**20 values:
 # a 2048 x 2048 weight whole took 1.7x as long, its temporaries out of the cache; 2**18 cost an expert
-# of 512 x 1024 as much in operations a chunk), and only where a tensor has enough values to repay
-# the few more operations (a 128 x 128 expert does not).
+# of 512 x 1024 as much in operations a chunk), and only on the CPU where a tensor has enough values
+# to repay the few more operations (a 128 x 128 expert does not).
 _CHUNK = 1 << 20
 _FEWEST = 1 << 16
 _HALF_SCALE = 2.0**100  # a scale this large times 2**8 could overflow where its product does not
@@ -75,8 +75,8 @@ _HALF_SCALE = 2.0**100  # a scale this large times 2**8 could overflow where its
 
 def _float8_as_float32(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, float]:
     """`weight`'s values as float32 divided by the returned power of two (torch's own conversion,
-    power 1, for few values, where a value is NaN, whose bits float16 does not share, or where the
-    scale is out of range)."""
+    power 1, where a value is NaN, whose bits float16 does not share, or where the scale is out of
+    range). `fp8_blocks` calls it only on the CPU, for tensors of `_FEWEST` values or more."""
     stored = weight.view(torch.uint8)
     if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return weight.to(torch.float32), 1.0
