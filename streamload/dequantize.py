@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import StreamloadError
-from .read.mmap import Release
 
 if TYPE_CHECKING:
     from .format import TensorInfo
@@ -50,14 +49,31 @@ def fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     values = weight.reshape(-1, block_rows, cols)  # [block rows of every matrix, block's rows, cols]
     grid = scale.to(torch.float32).reshape(-1, scale_rows, scale_cols)  # one grid, or one a matrix
     scales = grid.expand(values.shape[0] // scale_rows, -1, -1).reshape(-1, 1, scale_cols, 1)
+    step = max(1, _CHUNK // (block_rows * cols))  # block rows at a time: its temporaries stay in the cache
+    # A chunk's temporaries, made once a weight (made a chunk, they left holes in the heap that a load's
+    # parameters, allocated between them, kept from going back: ~0.07x of a model's bytes)
+    scratch = _Scratch(min(step, values.shape[0]) * block_rows * cols)
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     into = out.view(-1, block_rows, cols)
-    step = max(1, _CHUNK // (block_rows * cols))  # block rows at a time: its temporaries stay in the cache
     for at in range(0, values.shape[0], step):
-        chunk, power = _float8_as_float32(values[at : at + step], scales[at : at + step])
+        part = values[at : at + step]
+        chunk, power = _float8_as_float32(part, scales[at : at + step], scratch.take(part.shape))
         chunk.view(-1, block_rows, scale_cols, cols // scale_cols).mul_(scales[at : at + step] * power)
         into[at : at + step] = chunk
     return out
+
+
+class _Scratch:
+    """Working memory for a chunk of float8 values: the float32 result, the float16 bits, a byte each."""
+
+    def __init__(self, values: int) -> None:
+        self.float32 = torch.empty(values, dtype=torch.float32)
+        self.bits = torch.empty(values, dtype=torch.int16)
+        self.bytes = torch.empty(values, dtype=torch.uint8)
+
+    def take(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = math.prod(shape)
+        return tuple(t[:n].view(shape) for t in (self.float32, self.bits, self.bytes))  # type: ignore[return-value]
 
 
 # float8 -> float16 by its bits: float16 holds every float8 value exactly, and torch converts float16
@@ -73,20 +89,25 @@ _FEWEST = 1 << 16
 _HALF_SCALE = 2.0**100  # a scale this large times 2**8 could overflow where its product does not
 
 
-def _float8_as_float32(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """`weight`'s values as float32 divided by the returned power of two (torch's own conversion,
-    power 1, where a value is NaN, whose bits float16 does not share, or where the scale is out of
-    range). `fp8_blocks` calls it only on the CPU, for tensors of `_FEWEST` values or more."""
+def _float8_as_float32(
+    weight: torch.Tensor, scale: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, float]:
+    """`weight`'s values as float32 (in `scratch`'s first tensor; the others are worked in) divided by
+    the returned power of two (torch's own conversion, power 1, where a value is NaN, whose bits
+    float16 does not share, or where the scale is out of range). `fp8_blocks` calls it only on the
+    CPU, for tensors of `_FEWEST` values or more."""
+    values, bits, spare = scratch
     stored = weight.view(torch.uint8)
-    if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return weight.to(torch.float32), 1.0
     if weight.dtype == torch.float8_e5m2:
-        return stored.to(torch.int16).bitwise_left_shift_(8).view(torch.float16).to(torch.float32), 1.0
-    if not bool(scale.abs().max() < _HALF_SCALE) or int(torch.bitwise_and(stored, 0x7F).max()) == 0x7F:
-        return weight.to(torch.float32), 1.0  # E4M3's NaN: S.1111.111
+        bits.copy_(stored).bitwise_left_shift_(8)
+        return values.copy_(bits.view(torch.float16)), 1.0
+    if weight.dtype != torch.float8_e4m3fn or not bool(scale.abs().max() < _HALF_SCALE):
+        return values.copy_(weight), 1.0
+    if int(torch.bitwise_and(stored, 0x7F, out=spare).max()) == 0x7F:
+        return values.copy_(weight), 1.0  # E4M3's NaN: S.1111.111
     # the byte sign-extended then shifted: the sign's copies above bit 14 leave with the mask 0xBFFF
-    bits = stored.view(torch.int8).to(torch.int16).bitwise_left_shift_(7).bitwise_and_(-0x4001)
-    return bits.view(torch.float16).to(torch.float32), 2.0**8
+    bits.copy_(weight.view(torch.int8)).bitwise_left_shift_(7).bitwise_and_(-0x4001)
+    return values.copy_(bits.view(torch.float16)), 2.0**8
 
 
 # The 16 values of an FP4 (E2M1) nibble, by its bits.
@@ -162,7 +183,6 @@ class Dequantization:
         self.role = {s: (t, i) for t, parts in pairs.items() for i, s in enumerate(parts)}  # stored -> (target, i)
         self._waiting: dict[str, torch.Tensor] = {}
         self.dtypes: dict[str, torch.dtype] = {}  # targets of the format's own dtype (`check` finds them)
-        self._release = Release()  # a part's mapped pages, once computed
 
     @staticmethod
     def of(fmt: str | Format, names: Iterable[str]) -> Dequantization:
@@ -185,7 +205,6 @@ class Dequantization:
     def check(self, tensors: Mapping[str, TensorInfo]) -> None:
         """Before a byte is read: each target's parts fit its format (whole blocks, one scale per
         group); the dtypes of targets the format computes into its own (`dtypes`)."""
-        self._release = Release()  # a load's own: what it learnt of the last load's memory is stale
         for target, parts in self.pairs.items():
             if (dtype := self.format.own_dtype([tensors[p] for p in parts])) is not None:
                 self.dtypes[target] = dtype
@@ -215,12 +234,16 @@ class Dequantization:
         return out
 
     def apply(
-        self, tensors: dict[str, torch.Tensor], dtype_of: Callable[[str], torch.dtype]
+        self,
+        tensors: dict[str, torch.Tensor],
+        dtype_of: Callable[[str], torch.dtype],
+        release: Callable[[torch.Tensor], None] = lambda part: None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """A group's tensors (taken out of `tensors` as they go), each target whose parts are all in
         computed (in `dtype_of(target)` or the format's own dtype) in place of its parts, one at a time:
         the caller puts each away before the next is computed, so a group holds one computed tensor at
-        a time, not all of them. A part whose partners are not in yet waits for them."""
+        a time, not all of them. A part whose partners are not in yet waits for them. Each part is
+        given to `release` once computed (a `Release`: its file pages leave the process)."""
         for name in list(tensors):
             t = tensors.pop(name)
             if name not in self.role:
@@ -236,7 +259,7 @@ class Dequantization:
                 computed = self.format.compute(stored, dtype)
                 for part in stored:
                     if part.untyped_storage().data_ptr() != computed.untyped_storage().data_ptr():
-                        self._release(part)
+                        release(part)
                 del stored
                 yield target, computed
 

@@ -18,6 +18,7 @@ from .errors import StreamloadError, UnsupportedError
 from .layer_keys import layer_of
 from .layer_stream import LayerStream, layers
 from .plan import Item, cannot_convert, scaled
+from .read.mmap import Release
 from .source import Checkpoint, Source, open_checkpoint
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class _Filler:
         self.filled: set[str] = set()
         self.result = LoadResult()
         self.dequantization: Dequantization | None = None  # quantized weights computed as they arrive
+        self._release = Release()  # the file pages of what was copied out (or computed from) leave
 
     def target_of(self, name: str) -> str:
         return name
@@ -69,7 +71,10 @@ class _Filler:
             self.result.unexpected_keys.append(name)
             return
         old = self._get(name)
-        tensor = aligned(tensor)
+        placed = aligned(tensor)
+        if placed is not tensor:  # copied: the file pages it viewed need not stay with the process
+            self._release(tensor)
+            tensor = placed
         if self.kind[name] == "parameter":
             new: torch.Tensor = nn.Parameter(tensor, requires_grad=old.requires_grad)
         else:
@@ -181,7 +186,7 @@ class _Filler:
         """Assign a group's tensors; the (key, submodule) for `on_layer` when the group is a layer
         and there is an `on_layer` (the sync and async faces only differ in how they call it)."""
         arriving = tensors.items() if self.dequantization is None else self.dequantization.apply(
-            tensors, lambda name: self._get(self.target_of(name)).dtype
+            tensors, lambda name: self._get(self.target_of(name)).dtype, self._release
         )  # fmt: skip
         for name, t in arriving:
             self.assign(name, t)  # (a computed weight is put away before the next is computed)

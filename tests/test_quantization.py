@@ -3,6 +3,7 @@ format's real layout (the names, dtypes and shapes its writers use, and its `qua
 
 from __future__ import annotations
 
+import ctypes
 import json
 import types
 from pathlib import Path
@@ -267,34 +268,86 @@ def test_stacked_fp8_matrices_take_one_scale_grid_or_one_each(monkeypatch: pytes
     assert said == "is not given one block grid, or one a matrix, by its scale"
 
 
-def _file_pages_held() -> int:
-    status = Path("/proc/self/status").read_text()
-    return int(status.split("RssFile:")[1].split()[0]) * 1024
+def _in_process(t: torch.Tensor) -> list[bool]:
+    """For each page `t` touches: whether the process has it mapped (the present bit of /proc/self/pagemap)."""
+    first, last = t.data_ptr() // 4096, (t.data_ptr() + t.nbytes - 1) // 4096
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = pagemap.read((last - first + 1) * 8)
+    return [bool(int.from_bytes(entries[i : i + 8], "little") >> 63) for i in range(0, len(entries), 8)]
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the process's resident file pages")
-def test_a_computed_parts_file_pages_leave_the_process_and_nothing_else_does(tmp_path: Path) -> None:
-    """Once a quantized part is computed, the pages of the file mapping it viewed leave the process (the
-    mapped reader's view kept the whole checkpoint's pages resident to the end: 1.59x of the model's bytes,
-    against 1.09x now, docs/benchmarks.md); pages it shares with a neighbour, and memory no file maps, stay."""
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads the process's page table")
+def test_released_tensors_file_pages_leave_the_process_and_nothing_else_does(tmp_path: Path) -> None:
+    """Once a tensor viewing a file mapping is used up (a quantized part computed, a tensor copied out),
+    its pages leave the process (the mapped reader's views kept the whole checkpoint's pages resident to
+    the end: 1.59x of the model's bytes, docs/benchmarks.md); a page it shares with a neighbour goes once
+    the neighbour is released too, never while the neighbour is in use; memory no file maps stays."""
     from streamload.read.mmap import Release
 
     data = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB
     (tmp_path / "f").write_bytes(data.numpy().tobytes())
     mapping = torch.UntypedStorage.from_file(str(tmp_path / "f"), shared=False, nbytes=data.numel() * 4)
     whole = torch.empty(0, dtype=torch.int32).set_(mapping)
-    part, neighbour = whole[1000 : (2 << 20) + 1000], whole[(2 << 20) + 1000 :]  # share a page
+    # Pages one at a time: a file's huge pages mapped whole would leave the process whole (harmless: a
+    # page read again is the file's), which would hide what is asserted here.
+    libc = ctypes.CDLL(None)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.madvise(whole.data_ptr(), whole.nbytes, 15) == 0  # MADV_NOHUGEPAGE
+    cuts = (1000, (1 << 20) + 1000, (2 << 20) + 1000)  # three tensors side by side, each pair sharing a page
+    a, b, c = whole[cuts[0] : cuts[1]], whole[cuts[1] : cuts[2]], whole[cuts[2] :]
     assert torch.equal(whole, data)  # every page now in the process
-    before = _file_pages_held()
     release = Release()
-    release(part)
-    dropped = before - _file_pages_held()
-    assert (8 << 20) - 2 * 4096 <= dropped <= 8 << 20
-    assert torch.equal(neighbour, data[(2 << 20) + 1000 :]) and torch.equal(part, data[1000 : (2 << 20) + 1000])
+    release(a)
+    assert _in_process(a) == [True] + [False] * (len(_in_process(a)) - 2) + [True]  # its ends: shared pages
+    release(b)  # joins a's run: the page they share goes now; the one b shares with c (in use) stays
+    assert _in_process(a)[1:] == [False] * (len(_in_process(a)) - 1)
+    assert _in_process(b) == [False] * (len(_in_process(b)) - 1) + [True]
+    assert _in_process(c) == [True] * len(_in_process(c))
+    assert torch.equal(whole, data)  # pages read again are the file's
 
     heap = data.clone()
     release(heap[1000:])  # not a file's: left as it is
-    assert torch.equal(heap, data)
+    assert all(_in_process(heap)) and torch.equal(heap, data)
+
+
+def _mapped_bytes(path: Path) -> int:
+    """The bytes of `path`'s mappings the process holds (/proc/self/smaps)."""
+    held, current = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            current = fields[-1] == str(path)
+        elif current and fields[0] == "Rss:":
+            held += int(fields[1]) * 1024
+    return held
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the process's mappings")
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_load_into_a_module_holds_about_a_layers_file_pages_not_the_files(tmp_path: Path, in_place: bool) -> None:
+    """A tensor copied out of the mapped reader's file mapping (into a parameter: `in_place`, or moved to
+    an aligned address) gives its pages back at once: while layer 1 loads, layer 0's 8 MiB are no longer
+    the process's (they were until the file's mapping closed: a peak of the model plus its checkpoint)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    sizes = {"a": 3, "w": 2 << 20}
+    tensors = {f"layers.{i}.{n}": torch.randn(size, generator=g) for i in range(2) for n, size in sizes.items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))  # "a" first: "w" is at an address no CPU kernel wants
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+    for layer in model.layers:
+        layer.a, layer.w = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2 << 20))
+    held: dict[str, int] = {}
+
+    def on_layer(key: str, module: torch.nn.Module) -> None:
+        held[key] = _mapped_bytes((tmp_path / "model.safetensors").resolve())
+
+    streamload.load_into(model, tmp_path, in_place=in_place, reader="mmap", device="cpu", on_layer=on_layer)
+    assert held["layers.0"] < 1 << 20, held  # was 8 MiB and more
+    for name, t in model.state_dict().items():
+        assert same_bits(t, tensors[name]), name
 
 
 def test_fp8_experts_merged_into_fused_tensors_load_as_transformers_dequantizes_them(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import torch
 from ..dtypes import torch_shape
 from ..format import TensorInfo
 from ..plan import Batch, Item
+from ..read.mmap import drop_pages
 from ..storage import Files, LocalFiles
 from .base import Assembler, Delivered, HostRing, convert
 
@@ -57,7 +58,19 @@ class MappedCPU:
 
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: LocalFiles) -> list[Delivered]:
         maps = _Mappings(files)  # a batch's tensors come from a few files: each mapping looked up once
-        return [(p.item.name, convert(_view(p.item, maps), p.item)) for p in batch.pieces if p.last]
+        out = []
+        for piece in batch.pieces:
+            if not piece.last:
+                continue
+            view = _view(piece.item, maps)
+            t = convert(view, piece.item)
+            if t is not view and piece.item.part is None:
+                # Copied (into its destination, or converted): its file pages leave the process now,
+                # not when the file's mapping closes, so a load into a model holds about a batch of
+                # them rather than a shard (the page cache keeps them).
+                drop_pages(view)
+            out.append((piece.item.name, t))
+        return out
 
     def close(self) -> None:
         pass

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 
 import torch
 
@@ -86,31 +87,61 @@ def _touch(mapping: torch.UntypedStorage, span: Span) -> None:
 _MADV_DONTNEED = 4
 
 
+def drop_pages(t: torch.Tensor) -> None:
+    """Take from the process the pages wholly inside contiguous `t`'s bytes, which must view a private
+    file mapping no one writes to (this reader's): the page cache keeps them, and one touched again is
+    read back from it. Pages `t` shares with a neighbour stay: the neighbour may be someone's."""
+    if _madvise is None:
+        return
+    start = t.data_ptr()
+    first = -(-start // PAGE) * PAGE
+    last = (start + t.numel() * t.element_size()) // PAGE * PAGE
+    if last > first:
+        _madvise(first, last - first, _MADV_DONTNEED)
+
+
 class Release:
-    """Takes back from the process the pages of tensors the caller has used up (quantized parts once
-    computed), where they view a private file mapping (this reader's): the pages stay in the page
-    cache, the process no longer holds them, so a load that computes its weights holds one layer's
-    file pages, not the checkpoint's (0.5x of a dequantized model's bytes). Only pages wholly inside
-    a tensor's own bytes go (no other tensor views them), and a page of such a mapping that comes back
-    is the file's: nothing is lost even where it was read again. Anything else is left alone."""
+    """Takes back from the process the pages of tensors the caller has used up (copied out, or quantized
+    parts once computed), where they view a private file mapping (this reader's): the pages stay in
+    the page cache, the process no longer holds them, so a load into a model holds about a layer's
+    file pages, not the checkpoint's. A page goes once every byte of it was released: tensors given
+    back side by side make runs, and the page two of them share goes with the second, while one a
+    tensor still in use shares stays (a page of such a mapping that comes back is the file's: nothing
+    is lost even where it was read again). Anything else is left alone. One load's: thread-safe."""
 
     def __init__(self) -> None:
         self._file_backed: dict[int, bool] = {}  # a storage's first byte -> whether a private file mapping holds it
+        self._runs: dict[int, int] = {}  # released runs of bytes, both ways: start -> end, end -> start
+        self._lock = threading.Lock()
 
     def __call__(self, t: torch.Tensor) -> None:
-        if _madvise is None or t.device.type != "cpu":
+        if _madvise is None or t.device.type != "cpu" or not t.is_contiguous():
             return
         storage = t.untyped_storage()
         base = storage.data_ptr()
         if base % PAGE:  # a mapping starts on a page; the heap's allocations mostly do not
             return
-        if base not in self._file_backed:  # a few storages a load (a file each): /proc read once each
-            self._file_backed[base] = _private_file_mapping(base)
-        if not self._file_backed[base]:
-            return
-        start = base + t.storage_offset() * t.element_size()
-        first = -(-start // PAGE) * PAGE
-        last = (start + t.numel() * t.element_size()) // PAGE * PAGE
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        with self._lock:
+            if base not in self._file_backed:  # a few storages a load (a file each): /proc read once each
+                self._file_backed[base] = _private_file_mapping(base)
+            if not self._file_backed[base] or end <= start:
+                return
+            low = self._runs.pop(-start, None)  # a run ending where this tensor starts
+            if low is None:
+                low = start
+            else:
+                del self._runs[low]
+            high = self._runs.pop(end, None)  # a run starting where it ends
+            if high is None:
+                high = end
+            else:
+                del self._runs[-high]
+            self._runs[low], self._runs[-high] = high, low
+        # this tensor's pages, and the ones it shares with the runs it joined, if now wholly released
+        first = max(-(-low // PAGE), start // PAGE) * PAGE
+        last = min(high // PAGE, -(-end // PAGE)) * PAGE
         if last > first:
             _madvise(first, last - first, _MADV_DONTNEED)
 
