@@ -1,10 +1,11 @@
 """An FP8 checkpoint (DeepSeek-V3's layout: float8_e4m3fn weights, a float32 scale per 128x128 block)
 through `streamload.from_pretrained` against transformers' own `from_pretrained`, which on a machine
 without a GPU dequantizes it to bfloat16 as it loads: fresh processes, each loader's modules imported
-before the clock, warm page cache (and cold where the page cache can be dropped).
+before the clock, warm page cache, cold (every cache dropped, where it can be) or with only the
+checkpoint's pages evicted.
 
     python bench/quantized.py /tmp/fp8-llama --make            # ~1.1 GB: 16 layers, hidden 2048
-    python bench/quantized.py /tmp/fp8-llama --runs 3 --modes warm cold
+    python bench/quantized.py /tmp/fp8-llama --runs 3 --modes warm cold evicted
     python bench/quantized.py /tmp/fp8-llama --runs 3 --reader posix --ring-bytes 64MiB
     python bench/quantized.py /tmp/qwen3-30b-fp8-tiny --make --experts 128 --layers 48 --hidden 128 \
         --intermediate 128 --vocab 1024                       # Qwen3-30B-A3B-FP8's 48 x 128 experts, tiny
@@ -26,6 +27,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from streamload.bench import evict
 
 BLOCK = 128
 
@@ -169,7 +172,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--experts", type=int, default=0, help="with --make: Qwen3-MoE-FP8's layout, this many experts")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--modes", nargs="+", default=["warm"], choices=["warm", "cold"])
+    ap.add_argument("--modes", nargs="+", default=["warm"], choices=["warm", "cold", "evicted"],
+                    help="cold: every cache dropped (the libraries' pages too; needs root); "
+                    "evicted: only the checkpoint's pages, as `streamload bench --cold`")  # fmt: skip
     ap.add_argument("--reader", default="", help="streamload's reader (posix: a bounded ring, no file mapping)")
     ap.add_argument("--ring-bytes", default="", help="streamload's ring (default: from the machine)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -196,6 +201,8 @@ def main() -> None:
             for loader in runs:
                 if mode == "cold":
                     _drop_caches()
+                elif mode == "evicted":
+                    evict(str(f) for f in args.folder.glob("*.safetensors"))
                 argv = [sys.executable, __file__, str(args.folder), "--one", loader]
                 argv += [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
                 out = subprocess.run(argv, capture_output=True, text=True, check=True)

@@ -156,9 +156,10 @@ def same_as_theirs(theirs: torch.nn.Module, ours: torch.nn.Module) -> tuple[dict
     return want, got
 
 
-def fp8_model(folder: Path, build: Any, config: Any, block: int = 128) -> Path:
+def fp8_model(folder: Path, build: Any, config: Any, block: int = 128, kept: tuple[str, ...] = ()) -> Path:
     """A transformers model's checkpoint with every linear weight of its layers quantized as DeepSeek-V3's
-    FP8 checkpoints are: float8_e4m3fn values, a float32 `weight_scale_inv` per `block` x `block`."""
+    FP8 checkpoints are: float8_e4m3fn values, a float32 `weight_scale_inv` per `block` x `block`; the
+    config names the modules `kept` unquantized (its `modules_to_not_convert`)."""
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(0)
@@ -180,6 +181,8 @@ def fp8_model(folder: Path, build: Any, config: Any, block: int = 128) -> Path:
     config_file = json.loads((folder / "config.json").read_text())
     config_file["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                           "weight_block_size": [block, block]}  # fmt: skip
+    if kept:
+        config_file["quantization_config"]["modules_to_not_convert"] = list(kept)
     (folder / "config.json").write_text(json.dumps(config_file))
     return folder
 
@@ -369,6 +372,43 @@ def test_fp8_experts_merged_into_fused_tensors_load_as_transformers_dequantizes_
     want, _ = same_as_theirs(theirs, ours)
     fused = [n for n in want if n.endswith("experts.gate_up_proj")]
     assert fused and want[fused[0]].dim() == 3 and want[fused[0]].dtype == torch.bfloat16
+
+
+@pytest.fixture
+def fp8_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' checks answered as on a GPU of compute capability 9.0 (H100), where it keeps FP8 as
+    stored: the layout of the load is theirs; nothing runs on a GPU (the forward pass would)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2-moe"])
+def test_fp8_is_placed_as_stored_with_its_scales_where_transformers_keeps_it(
+    tmp_path: Path, fp8_kernels: None, model: str
+) -> None:
+    """Where transformers has FP8 kernels (a GPU of compute capability 8.9 or more) it keeps the float8
+    weights and their block scales in its FP8 layers, the experts' stacked as their weights are:
+    streamload reads each into the same parameter (it refused them before): every tensor bit for bit,
+    float8 where theirs is."""
+    transformers = pytest.importorskip("transformers")
+    if model == "llama":
+        folder = llama_fp8(tmp_path / "fp8")
+    else:
+        sizes = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 2,
+                 "shared_expert_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 300}  # fmt: skip
+        config = transformers.Qwen2MoeConfig(**sizes)
+        kept = ("shared_expert_gate", "lm_head")  # [1, hidden]: not in blocks, so left plain
+        folder = fp8_model(tmp_path / "moe", transformers.Qwen2MoeForCausalLM, config, block=32, kept=kept)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    ours = streamload.from_pretrained(folder, device="cpu")
+    want, got = theirs.state_dict(), ours.state_dict()
+    assert set(want) == set(got)
+    assert [n for n in want if not same_bits(want[n], got[n])] == []
+    kept = [n for n, t in got.items() if t.dtype == torch.float8_e4m3fn]
+    assert kept and all(n.removesuffix(".weight") + ".weight_scale_inv" in got or n + "_scale_inv" in got for n in kept)
+    if model != "llama":
+        assert any(n.endswith("experts.gate_up_proj") and got[n].dim() == 3 for n in kept)
 
 
 COMPRESSED = ["w8a8-int8", "w8a8-int8-tensor", "fp8-channel", "w4a16-group", "w4a16-channel", "w4a8"]

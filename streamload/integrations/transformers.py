@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,7 +88,8 @@ def from_pretrained(
         else:
             model = _build(transformers, config, kwargs)
         if quantizer is not None:  # its modules, laid out for the stored bytes, as transformers' loader does
-            quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, use_kernels=False)
+            with _default_dtype(dtype):  # (theirs in the model's dtype: a quantized layer's bias is built so)
+                quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, use_kernels=False)
     tied(model)
     checkpoint = inspect(source, options.get("cache_dir"))
     stored = checkpoint.tensors
@@ -115,18 +116,24 @@ def from_pretrained(
 
 
 # Quantizations whose tensors transformers' own loader puts, as stored, into the modules its quantizer
-# lays out (compressed-tensors: packed weights, scales; decompressed on the first forward pass unless
-# the config says `dequantize`): streamload reads them straight into those parameters.
-PLACED_AS_STORED = ("compressed-tensors",)
+# lays out, by whether it does so for this config here: compressed-tensors always (packed weights,
+# scales; decompressed on the first forward pass); FP8 where it has the kernels (a GPU of compute
+# capability 8.9 or more) and is not told to dequantize: float8 weights with their block scales, the
+# experts' stacked as their weights are. streamload reads them straight into those parameters.
+PLACED_AS_STORED: dict[str, Callable[[Any], bool]] = {
+    "compressed-tensors": lambda config: True,
+    "fp8": lambda config: not _quantization(config, "dequantize") and not _fp8_kernel_missing(),
+}
 
 
 def placing_quantizer(config: Any) -> Any | None:
-    """transformers' own quantizer for a checkpoint quantized as `PLACED_AS_STORED` lists, else None.
+    """transformers' own quantizer for a checkpoint it loads as stored here (`PLACED_AS_STORED`), else None.
 
     Raises:
         UnsupportedError: the quantization's package is not installed (named, as transformers names it).
     """
-    if _quantization(config, "quant_method") not in PLACED_AS_STORED:
+    rule = PLACED_AS_STORED.get(_quantization(config, "quant_method"))
+    if rule is None or not rule(config):
         return None
     from transformers.quantizers.auto import get_hf_quantizer
 
@@ -446,6 +453,18 @@ def skipped_init(transformers: Any) -> contextlib.AbstractContextManager[Any]:
     except (ImportError, AttributeError):  # before transformers 5: `empty_weights` covers its initialisers
         return contextlib.nullcontext()
     return no_init()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """torch's default dtype `dtype` inside (None: left as it is), and as it was after."""
+    before = torch.get_default_dtype()
+    if dtype is not None and dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def tied(model: nn.Module) -> nn.Module:
