@@ -217,17 +217,18 @@ def test_a_quantized_checkpoint_with_a_flipped_byte_is_refused_with_verify(engin
 @pytest.mark.parametrize("layout", QUANTIZED_KERNELS)
 def test_a_quantized_checkpoint_generates_and_reloads_as_vllms_own_loader(engines: dict[str, Any], layout: str) -> None:
     """Where the kernels run here (oneDNN int8 by channel and tensor, FP8 by channel, W4A8; FP8 with
-    block scales on the harness's reference kernel, tests/vllm_reference_kernels.py): greedy tokens and
-    every parameter after post-processing as vLLM's own loader's; then an in-place reload of other
-    weights (`reload_weights`) into the same storage, as vLLM's own reload: FP8 then serves a fresh
-    engine's tokens on those weights. vLLM 0.32's own in-place reload of the int8 layouts on the CPU
+    block scales, W4A16, GPTQ and AWQ on the harness's reference kernels, tests/vllm_reference_kernels.py):
+    greedy tokens and every parameter after post-processing as vLLM's own loader's; then an in-place
+    reload of other weights (`reload_weights`) into the same storage, as vLLM's own reload: FP8 and the
+    4-bit layouts (AWQ's converted after loading, reloaded in its own layout) then serve a fresh engine's
+    tokens on those weights. vLLM 0.32's own in-place reload of the int8 layouts on the CPU
     serves other tokens (token 0, or one token repeated): streamload's reload leaves every parameter as
     vLLM's does; when the last assertion fails, vLLM has mended its reload."""
     ours, theirs, fresh = (engines[f"quantized/{layout}/{k}"] for k in ("streamload", "safetensors", "new"))
     assert len(ours["tokens"]) == 2 and all(len(t) == 12 for t in ours["tokens"])
     _same_weights(ours, theirs)
     assert fresh["tokens"] != ours["tokens"]
-    if layout.startswith("fp8-"):
+    if layout.startswith(("fp8-", "w4a16-", "gptq", "awq")):
         _same_weights(ours["reloaded"], theirs["reloaded"])
         assert ours["reloaded"]["tokens"] == fresh["tokens"]
     else:  # what either serves then is not the weights' (nor always the same): what the reload wrote is compared

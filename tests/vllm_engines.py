@@ -686,8 +686,12 @@ QUANTIZED_TP2_MODES = {"default": {}, "cooperative": {"cooperative": True}}
 # Qwen3-MoE ones, passed at TP=2 as well, ~10-25 s each on 2 cores: `STREAMLOAD_QUANTIZED_TP2=all` runs them;
 # left out of the suite for its time.)
 QUANTIZED_TP2 = ("w8a8-int8", "gptq")
-# Those whose kernels run here (FP8 with block scales on tests/vllm_reference_kernels.py's).
-QUANTIZED_KERNELS = ("w8a8-int8", "w8a8-int8-tensor", "fp8-channel", "w4a8", "fp8-block")
+# Those whose kernels run here (FP8 with block scales and the 4-bit ones on tests/vllm_reference_kernels.py's):
+# greedy tokens and `reload_weights`. (W4A16 by channel and GPTQ with and without `g_idx` passed as well,
+# ~15 s each on 2 cores: `STREAMLOAD_QUANTIZED_KERNELS=all` runs them; left out of the suite for its time.)
+QUANTIZED_KERNELS = ("w8a8-int8", "w8a8-int8-tensor", "fp8-channel", "w4a8", "fp8-block", "w4a16-group", "awq")
+if os.environ.get("STREAMLOAD_QUANTIZED_KERNELS") == "all":
+    QUANTIZED_KERNELS += ("w4a16-channel", "gptq", "gptq-g-idx")
 HALF = {*quantized_layouts.GPTQ_OR_AWQ, "fp8-block"}  # vLLM runs these in float16 or bfloat16 only
 # Mixtures of experts (tests/quantized_layouts.py's MOE_CONFIGS), whose MoE kernels this CPU lacks: vLLM's
 # parameters and weight loaders, the experts' forward on tests/vllm_reference_kernels.py's reference, in

@@ -2,8 +2,8 @@
 
 - FP8 linear layers with block scales (DeepSeek-V3's, Qwen3-FP8's layout), where vLLM on this CPU finds
   no kernel ("Failed to find a kernel that can implement the ScaledMM linear layer");
-- compressed-tensors W4A16 linear layers (symmetric), whose kernel vLLM chooses here but whose op this
-  build lacks (`torch.ops._C.cpu_gemm_wna16`): the engine builds, its forward fails;
+- 4-bit linear layers (compressed-tensors W4A16 symmetric, GPTQ, AWQ), whose kernel vLLM chooses here
+  but whose op this build lacks (`torch.ops._C.cpu_gemm_wna16`): the engine builds, its forward fails;
 - mixtures of experts in compressed-tensors W4A16 ("No WNA16 MoE backend supports the deployment
   configuration"), FP8 with block scales (vLLM's oracle leaves `Fp8MoeBackend.NONE`, to an out-of-tree
   plugin, and then fails converting the weights for it) and gpt-oss's MXFP4 ("No MXFP4 MoE backend ...").
@@ -51,20 +51,47 @@ class BlockFp8Reference:
 
 
 class PackedInt4Reference:
-    """vLLM's mixed-precision kernel interface (`process_weights_after_loading`, `apply_weights`) for
-    compressed-tensors W4A16 linear layers, symmetric (pack-quantized `weight_packed` [N, K / 8] int32 and
-    `weight_scale` [N, K / group]): this CPU build chooses `CPUWNA16LinearKernel`, whose op
+    """vLLM's mixed-precision kernel interface (`process_weights_after_loading`, `apply_weights`) for 4-bit
+    linear layers: compressed-tensors W4A16, symmetric (pack-quantized `weight_packed` [N, K / 8] int32 and
+    `weight_scale` [N, K / group]), and GPTQ's layout (`qweight` [K / 8, N], `scales` [K / group, N];
+    with zero points `qzeros` [N / 8, K / group] packed along the output, as vLLM converts AWQ's; vLLM
+    0.32 makes no `g_idx` parameter),
+    which AWQ's checkpoints are converted into after loading: this CPU build chooses `CPUWNA16LinearKernel`, whose op
     (`cpu_gemm_wna16`) it was built without."""
 
-    def __init__(self, config: Any, w_q_param_name: str, w_s_param_name: str, **names: Any) -> None:
+    def __init__(
+        self, config: Any, w_q_param_name: str, w_s_param_name: str, w_zp_param_name: str | None = None, **names: Any
+    ) -> None:
         self.config, self.w_q_name, self.w_s_name = config, w_q_param_name, w_s_param_name
+        self.w_zp_name = w_zp_param_name
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Nothing: the parameters stay as loaded."""
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        w = _packed_int4(getattr(layer, self.w_q_name), getattr(layer, self.w_s_name))
+        packed, scale = getattr(layer, self.w_q_name), getattr(layer, self.w_s_name)
+        k, n = self.config.partition_weight_shape
+        if tuple(packed.shape) == (k // 8, n):  # GPTQ's layout: packed along the input, scales [K / group, N]
+            zeros = getattr(layer, self.w_zp_name) if self.config.zero_points and self.w_zp_name else None
+            w = _gptq_int4(packed, scale, zeros)
+        else:
+            w = _packed_int4(packed, scale)
         return torch.nn.functional.linear(x, w.to(x.dtype), bias)
+
+
+def _nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words as their eight 4-bit values along `dim` (value i in bits 4i..4i+3)."""
+    values = torch.stack([(packed >> (4 * i)) & 0xF for i in range(8)], dim=dim + 1)
+    return values.flatten(dim, dim + 1)
+
+
+def _gptq_int4(packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
+    """GPTQ's [K / 8, N] 4-bit values minus their group's zero point (8 without zero points, GPTQ's
+    symmetric `uint4b8`) times the group's scale, as [N, K]."""
+    values = _nibbles(packed, 0)  # [K, N]
+    group = torch.arange(values.shape[0]) // (values.shape[0] // scale.shape[0])
+    zero = _nibbles(zeros, 0).T[group] if zeros is not None else 8  # [N / 8, K / group] -> [K, N]
+    return ((values - zero).float() * scale.float()[group]).T
 
 
 def _fp8_block(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -78,7 +105,7 @@ def _fp8_block(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _packed_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """compressed-tensors' pack-quantized, symmetric: [E, N, K / 8] int32, eight 4-bit values a word (value
     i in bits 4i..4i+3), each stored plus 8; times [E, N, K / group] scales."""
-    nibbles = torch.stack([(packed >> (4 * i)) & 0xF for i in range(8)], dim=-1).flatten(-2)
+    nibbles = _nibbles(packed, packed.dim() - 1)
     group = nibbles.shape[-1] // scale.shape[-1]
     return (nibbles - 8).float() * scale.float().repeat_interleave(group, -1)
 
@@ -201,24 +228,18 @@ def install_moe() -> None:
 
 def install() -> None:
     """vLLM's FP8 linear layers with block scales get `BlockFp8Reference` (offered as vLLM's own
-    `force_kernel`; other FP8 layers choose as before); symmetric W4A16 linear layers, `PackedInt4Reference`
-    where this build lacks the op of the kernel vLLM chose; MoE layers without a kernel, `reference_moe`
-    (`install_moe`). In the engines' process only (and their forked ranks: tests/vllm_engines.py's `_worker`)."""
-    from vllm.model_executor.layers.quantization import fp8
+    `force_kernel`; other FP8 layers choose as before); 4-bit linear layers (compressed-tensors W4A16, GPTQ,
+    AWQ), `PackedInt4Reference` where this build lacks the op of the kernel vLLM chose; MoE layers without
+    a kernel, `reference_moe` (`install_moe`). In the engines' process only (and their forked ranks:
+    tests/vllm_engines.py's `_worker`)."""
+    from vllm.model_executor.layers.quantization import auto_awq, auto_gptq, fp8
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import compressed_tensors_wNa16 as wna16
 
     install_moe()
-    if not getattr(wna16.choose_mp_linear_kernel, "reference", False):
-        choose = wna16.choose_mp_linear_kernel
-
-        def choose_mp_linear_kernel(config: Any, *args: Any, **kwargs: Any) -> Any:
-            kernel = choose(config, *args, **kwargs)
-            built_without = kernel.__name__ == "CPUWNA16LinearKernel" and not hasattr(torch.ops._C, "cpu_gemm_wna16")
-            symmetric = str(config.weight_type) == "uint4b8" and not config.zero_points
-            return PackedInt4Reference if built_without and symmetric else kernel
-
-        choose_mp_linear_kernel.reference = True  # type: ignore[attr-defined]
-        wna16.choose_mp_linear_kernel = choose_mp_linear_kernel
+    for module in (wna16, auto_gptq, auto_awq):  # each imported the chooser under its own name
+        if getattr(module.choose_mp_linear_kernel, "reference", False):
+            continue
+        module.choose_mp_linear_kernel = _int4_reference(module.choose_mp_linear_kernel)
 
     original = fp8.init_fp8_linear_kernel
 
@@ -228,3 +249,18 @@ def install() -> None:
         return original(*args, **kwargs)
 
     fp8.init_fp8_linear_kernel = init_fp8_linear_kernel
+
+
+def _int4_reference(choose: Any) -> Any:
+    """vLLM's kernel chooser, with `PackedInt4Reference` where it chose a kernel whose op this build lacks
+    for a 4-bit layer: symmetric (`uint4b8`) or with zero points (`uint4`, AWQ's)."""
+
+    def choose_mp_linear_kernel(config: Any, *args: Any, **kwargs: Any) -> Any:
+        kernel = choose(config, *args, **kwargs)
+        built_without = kernel.__name__ == "CPUWNA16LinearKernel" and not hasattr(torch.ops._C, "cpu_gemm_wna16")
+        four_bits = str(config.weight_type) == "uint4b8" and not config.zero_points
+        four_bits = four_bits or (str(config.weight_type) == "uint4" and config.zero_points)
+        return PackedInt4Reference if built_without and four_bits else kernel
+
+    choose_mp_linear_kernel.reference = True  # type: ignore[attr-defined]
+    return choose_mp_linear_kernel
