@@ -186,18 +186,24 @@ def main(argv: list[str] | None = None) -> int:
                 raise StreamloadError(f"{args.checkpoint}: no such checkpoint directory (publish goes beside it)")
             try:
                 from .integrations.vllm.startup import compiled as compiled_cache
+                from .integrations.vllm.startup.recorded import recorded
             except ImportError as exc:
                 raise StreamloadError(f"compile-cache needs vLLM: pip install -e '.[vllm]' ({exc})") from None
             try:
                 archive = compiled_cache.publish(args.checkpoint, args.cache_root)
                 pin = pins.digest(archive.read_bytes())
                 print(f"{pin}  {archive}")  # as sha256sum prints, the digest first
-                if len(folders := compiled_cache.packed(args.cache_root)) > 1:
+                folders = compiled_cache.packed(args.cache_root, args.checkpoint)
+                if recorded(args.checkpoint, args.cache_root):
+                    print(f"packed the compiled folder(s) its engines recorded for {args.checkpoint}: "
+                          f"{', '.join(folders)}", file=sys.stderr)  # fmt: skip
+                elif len(folders) > 1:
                     print(f"packed {len(folders)} compiled folders ({', '.join(folders[:4])}"
-                          f"{', ...' if len(folders) > 4 else ''}): vLLM names them by hashes that do not say "
-                          "which model they compiled, so every model compiled under this cache root went in; to "
-                          "publish this model's alone, run its engine with VLLM_CACHE_ROOT set to a folder of its "
-                          "own, then publish with --cache-root that folder", file=sys.stderr)  # fmt: skip
+                          f"{', ...' if len(folders) > 4 else ''}): no engine recorded which are this model's (a "
+                          "run through --load-format streamload records its folder once compiled), so every "
+                          "model compiled under this cache root went in; to publish this model's alone, run it "
+                          "once through streamload, or with VLLM_CACHE_ROOT set to a folder of its own and then "
+                          "publish with --cache-root that folder", file=sys.stderr)  # fmt: skip
                 print(f"pin it where nodes load (it runs as code there): --model-loader-extra-config "
                       f"'{{\"compile_cache\": \"{pin}\"}}', or streamload serve --compile-cache {pin}",
                       file=sys.stderr)  # fmt: skip

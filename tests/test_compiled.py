@@ -110,6 +110,47 @@ def test_publish_says_it_packs_every_model_compiled_under_the_cache_root(
     assert "packed" not in capsys.readouterr().err
 
 
+def test_publish_packs_the_folders_an_engine_recorded_for_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine that loaded through streamload records, once compiled, which folder it compiled its model
+    into (recorded.py): publish packs that model's folders alone, says which, and packs every folder
+    again where no record names the model or the recorded folder is gone."""
+    import tarfile
+
+    from streamload.cli import main
+    from streamload.integrations.vllm.startup.recorded import record, recorded
+
+    model, other = tmp_path / "model", tmp_path / "other"
+    model.mkdir()
+    other.mkdir()
+    shared = tmp_path / "shared"
+    _cache(shared)
+    aot = shared / "torch_compile_cache/torch_aot_compile/aa11"
+    record(str(model), str(aot), shared)  # as vLLM's worker names the folder it used
+    record(str(other), str(shared / "torch_compile_cache/bb22/rank_0_0/backbone"), shared)
+    assert recorded(model, shared) == ["torch_aot_compile/aa11"] and recorded(other, shared) == ["bb22"]
+    assert main(["compile-cache", "publish", str(model), "--cache-root", str(shared)]) == 0
+    said = capsys.readouterr()
+    assert "recorded for" in said.err and "torch_aot_compile/aa11" in said.err and "bb22" not in said.err
+    with tarfile.open(said.out.split(maxsplit=1)[1].strip()) as tar:
+        names = {m.name for m in tar.getmembers() if m.isfile()}
+    assert names == {n for n in _cache(tmp_path / "again") if "/aa11/" in n}
+
+    (shared / "streamload-compiled" / "junk.json").write_text("{not json")  # skipped
+    for folder in (aot, shared / "torch_compile_cache/bb22"):
+        for f in sorted(folder.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        folder.rmdir()
+    (shared / "torch_compile_cache/cc33").mkdir()
+    (shared / "torch_compile_cache/dd44").mkdir()
+    assert (
+        recorded(model, shared) == []
+        and main(["compile-cache", "publish", str(model), "--cache-root", str(shared)]) == 0
+    )
+    assert "packed 2 compiled folders (cc33, dd44): no engine recorded" in capsys.readouterr().err
+
+
 def test_vllms_model_inspections_are_installed_by_the_fetch_started_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -609,6 +609,16 @@ def _same_weights(ours: dict[str, Any], theirs: dict[str, Any], rank: int = 0) -
     assert not mine["hooked"]  # the worker's warm-up hook is gone once it has run
 
 
+def test_a_compiled_engine_records_which_folder_is_its_models(engines: dict[str, Any]) -> None:
+    """vLLM's compiled folders do not say which model they hold: an engine loading through streamload
+    records, once its worker has compiled, the folder it used for the checkpoint (recorded.py), so
+    `compile-cache publish` packs that model's alone. The record names the folder vLLM's worker says
+    it compiled into."""
+    seen = engines["llama/compiled/recorded"]
+    assert len(seen["recorded"]) == 1, seen
+    assert seen["used"].rstrip("/").endswith(seen["recorded"][0]) or f"/{seen['recorded'][0]}/" in seen["used"], seen
+
+
 @pytest.mark.parametrize("mode", ["eager", "compiled", "eager/tp2"])
 def test_overlap_compiles_before_the_weights_and_serves_vllms_own_weights(engines: dict[str, Any], mode: str) -> None:
     """`"overlap": True`: vLLM profiles, compiles and warms up before the weights are in; they are loaded

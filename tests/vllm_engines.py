@@ -314,6 +314,12 @@ def engine(path: Path, load_format: str, **kwargs: Any) -> Any:
     return LLM(model=str(path), load_format=load_format, skip_tokenizer_init=True, max_model_len=256, seed=0, **kwargs)
 
 
+def _compiled_folder(llm: Any) -> str:
+    """The folder vLLM's worker compiled into (`local_cache_dir`), under its compile cache."""
+    folder = llm.collective_rpc(lambda self: self.vllm_config.compilation_config.local_cache_dir)[0]
+    return str(folder)
+
+
 def tokens(llm: Any) -> list[list[int]]:
     from vllm import SamplingParams
 
@@ -594,6 +600,10 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
     for fmt, extra in (("safetensors", None), ("streamload", {"overlap": True})):
         llm = engine(paths["llama"], fmt, enforce_eager=False, model_loader_extra_config=extra)
         out[f"llama/compiled/{fmt}"] = {"tokens": tokens(llm), "state": state(llm)}
+        if fmt == "streamload":  # the folder its worker compiled into, as `compile-cache publish` will read it
+            from streamload.integrations.vllm.startup.recorded import recorded
+
+            out["llama/compiled/recorded"] = {"recorded": recorded(paths["llama"]), "used": _compiled_folder(llm)}
         close(llm)
     overlap_moe = {"model_loader_extra_config": {"overlap": True}}
     out["qwen2-moe/overlap"] = error_of(lambda: engine(paths["qwen2-moe"], "streamload", **overlap_moe))

@@ -25,7 +25,7 @@ from . import direct, reload, restore
 from .files import Files, Part, checkpoints
 from .options import STREAM, check_options
 from .report import last_load
-from .startup import ahead, install_compiled, overlap
+from .startup import ahead, install_compiled, overlap, recorded
 
 
 class StreamloadModelLoader(BaseModelLoader):
@@ -79,6 +79,8 @@ class StreamloadModelLoader(BaseModelLoader):
                 overlap.defer(model, model_config, partial(self._staged, started, in_place, model, model_config, parts))
             else:
                 self._staged(started, self._load_weights, model, model_config, first)
+            if starting:  # which compiled folder is this model's: `compile-cache publish` packs it alone
+                recorded.after_compiling(self.source(model_config, first=True))
         finally:
             if installing is not None:
                 last_load.compile_cache = installing.result()

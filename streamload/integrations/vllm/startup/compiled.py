@@ -36,6 +36,8 @@ from typing import Any, BinaryIO
 from streamload import atomic, pins
 from streamload.prefetch import COMPILE_CACHE, MODEL_INFOS, STAGED_INDEX, beside
 
+from .recorded import recorded
+
 log = logging.getLogger("vllm.streamload")
 
 FOLDER = COMPILE_CACHE
@@ -67,7 +69,7 @@ def cache_root() -> Path:
 
 
 def publish(checkpoint: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> Path:
-    """Pack `root`'s (default: vLLM's cache root) compiled artifacts into `checkpoint`'s
+    """Pack `root`'s (default: vLLM's cache root) compiled artifacts of `checkpoint` (`packed`) into its
     `streamload-compile-cache/<key>.tar` for this node's key, and list the key in its index.
     Written under a temporary name and renamed: a reader sees an archive whole or none."""
     source = Path(root) if root is not None else cache_root()
@@ -77,7 +79,8 @@ def publish(checkpoint: str | os.PathLike[str], root: str | os.PathLike[str] | N
     folder = Path(checkpoint) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"{key_name(key)}.tar"
-    atomic.write(target, lambda f: _tar(f, [(source / CACHE, CACHE)]), sync=True)
+    members = [(source / CACHE / name, f"{CACHE}/{name}") for name in packed(source, checkpoint)]
+    atomic.write(target, lambda f: _tar(f, members), sync=True)
     if (source / "modelinfos").is_dir():  # vLLM's model inspections: installed by the fetch started first
         _pack_model_infos(source / "modelinfos", Path(checkpoint) / MODEL_INFOS, _architectures(Path(checkpoint)))
     index = _read_index(folder / INDEX)
@@ -135,11 +138,13 @@ def install(
     return said
 
 
-def packed(root: str | os.PathLike[str] | None = None) -> list[str]:
-    """The compiled folders `publish` packs from `root` (default: vLLM's cache root), by name: every
-    one there, since vLLM names them by hashes that do not say which model they compiled."""
-    cache = (Path(root) if root is not None else cache_root()) / CACHE
-    return sorted(str(folder.relative_to(cache)) for folder in _compiled_folders(cache))
+def packed(root: str | os.PathLike[str] | None = None, checkpoint: str | os.PathLike[str] | None = None) -> list[str]:
+    """The compiled folders `publish` packs from `root` (default: vLLM's cache root), by name: those its
+    engines recorded for `checkpoint` (recorded.py), else every one there, since vLLM names them by
+    hashes that do not say which model they compiled."""
+    root = Path(root) if root is not None else cache_root()
+    mine = recorded(checkpoint, root) if checkpoint is not None else []
+    return mine or sorted(str(folder.relative_to(root / CACHE)) for folder in _compiled_folders(root / CACHE))
 
 
 def _unpack(data: bytes, root: Path) -> list[Path]:

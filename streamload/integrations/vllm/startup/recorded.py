@@ -1,0 +1,91 @@
+"""Which compiled folder a model's engine used, recorded in vLLM's cache root once its worker compiled.
+
+vLLM names its compiled folders by hashes of its whole configuration, and nothing in a folder says
+which model it compiled; the folder a run used is known only inside the worker, once it has compiled
+(`compilation_config.local_cache_dir`). So the first load of an engine through streamload leaves a
+one-shot hook on its worker's `compile_or_warm_up_model` (the worker's own attribute, removed when it
+has run, as overlap.py's) that writes `<cache root>/streamload-compiled/<folder's digest>.json`:
+{"model": the checkpoint, "folder": the folder under `torch_compile_cache`}. `compile-cache publish`
+then packs that checkpoint's folders alone. Ranks of one engine write the same record (atomically); a
+record whose folder is gone is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from streamload import atomic
+
+from .overlap import METHOD, worker_loading
+
+log = logging.getLogger("vllm.streamload")
+
+RECORDS = "streamload-compiled"
+CACHE = "torch_compile_cache"
+
+
+def after_compiling(model: str) -> None:
+    """Record, once the worker loading now has compiled, the folder it compiled `model` into (nothing
+    where no worker is loading, or it compiles nothing)."""
+    worker = worker_loading()
+    if worker is None:
+        return
+    warm_up = getattr(worker, METHOD)
+
+    def compile_or_warm_up_model(*args: Any, **kwargs: Any) -> Any:
+        try:
+            result = warm_up(*args, **kwargs)
+        finally:
+            vars(worker).pop(METHOD, None)
+        folder = getattr(worker.vllm_config.compilation_config, "local_cache_dir", None)
+        if folder:
+            try:
+                record(model, folder)
+            except (OSError, ValueError) as exc:  # a record is a convenience for publishing: the engine runs on
+                log.warning("streamload: could not record the compiled folder %s of %s: %s", folder, model, exc)
+        return result
+
+    setattr(worker, METHOD, compile_or_warm_up_model)
+
+
+def record(model: str, local_cache_dir: str, root: str | Path | None = None) -> Path:
+    """Write the record that `model` compiled into `local_cache_dir` (a folder of `root`'s compile cache,
+    default: vLLM's cache root)."""
+    root = Path(root) if root is not None else _cache_root()
+    inside = Path(local_cache_dir).resolve().relative_to((root / CACHE).resolve()).parts
+    folder = "/".join(inside[:2] if inside[0] == "torch_aot_compile" else inside[:1])
+    name = hashlib.sha256(folder.encode()).hexdigest()[:16] + ".json"
+    (root / RECORDS).mkdir(parents=True, exist_ok=True)
+    atomic.write(root / RECORDS / name, json.dumps({"model": _named(model), "folder": folder}).encode())
+    return root / RECORDS / name
+
+
+def recorded(checkpoint: str | Path, root: str | Path | None = None) -> list[str]:
+    """The compiled folders (under `torch_compile_cache`) recorded for `checkpoint` that `root` still has."""
+    root = Path(root) if root is not None else _cache_root()
+    wanted, out = _named(str(checkpoint)), set()
+    for path in sorted((root / RECORDS).glob("*.json")) if (root / RECORDS).is_dir() else []:
+        try:
+            entry = json.loads(path.read_text())
+            model, folder = entry["model"], entry["folder"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # another writer's, unfinished records cannot be seen (atomic): a damaged one is skipped
+        if model == wanted and isinstance(folder, str) and ".." not in folder.split("/"):
+            if (root / CACHE / folder).is_dir():
+                out.add(folder)
+    return sorted(out)
+
+
+def _named(model: str) -> str:
+    """A checkpoint as records name it: a local folder by its absolute path, anything else as given."""
+    return model if "://" in model else str(Path(model).resolve())
+
+
+def _cache_root() -> Path:
+    import vllm.envs as envs
+
+    return Path(envs.VLLM_CACHE_ROOT)
