@@ -274,11 +274,18 @@ def test_a_quantized_mixture_of_experts_equals_vllms_own_loader(engines: dict[st
 def test_a_quantized_mixture_of_experts_generates_as_vllms_own_loader(engines: dict[str, Any], layout: str) -> None:
     """The same mixtures of experts served on the reference kernels (each expert dequantized by its
     format's definition, the MoE in torch): greedy tokens, every parameter and what each CPU linear
-    layer's packed copy computes equal vLLM's own loader's."""
+    layer's packed copy computes equal vLLM's own loader's; then after an in-place reload of other
+    weights (`reload_weights`: the experts' scales and packed values into the same storage) as after
+    vLLM's own reload, which serves other tokens (a fresh engine's on those weights, checked by hand:
+    the reference kernels leave the weights as loaded, where vLLM's CPU MoE repacks them)."""
     ours, theirs = (engines[f"quantized/{layout}/{k}"] for k in ("streamload", "safetensors"))
     assert len(ours["tokens"]) == 2 and all(len(t) == 12 for t in ours["tokens"])
     assert all(len(set(t)) > 2 for t in ours["tokens"]), ours["tokens"]  # not a NaN's token 0, repeated
     _same_weights(ours, theirs)
+    _same_weights(ours["reloaded"], theirs["reloaded"])
+    assert ours["reloaded"]["tokens"] != ours["tokens"]
+    before, after = _params(ours), _params(ours["reloaded"])
+    assert {n: p for n, (p, _) in after.items()} == {n: p for n, (p, _) in before.items()}
 
 
 def test_the_reference_kernels_dequantize_as_the_layouts_quantize() -> None:

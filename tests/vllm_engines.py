@@ -766,11 +766,14 @@ def quantized(root: Path) -> dict[str, Any]:
 def quantized_moe(root: Path, out: dict[str, Any]) -> None:
     """Quantized mixtures of experts (compressed-tensors W4A16, FP8 with block scales, gpt-oss's MXFP4)
     whose MoE kernels this CPU lacks: every tensor right after `load_weights` against vLLM's default loader
-    in each mode (and at TP=2); greedy tokens from both loaders on the reference kernels."""
+    in each mode (and at TP=2); greedy tokens from both loaders on the reference kernels, and after an
+    in-place reload of other weights."""
     from streamload.integrations.vllm.check import check_modes
     from streamload.verify import write_digests
 
     paths = quantized_layouts.make_moe(root)
+    (root / "reloaded").mkdir()
+    new = quantized_layouts.make_moe(root / "reloaded", seed=41)
     for layout, path in paths.items():
         write_digests(streamload.inspect(path))
         for mode, report in check_modes(str(path), QUANTIZED_MODES, dtype="bfloat16", **KV_CACHE).items():
@@ -781,7 +784,9 @@ def quantized_moe(root: Path, out: dict[str, Any]) -> None:
                 out[f"check/quantized/{layout}/tp2/{mode}"] = _checked(report)
         for fmt in ("safetensors", "streamload"):
             llm = engine(path, fmt, dtype="bfloat16")
-            out[f"quantized/{layout}/{fmt}"] = {"tokens": tokens(llm), "state": state(llm)}
+            run = {"tokens": tokens(llm), "state": state(llm)}
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new[layout])})
+            out[f"quantized/{layout}/{fmt}"] = run | {"reloaded": {"tokens": tokens(llm), "state": state(llm)}}
             close(llm)
 
 
