@@ -228,7 +228,7 @@ def test_bench_failures_are_one_line_and_fail_the_command(
         return real(loader, files, device, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(bench, "run_child", flaky)
-    argv = ["bench", str(small_model), "--runs", "2", "--loaders", "streamload-mmap", "safetensors-load_file"]
+    argv = ["bench", str(small_model), "--runs", "1", "--loaders", "streamload-mmap", "safetensors-load_file"]
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "failed in every run: safetensors-load_file" in err
