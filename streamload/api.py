@@ -244,6 +244,8 @@ def _check_plan(
 def _stream(checkpoint: Checkpoint, plan: Plan, way: _Route, digests: Mapping[PurePath, Known] | None) -> TensorStream:
     """The stream of `plan` through `way`, checked against `digests` as it is read."""
     check = None if digests is None else _verifier(plan, digests, way)
+    if check is not None and hasattr(way.make, "keep_pages"):  # hashed after made: no page may leave before
+        way.make.keep_pages = True
     stats = Stats(bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=way.read.name, device=way.make.name)
     if way.exchange is not None:  # what a rank reads from storage for a lost rank counts as read
         way.read.on_bytes = stats.add_read  # type: ignore[attr-defined]  # (a CooperativeReader)

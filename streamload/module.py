@@ -61,6 +61,7 @@ class _Filler:
         self.result = LoadResult()
         self.dequantization: Dequantization | None = None  # quantized weights computed as they arrive
         self._release = Release()  # the file pages of what was copied out (or computed from) leave
+        self.theirs: set[int] = set()  # storages the caller wrote into (`into=`): their pages are theirs
 
     def target_of(self, name: str) -> str:
         return name
@@ -72,9 +73,9 @@ class _Filler:
             return
         old = self._get(name)
         placed = aligned(tensor)
-        if placed is not tensor:  # copied: the file pages it viewed need not stay with the process
-            self._release(tensor)
-            tensor = placed
+        if placed is not tensor and tensor.untyped_storage().data_ptr() not in self.theirs:
+            self._release(tensor)  # copied: the file pages it viewed (ours) need not stay with the process
+        tensor = placed
         if self.kind[name] == "parameter":
             new: torch.Tensor = nn.Parameter(tensor, requires_grad=old.requires_grad)
         else:
@@ -100,6 +101,13 @@ class _Filler:
     def _get(self, name: str) -> torch.Tensor:
         owner, attr = self._owner(name)
         return owner._parameters[attr] if self.kind[name] == "parameter" else owner._buffers[attr]  # type: ignore[return-value]
+
+    def keep(self, stream: Options) -> None:
+        """What this load gives back nothing of: storages the caller gave to be written (`into=`), and
+        every page while `verify` may still hash the mapped bytes after they were handed out."""
+        self.theirs = {t.untyped_storage().data_ptr() for t in (stream.get("into") or {}).values()}
+        if stream.get("verify"):
+            self._release = lambda t: None
 
     def destinations(self, options: Options, checkpoint: Checkpoint) -> Options:
         """The stream's options for this filler (assigning needs nothing more)."""
@@ -489,7 +497,9 @@ def load_into(
     if dequantize is not None:
         dequantize.check(checkpoint.tensors)
         options = {**options, "dtype": dequantize.as_stored(options.get("dtype"))}  # type: ignore[typeddict-item]
-    with layers(checkpoint, **filler.destinations(options, checkpoint)) as groups:
+    stream = filler.destinations(options, checkpoint)
+    filler.keep(stream)
+    with layers(checkpoint, **stream) as groups:
         filler.start(groups, strict)
         for key, tensors in groups:
             if (layer := filler.fill(key, tensors, on_layer)) is not None:
@@ -513,7 +523,9 @@ async def aload_into(
     """`load_into` for async code; `on_layer` may be a coroutine function."""
     filler = _filler(module, in_place, "aload_into", conversion)
     checkpoint = open_checkpoint(source, options.get("cache_dir"))  # headers once; the stream reuses them
-    async with layers(checkpoint, **filler.destinations(options, checkpoint)) as groups:
+    stream = filler.destinations(options, checkpoint)
+    filler.keep(stream)
+    async with layers(checkpoint, **stream) as groups:
         filler.start(groups, strict)
         async for key, tensors in groups:
             if (layer := filler.fill(key, tensors, on_layer)) is not None:

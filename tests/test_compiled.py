@@ -130,6 +130,12 @@ def test_publish_packs_the_folders_an_engine_recorded_for_the_model(
     record(str(model), str(aot), shared)  # as vLLM's worker names the folder it used
     record(str(other), str(shared / "torch_compile_cache/bb22/rank_0_0/backbone"), shared)
     assert recorded(model, shared) == ["torch_aot_compile/aa11"] and recorded(other, shared) == ["bb22"]
+    for outside in (shared / "torch_compile_cache", tmp_path, shared / "torch_compile_cache/torch_aot_compile"):
+        with pytest.raises(ValueError):
+            record(str(model), str(outside), shared)  # not a compiled folder of the cache: never recorded
+    (shared / "streamload-compiled" / "evil.json").write_text(json.dumps({"model": str(model.resolve()),
+                                                                          "folder": str(tmp_path)}))  # fmt: skip
+    assert recorded(model, shared) == ["torch_aot_compile/aa11"]  # an absolute folder is not the cache's
     assert main(["compile-cache", "publish", str(model), "--cache-root", str(shared)]) == 0
     said = capsys.readouterr()
     assert "recorded for" in said.err and "torch_aot_compile/aa11" in said.err and "bb22" not in said.err

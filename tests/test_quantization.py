@@ -353,6 +353,28 @@ def test_a_load_into_a_module_holds_about_a_layers_file_pages_not_the_files(tmp_
         assert same_bits(t, tensors[name]), name
 
 
+def test_tensors_the_caller_gives_to_be_written_keep_what_was_written(tmp_path: Path) -> None:
+    """`into=` tensors of the caller's that view a private file mapping (another load's, mapped) are
+    written where they are: the model gets aligned copies of them, and their written pages stay theirs
+    (given back, they would show their file's old bytes again)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    old = {"a": torch.randn(3, generator=g), "w": torch.randn(3 << 20, generator=g)}
+    new = {n: torch.randn(t.shape, generator=g) for n, t in old.items()}
+    save_file(old, str(tmp_path / "old.safetensors"))  # "a" first: "w" is at an address no CPU kernel wants
+    (tmp_path / "new").mkdir()
+    save_file(new, str(tmp_path / "new" / "model.safetensors"))
+    theirs = streamload.load(tmp_path / "old.safetensors", device="cpu", reader="mmap")  # views of a mapping
+    assert theirs["w"].data_ptr() % 64
+    model = torch.nn.Module()
+    model.a, model.w = (torch.nn.Parameter(torch.zeros(t.shape)) for t in old.values())
+    streamload.load_into(model, tmp_path / "new", into=theirs, reader="mmap", device="cpu")
+    for name, t in new.items():
+        assert same_bits(theirs[name], t), name
+        assert same_bits(model.state_dict()[name], t), name
+
+
 def test_fp8_experts_merged_into_fused_tensors_load_as_transformers_dequantizes_them(tmp_path: Path) -> None:
     """transformers 5 dequantizes each FP8 expert (Qwen2-MoE's layout here, block scales) and stacks the
     experts into fused tensors (gate and up concatenated): streamload computes each expert's weight as it

@@ -597,13 +597,16 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
     llm = engine(paths["llama"], "streamload", model_loader_extra_config={"overlap": True})
     out["llama/overlap"] = {"tokens": tokens(llm), "state": state(llm)}
     close(llm)
-    for fmt, extra in (("safetensors", None), ("streamload", {"overlap": True})):
+    from streamload.integrations.vllm.startup import compiled, recorded
+
+    for fmt, extra in (("streamload", {"overlap": True}), ("safetensors", None)):  # streamload's compiles first
+        before = compiled.packed(compiled.cache_root())
         llm = engine(paths["llama"], fmt, enforce_eager=False, model_loader_extra_config=extra)
         out[f"llama/compiled/{fmt}"] = {"tokens": tokens(llm), "state": state(llm)}
-        if fmt == "streamload":  # the folder its worker compiled into, as `compile-cache publish` will read it
-            from streamload.integrations.vllm.startup.recorded import recorded
-
-            out["llama/compiled/recorded"] = {"recorded": recorded(paths["llama"]), "used": _compiled_folder(llm)}
+        if fmt == "streamload":  # the folders its worker compiled into, as `compile-cache publish` reads them
+            made = sorted(set(compiled.packed(compiled.cache_root())) - set(before))
+            out["llama/compiled/recorded"] = {"recorded": recorded.recorded(paths["llama"]), "made": made,
+                                              "used": _compiled_folder(llm)}  # fmt: skip
         close(llm)
     overlap_moe = {"model_loader_extra_config": {"overlap": True}}
     out["qwen2-moe/overlap"] = error_of(lambda: engine(paths["qwen2-moe"], "streamload", **overlap_moe))

@@ -52,6 +52,7 @@ class MappedCPU:
     staged = False
     buffers = 0
     padding = 0
+    keep_pages = False  # True where each batch's bytes are hashed after it is made (verify=): none leave
 
     def new_slot(self, nbytes: int) -> None:
         return None
@@ -64,7 +65,7 @@ class MappedCPU:
                 continue
             view = _view(piece.item, maps)
             t = convert(view, piece.item)
-            if t is not view and piece.item.part is None:
+            if t is not view and piece.item.part is None and not self.keep_pages and _in(view, maps):
                 # Copied (into its destination, or converted): its file pages leave the process now,
                 # not when the file's mapping closes, so a load into a model holds about a batch of
                 # them rather than a shard (the page cache keeps them).
@@ -86,6 +87,11 @@ class _Mappings(dict):  # type: ignore[type-arg]
     def __missing__(self, path: object) -> torch.UntypedStorage:
         storage = self[path] = self.files.mapping(path)  # type: ignore[arg-type]
         return storage
+
+
+def _in(view: torch.Tensor, files: _Mappings) -> bool:
+    """Whether `view` is of this load's file mappings (a tensor the format left unaligned is a copy)."""
+    return any(view.untyped_storage().data_ptr() == m.data_ptr() for m in files.values())
 
 
 def _view(item: Item, files: _Mappings) -> torch.Tensor:

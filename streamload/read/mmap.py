@@ -128,16 +128,12 @@ class Release:
                 self._file_backed[base] = _private_file_mapping(base)
             if not self._file_backed[base] or end <= start:
                 return
-            low = self._runs.pop(-start, None)  # a run ending where this tensor starts
-            if low is None:
-                low = start
-            else:
-                del self._runs[low]
-            high = self._runs.pop(end, None)  # a run starting where it ends
-            if high is None:
-                high = end
-            else:
-                del self._runs[-high]
+            if self._runs.get(start, 0) >= end:
+                return  # given back already (twice is once)
+            low = self._runs.pop(-start, start)  # a run ending where this tensor starts
+            high = self._runs.pop(end, end)  # a run starting where it ends
+            self._runs.pop(low, None)
+            self._runs.pop(-high, None)
             self._runs[low], self._runs[-high] = high, low
         # this tensor's pages, and the ones it shares with the runs it joined, if now wholly released
         first = max(-(-low // PAGE), start // PAGE) * PAGE

@@ -2,7 +2,8 @@
 
 vLLM names its compiled folders by hashes of its whole configuration, and nothing in a folder says
 which model it compiled; the folder a run used is known only inside the worker, once it has compiled
-(`compilation_config.local_cache_dir`). So the first load of an engine through streamload leaves a
+(`compilation_config.local_cache_dir`, and with ahead-of-time compilation the folder vLLM points
+Inductor's cache into). So the first load of an engine through streamload leaves a
 one-shot hook on its worker's `compile_or_warm_up_model` (the worker's own attribute, removed when it
 has run, as overlap.py's) that writes `<cache root>/streamload-compiled/<folder's digest>.json`:
 {"model": the checkpoint, "folder": the folder under `torch_compile_cache`}. `compile-cache publish`
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ log = logging.getLogger("vllm.streamload")
 
 RECORDS = "streamload-compiled"
 CACHE = "torch_compile_cache"
+_INDUCTOR = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def after_compiling(model: str) -> None:
@@ -37,12 +40,17 @@ def after_compiling(model: str) -> None:
     warm_up = getattr(worker, METHOD)
 
     def compile_or_warm_up_model(*args: Any, **kwargs: Any) -> Any:
+        inductor = os.environ.get(_INDUCTOR)
         try:
             result = warm_up(*args, **kwargs)
         finally:
             vars(worker).pop(METHOD, None)
-        folder = getattr(worker.vllm_config.compilation_config, "local_cache_dir", None)
-        if folder:
+        # Ahead-of-time compilation sets the folder (`torch_aot_compile/<hash>`, Inductor's cache in it,
+        # process-wide) and, compiling cold, its backend then names the graph cache's: both are the model's.
+        used = [getattr(worker.vllm_config.compilation_config, "local_cache_dir", None)]
+        if os.environ.get(_INDUCTOR) != inductor:
+            used.append(os.path.dirname(os.environ.get(_INDUCTOR, "")))
+        for folder in filter(None, used):
             try:
                 record(model, folder)
             except (OSError, ValueError) as exc:  # a record is a convenience for publishing: the engine runs on
@@ -54,9 +62,15 @@ def after_compiling(model: str) -> None:
 
 def record(model: str, local_cache_dir: str, root: str | Path | None = None) -> Path:
     """Write the record that `model` compiled into `local_cache_dir` (a folder of `root`'s compile cache,
-    default: vLLM's cache root)."""
+    default: vLLM's cache root).
+
+    Raises:
+        ValueError: the folder is not inside the compile cache.
+    """
     root = Path(root) if root is not None else _cache_root()
     inside = Path(local_cache_dir).resolve().relative_to((root / CACHE).resolve()).parts
+    if not inside or (inside[:1] == ("torch_aot_compile",) and len(inside) < 2):
+        raise ValueError(f"{local_cache_dir} is not a compiled folder of {root / CACHE}")
     folder = "/".join(inside[:2] if inside[0] == "torch_aot_compile" else inside[:1])
     name = hashlib.sha256(folder.encode()).hexdigest()[:16] + ".json"
     (root / RECORDS).mkdir(parents=True, exist_ok=True)
@@ -74,10 +88,18 @@ def recorded(checkpoint: str | Path, root: str | Path | None = None) -> list[str
             model, folder = entry["model"], entry["folder"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # another writer's, unfinished records cannot be seen (atomic): a damaged one is skipped
-        if model == wanted and isinstance(folder, str) and ".." not in folder.split("/"):
-            if (root / CACHE / folder).is_dir():
-                out.add(folder)
+        if model == wanted and isinstance(folder, str) and _within(root / CACHE, folder):
+            out.add(folder)
     return sorted(out)
+
+
+def _within(cache: Path, folder: str) -> bool:
+    """Whether `folder` names a folder inside `cache` (not an absolute path, nor one leading out)."""
+    path = cache / folder
+    try:
+        return not Path(folder).is_absolute() and path.resolve().is_relative_to(cache.resolve()) and path.is_dir()
+    except OSError:
+        return False
 
 
 def _named(model: str) -> str:
