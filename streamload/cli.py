@@ -193,11 +193,10 @@ def main(argv: list[str] | None = None) -> int:
                 archive = compiled_cache.publish(args.checkpoint, args.cache_root)
                 pin = pins.digest(archive.read_bytes())
                 print(f"{pin}  {archive}")  # as sha256sum prints, the digest first
-                folders = compiled_cache.packed(args.cache_root, args.checkpoint)
-                if recorded(args.checkpoint, args.cache_root):
+                if mine := recorded(args.checkpoint, args.cache_root):
                     print(f"packed the compiled folder(s) its engines recorded for {args.checkpoint}: "
-                          f"{', '.join(folders)}", file=sys.stderr)  # fmt: skip
-                elif len(folders) > 1:
+                          f"{', '.join(mine)}", file=sys.stderr)  # fmt: skip
+                elif len(folders := compiled_cache.packed(args.cache_root)) > 1:
                     print(f"packed {len(folders)} compiled folders ({', '.join(folders[:4])}"
                           f"{', ...' if len(folders) > 4 else ''}): no engine recorded which are this model's (a "
                           "run through --load-format streamload records its folder once compiled), so every "

@@ -8,7 +8,7 @@ import torch
 from ..dtypes import torch_shape
 from ..format import TensorInfo
 from ..plan import Batch, Item
-from ..read.mmap import drop_pages
+from ..read.mmap import Release
 from ..storage import Files, LocalFiles
 from .base import Assembler, Delivered, HostRing, convert
 
@@ -54,6 +54,9 @@ class MappedCPU:
     padding = 0
     keep_pages = False  # True where each batch's bytes are hashed after it is made (verify=): none leave
 
+    def __init__(self) -> None:
+        self._release = Release()
+
     def new_slot(self, nbytes: int) -> None:
         return None
 
@@ -65,11 +68,12 @@ class MappedCPU:
                 continue
             view = _view(piece.item, maps)
             t = convert(view, piece.item)
-            if t is not view and piece.item.part is None and not self.keep_pages and _in(view, maps):
+            if t is not view and piece.item.part is None and not self.keep_pages:
                 # Copied (into its destination, or converted): its file pages leave the process now,
                 # not when the file's mapping closes, so a load into a model holds about a batch of
-                # them rather than a shard (the page cache keeps them).
-                drop_pages(view)
+                # them rather than a shard (the page cache keeps them; a copy the format's alignment
+                # made is no mapping's, and left alone).
+                self._release(view)
             out.append((piece.item.name, t))
         return out
 
@@ -87,11 +91,6 @@ class _Mappings(dict):  # type: ignore[type-arg]
     def __missing__(self, path: object) -> torch.UntypedStorage:
         storage = self[path] = self.files.mapping(path)  # type: ignore[arg-type]
         return storage
-
-
-def _in(view: torch.Tensor, files: _Mappings) -> bool:
-    """Whether `view` is of this load's file mappings (a tensor the format left unaligned is a copy)."""
-    return any(view.untyped_storage().data_ptr() == m.data_ptr() for m in files.values())
 
 
 def _view(item: Item, files: _Mappings) -> torch.Tensor:

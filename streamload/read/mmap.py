@@ -87,19 +87,6 @@ def _touch(mapping: torch.UntypedStorage, span: Span) -> None:
 _MADV_DONTNEED = 4
 
 
-def drop_pages(t: torch.Tensor) -> None:
-    """Take from the process the pages wholly inside contiguous `t`'s bytes, which must view a private
-    file mapping no one writes to (this reader's): the page cache keeps them, and one touched again is
-    read back from it. Pages `t` shares with a neighbour stay: the neighbour may be someone's."""
-    if _madvise is None:
-        return
-    start = t.data_ptr()
-    first = -(-start // PAGE) * PAGE
-    last = (start + t.numel() * t.element_size()) // PAGE * PAGE
-    if last > first:
-        _madvise(first, last - first, _MADV_DONTNEED)
-
-
 class Release:
     """Takes back from the process the pages of tensors the caller has used up (copied out, or quantized
     parts once computed), where they view a private file mapping (this reader's): the pages stay in

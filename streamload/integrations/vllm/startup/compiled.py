@@ -36,8 +36,6 @@ from typing import Any, BinaryIO
 from streamload import atomic, pins
 from streamload.prefetch import COMPILE_CACHE, MODEL_INFOS, STAGED_INDEX, beside
 
-from .recorded import recorded
-
 log = logging.getLogger("vllm.streamload")
 
 FOLDER = COMPILE_CACHE
@@ -142,6 +140,8 @@ def packed(root: str | os.PathLike[str] | None = None, checkpoint: str | os.Path
     """The compiled folders `publish` packs from `root` (default: vLLM's cache root), by name: those its
     engines recorded for `checkpoint` (recorded.py), else every one there, since vLLM names them by
     hashes that do not say which model they compiled."""
+    from .recorded import recorded  # (it names its folders as this module does)
+
     root = Path(root) if root is not None else cache_root()
     mine = recorded(checkpoint, root) if checkpoint is not None else []
     return mine or sorted(str(folder.relative_to(root / CACHE)) for folder in _compiled_folders(root / CACHE))

@@ -22,12 +22,12 @@ from typing import Any
 
 from streamload import atomic
 
+from .compiled import CACHE, cache_root
 from .overlap import METHOD, worker_loading
 
 log = logging.getLogger("vllm.streamload")
 
 RECORDS = "streamload-compiled"
-CACHE = "torch_compile_cache"
 _INDUCTOR = "TORCHINDUCTOR_CACHE_DIR"
 
 
@@ -67,7 +67,7 @@ def record(model: str, local_cache_dir: str, root: str | Path | None = None) -> 
     Raises:
         ValueError: the folder is not inside the compile cache.
     """
-    root = Path(root) if root is not None else _cache_root()
+    root = Path(root) if root is not None else cache_root()
     inside = Path(local_cache_dir).resolve().relative_to((root / CACHE).resolve()).parts
     if not inside or (inside[:1] == ("torch_aot_compile",) and len(inside) < 2):
         raise ValueError(f"{local_cache_dir} is not a compiled folder of {root / CACHE}")
@@ -80,7 +80,7 @@ def record(model: str, local_cache_dir: str, root: str | Path | None = None) -> 
 
 def recorded(checkpoint: str | Path, root: str | Path | None = None) -> list[str]:
     """The compiled folders (under `torch_compile_cache`) recorded for `checkpoint` that `root` still has."""
-    root = Path(root) if root is not None else _cache_root()
+    root = Path(root) if root is not None else cache_root()
     wanted, out = _named(str(checkpoint)), set()
     for path in sorted((root / RECORDS).glob("*.json")) if (root / RECORDS).is_dir() else []:
         try:
@@ -105,9 +105,3 @@ def _within(cache: Path, folder: str) -> bool:
 def _named(model: str) -> str:
     """A checkpoint as records name it: a local folder by its absolute path, anything else as given."""
     return model if "://" in model else str(Path(model).resolve())
-
-
-def _cache_root() -> Path:
-    import vllm.envs as envs
-
-    return Path(envs.VLLM_CACHE_ROOT)
