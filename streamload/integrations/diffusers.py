@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -99,6 +100,7 @@ def from_pretrained(
         for name, entry in index.items():
             if name.startswith("_") or not isinstance(entry, list) or entry[0] is None:
                 continue
+            _checked_name(name, path)
             cls = _component_class(diffusers, entry, name, path)
             if cls is not None:  # weights: built here (before any weight is read, so errors come first)
                 built[name], weights_dtype = _build(cls, folder / name, _dtype_of(dtype, name))
@@ -141,13 +143,18 @@ class _Mirror:
     def __enter__(self) -> _Mirror:
         self._scratch = tempfile.TemporaryDirectory(prefix="streamload-diffusers-")
         self.folder = Path(self._scratch.name)
-        index = self._fetch("", PIPELINE_INDEX)
-        components = (
-            [n for n, e in json.loads(index).items() if not n.startswith("_") and isinstance(e, list)] if index else []
-        )
-        for sub in ["", *components]:
-            for name in ("config.json", *self.names):
-                self._fetch(sub, name)
+        try:
+            index = self._fetch("", PIPELINE_INDEX)
+            entries = json.loads(index) if index else {}
+            subs = [
+                _checked_name(n, self.url) for n, e in entries.items() if not n.startswith("_") and isinstance(e, list)
+            ]
+            for sub in ["", *subs]:
+                for name in ("config.json", *self.names):
+                    self._fetch(sub, name)
+        except BaseException:  # __exit__ is not called when __enter__ raises
+            self._scratch.cleanup()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -189,25 +196,33 @@ def _diffusers_class(diffusers: Any, name: str, where: object) -> type:
     return cls
 
 
+_COMPONENT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # one folder's plain name: no "..", no "/"
+
+
+def _checked_name(name: str, path: str | Path) -> str:
+    """A component's name from the pipeline's index, which names its folder: refused unless a plain
+    folder name (the index is the store's: it never chooses where a byte is read or written)."""
+    if not _COMPONENT_NAME.fullmatch(name):
+        raise UnsupportedError(f"{path}/{PIPELINE_INDEX}: component {name!r} is not a plain folder name")
+    return name
+
+
 def _component_class(diffusers: Any, entry: list[Any], name: str, path: str | Path) -> type | None:
     """The class of a component that carries weights (a diffusers or transformers model), None for one
     that does not (diffusers loads those); a weighted component of another kind is refused by name."""
-    library, class_name = entry
+    library, class_name = entry if len(entry) == 2 else (entry, None)
+    where = f"{path}/{PIPELINE_INDEX}: component {name!r} ({library}.{class_name})"
     if library == "diffusers":
-        cls = getattr(diffusers, class_name, None)
+        home: Any = diffusers
     elif library == "transformers":
         import transformers
 
-        cls = getattr(transformers, class_name, None)
-    else:  # a pipeline module's own class (a safety checker) or another library's
-        module = getattr(diffusers.pipelines, library, None)
-        cls = getattr(module, class_name, None) if module is not None else None
-        if cls is None:
-            try:
-                cls = getattr(__import__(library), class_name, None)
-            except ImportError:
-                cls = None
-    where = f"{path}/{PIPELINE_INDEX}: component {name!r} ({library}.{class_name})"
+        home = transformers
+    else:  # a pipeline module's own class (a safety checker): looked up among diffusers' pipelines
+        home = getattr(diffusers.pipelines, library, None) if isinstance(library, str) else None
+        if home is None:  # never imported by name: the checkpoint would choose what runs here
+            raise UnsupportedError(f"{where}: streamload takes classes from diffusers and transformers only")
+    cls = getattr(home, class_name, None) if isinstance(class_name, str) else None
     if cls is None:
         raise UnsupportedError(f"{where}: no such class is installed")
     if _is_model(cls, diffusers):
