@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import mmap
 import os
@@ -29,7 +30,7 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
+import subprocess  # nosec B404 # this package's own fetch process, an argv list, no shell
 import sys
 import threading
 import time
@@ -75,8 +76,11 @@ def start(
     model_infos: bool = False,
     compile_caches: Path | None = None,
     pinned: frozenset[str] = frozenset(),
+    work: Path | None = None,
 ) -> Prefetch:
     """Start fetching `source` in a process of its own; it ends when this process does (or `stop`).
+    `work`: a directory this process made (`owned.make`) for the fetch to write in, which the fetch
+    removes when it sees this process ended (its exit handlers, which would remove it, did not run).
 
     It is not this process's child (a child that ends before its parent stays a zombie until reaped,
     and nothing here would reap it while a server runs): a short-lived child starts it and exits."""
@@ -89,7 +93,9 @@ def start(
         argv += ["--model-infos"]
     if compile_caches is not None:
         argv += ["--compile-caches", str(compile_caches), *(f"--pin={pin}" for pin in sorted(pinned))]
-    starter = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    if work is not None:
+        argv += ["--work", str(work)]
+    starter = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # nosec B603 # argv built here
     assert starter.stdout is not None
     with starter.stdout:
         line = starter.stdout.readline()
@@ -128,7 +134,8 @@ def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None, compile_
             staging = Path(cache_dir) if cache_dir else work / "staged"
             staging.mkdir(parents=True, exist_ok=True)
         compiled = work / "compiled" if remote and pinned else None  # a local archive is read where it lies
-        fetching = start(source, work / "done.json", staging, model_infos=True, compile_caches=compiled, pinned=pinned)
+        fetching = start(source, work / "done.json", staging, model_infos=True, compile_caches=compiled, pinned=pinned,
+                         work=work)  # fmt: skip
         owned.share(work, fetching.pid)  # it writes there until it sees this process gone
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -241,42 +248,96 @@ def _version_in(package: str, file: str) -> str:
 
 def install_model_infos(source: str) -> int:
     """vLLM's cached inspections of model classes published beside `source`, put into its cache root
-    (`VLLM_CACHE_ROOT/modelinfos`) where absent, each whole by a rename; how many. vLLM inspects a
-    model's class in a subprocess before any load format runs (15 s here) unless its cache holds the
-    answer, which it checks against the model file's hash: so this runs in the fetch started first.
-    They are data, not code: vLLM reads one with `json.load` into its `_ModelInfo` dataclass
-    (`_LazyRegisteredModel._load_modelinfo_from_cache`), and only files of that plain shape are put
-    there (`_plain_model_info`)."""
+    (`VLLM_CACHE_ROOT/modelinfos`) where absent (one there is never replaced), each whole; how many.
+    vLLM inspects a model's class in a subprocess before any load format runs (15 s here) unless its
+    cache holds the answer, which it checks against the model file's hash: so this runs in the fetch
+    started first. They are data, not code: vLLM reads one with `json.load` into its `_ModelInfo`
+    dataclass (`_LazyRegisteredModel._load_modelinfo_from_cache`). The archive is read member by
+    member as data, never unpacked (`_model_infos`): only files named `modelinfos/<name>.json`, small
+    and of that plain shape (`_plain_model_info`), are written, by their name, into the folder opened
+    without following a link (`atomic.folder`); the rest is skipped with one warning, and an archive
+    that is not an uncompressed tar installs nothing (one warning), never failing the load."""
+    import logging
+
     from .storage import storage_for
 
     data = storage_for(source).sidecar(beside(source), MODEL_INFOS)
     if data is None:
         return 0
+    what = f"{MODEL_INFOS} beside {source}"
+    infos = _model_infos(data, what)
+    if not infos:
+        return 0
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     root = Path(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT") or os.path.join(home, "vllm")))
-    (root / "modelinfos").mkdir(parents=True, exist_ok=True)
-
-    def plain(staging: Path) -> list[Path]:
-        return [info for info in (staging / "modelinfos").glob("*.json") if _plain_model_info(info)]
-
-    return len(atomic.unpack(data, root, plain))
-
-
-_MODEL_INFO_NAME = re.compile(r"[A-Za-z0-9_-]+\.json")
-
-
-def _plain_model_info(path: Path) -> bool:
-    """Whether `path` is shaped as vLLM writes a model inspection: `{"hash": str, "modelinfo": {name:
-    a JSON scalar or a list of strings}}`, under a plain file name, and small."""
-    if not _MODEL_INFO_NAME.fullmatch(path.name) or not path.is_file() or path.stat().st_size > 1 << 16:
-        return False
     try:
-        raw = json.loads(path.read_bytes())
+        folder = atomic.folder(root, "modelinfos")  # a link there (a shared cache's) is not written through
+    except OSError as exc:
+        logging.getLogger("streamload").warning("streamload: %s not installed: %s: %s", what, root / "modelinfos", exc)
+        return 0
+    try:
+        return sum(atomic.write(Path(name), raw, dir_fd=folder, replace=False) for name, raw in infos.items())
+    finally:
+        os.close(folder)
+
+
+_MODEL_INFO_MEMBER = re.compile(r"modelinfos/([A-Za-z0-9_-]+\.json)")
+_MODEL_INFO_SIZE = 1 << 16  # bytes of one inspection at most (vLLM's are about 1 KiB)
+_MODEL_INFOS_MEMBERS = 256  # members of an archive read at most: those after are skipped
+_MODEL_INFOS_TOTAL = 4 << 20  # bytes of inspections read from an archive at most
+
+
+def _model_infos(data: bytes, what: str) -> dict[str, bytes]:
+    """The model inspections in the tar archive `data` (named `what` in the warning): file name ->
+    bytes, for each regular file `modelinfos/<name>.json` of the plain shape, read as bytes (never
+    extracted) within the caps above; anything else skipped, with one warning saying how many. An
+    archive that is not an uncompressed tar (a compressed one: no gzip bomb is inflated) gives none."""
+    import io
+    import logging
+    import tarfile
+
+    log = logging.getLogger("streamload")
+    infos: dict[str, bytes] = {}
+    skipped = total = 0
+    capped = False
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            for count, member in enumerate(tar):  # one header at a time
+                if count == _MODEL_INFOS_MEMBERS:
+                    capped = True
+                    break
+                found = _MODEL_INFO_MEMBER.fullmatch(member.name)
+                name = found.group(1) if found else ""
+                source = tar.extractfile(member) if member.isreg() and name and name not in infos else None
+                size = min(member.size, _MODEL_INFO_SIZE + 1)
+                raw = source.read(size) if source is not None and total + size <= _MODEL_INFOS_TOTAL else b""
+                total += len(raw)
+                if len(raw) <= _MODEL_INFO_SIZE and _plain_model_info(raw):
+                    infos[name] = raw
+                else:
+                    skipped += 1
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        log.warning("streamload: %s is not an uncompressed tar archive (%s): nothing of it installed", what, exc)
+        return {}
+    if skipped or capped:
+        after = f" and those after the first {_MODEL_INFOS_MEMBERS}" if capped else ""
+        log.warning(
+            "streamload: %s: %d member(s)%s skipped: only files modelinfos/<name>.json holding a model inspection "
+            "as vLLM writes it (at most %d bytes) are installed", what, skipped, after, _MODEL_INFO_SIZE
+        )  # fmt: skip
+    return infos
+
+
+def _plain_model_info(raw: bytes) -> bool:
+    """Whether `raw` is shaped as vLLM writes a model inspection: `{"hash": str, "modelinfo": {name:
+    a JSON scalar or a list of strings}}`."""
+    try:
+        info = json.loads(raw)
     except ValueError:
         return False
-    if not isinstance(raw, dict) or set(raw) != {"hash", "modelinfo"} or not isinstance(raw["hash"], str):
+    if not isinstance(info, dict) or set(info) != {"hash", "modelinfo"} or not isinstance(info["hash"], str):
         return False
-    fields = raw["modelinfo"]
+    fields = info["modelinfo"]
     return isinstance(fields, dict) and all(
         isinstance(v, (bool, int, float, str, type(None)))
         or (isinstance(v, list) and all(isinstance(x, str) for x in v))
@@ -462,24 +523,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pin", action="append", default=[], help="a digest of a compiled-artifact archive "
                         "to fetch (sha256:HEX; pins.py): others are not kept")  # fmt: skip
     parser.add_argument("--watch", type=int, help="end when the process of this id ends (`start`)")
+    parser.add_argument("--work", type=Path, help="the folder the watched process made for this fetch "
+                        "(owned.make): removed when it ends")  # fmt: skip
     args = parser.parse_args(argv)
     if args.watch is not None:  # started by `start`: detach (the starter exits at once) and watch it
         child = os.fork()
         if child:
             print(child, flush=True)
             os._exit(0)
-        watcher = threading.Thread(target=_end_with, args=(args.watch,), daemon=True)
+        watcher = threading.Thread(target=_end_with, args=(args.watch, args.work), daemon=True)
         watcher.start()
     if args.model_infos:
-        try:
+        with contextlib.suppress(Exception):  # an optimisation only: vLLM inspects the model itself
             install_model_infos(args.source)
-        except Exception:  # an optimisation only: vLLM inspects the model itself
-            pass
     if args.compile_caches is not None:
-        try:
+        with contextlib.suppress(Exception):  # an optimisation only: the worker fetches its archive itself
             stage_compile_caches(args.source, args.compile_caches, frozenset(args.pin))
-        except Exception:  # an optimisation only: the worker fetches its archive itself
-            pass
     try:
         report = fetch(args.source, args.cache_dir, args.budget, args.threads)
     except Exception as exc:  # reported, not raised: the load that follows goes on without it
@@ -488,10 +547,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["ok"] else 1
 
 
-def _end_with(pid: int) -> None:
-    """This process ends when process `pid` does: a server stopped mid-start-up leaves no fetch."""
+def _end_with(pid: int, work: Path | None = None) -> None:
+    """This process ends when process `pid` does: a server stopped mid-start-up leaves no fetch; nor
+    `work`, the folder `pid` made for the fetch (`ahead`), had `pid` ended without its exit handlers
+    (SIGKILL, OOM): `owned.remove` removes it only where its record names `pid` as its maker. (A user's
+    `cache_dir` is not in it: what was fetched there is kept.)"""
     while _alive(pid):
         time.sleep(0.2)
+    if work is not None:
+        owned.remove(work, pid)
     os._exit(1)
 
 

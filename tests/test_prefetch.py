@@ -212,11 +212,13 @@ def _ahead_then_killed(tmp_path: Path, url: str, engines: int) -> list[Path]:
                for _ in range(engines)]  # fmt: skip
     try:
         said = [engine.stdout.readline().split() for engine in running if engine.stdout is not None]
+        for _, fetch in said:  # a pod's end (OOM, eviction) takes its fetch too: no process of theirs cleans up
+            os.kill(int(fetch), signal.SIGKILL)
     finally:
         for engine in running:
             engine.send_signal(signal.SIGKILL)
             engine.wait(10)
-    for _, fetch in said:  # each engine's fetch ends once it sees its engine gone (until then it owns the staging too)
+    for _, fetch in said:
         _ends(int(fetch))
     return [Path(staged).parent for staged, _ in said]
 

@@ -15,7 +15,9 @@ and how they differ are logged instead.
 
 Installed artifacts run as code (vLLM imports generated Python and unpickles graphs), so nothing is
 installed unless the user pinned the archive's digest, which `publish` prints; an archive whose bytes
-have another digest is refused before any of it is unpacked (`streamload/pins.py`).
+have another digest is refused before any of it is unpacked (`streamload/pins.py`). A pinned archive
+is still written member by member, never `extractall`-ed: one holding anything but files and folders
+under plain names (a link, a device, `..`) is refused whole (`atomic.unpack`).
 
     streamload compile-cache publish path/to/model      # on a node that has compiled the model
     LLM(..., load_format="streamload", model_loader_extra_config={"compile_cache": "sha256:<hex>"})
@@ -129,7 +131,7 @@ def install(
         log.info("streamload: %s", said)
         return said
     pins.check(data, pinned, f"compiled artifacts {FOLDER}/{name}.tar beside {source}")  # before a byte is unpacked
-    added = _unpack(data, Path(root) if root is not None else cache_root())
+    added = _unpack(data, Path(root) if root is not None else cache_root(), f"{FOLDER}/{name}.tar beside {source}")
     said = f"installed {len(added)} compiled folder(s) published beside the checkpoint ({name})" if added else (
         "the compiled artifacts published beside the checkpoint are here already")  # fmt: skip
     log.info("streamload: %s", said)
@@ -147,10 +149,13 @@ def packed(root: str | os.PathLike[str] | None = None, checkpoint: str | os.Path
     return mine or sorted(str(folder.relative_to(root / CACHE)) for folder in _compiled_folders(root / CACHE))
 
 
-def _unpack(data: bytes, root: Path) -> list[Path]:
+def _unpack(data: bytes, root: Path, what: str = "compiled artifacts") -> list[Path]:
     """Each compiled folder of the archive (`torch_compile_cache/<hash>`, and `.../torch_aot_compile/
-    <hash>`) that `root` lacks, unpacked beside it and renamed into place whole; the rest dropped."""
-    return atomic.unpack(data, root, lambda staging: _compiled_folders(staging / CACHE))
+    <hash>`) that `root` lacks, unpacked beside it and renamed into place whole; the rest dropped.
+    Written member by member, never `extractall`: an archive holding anything but files and folders
+    under plain names (a link, a device, `..`, an absolute name) is refused whole, a ValueError naming
+    `what` and the member, before a byte of it is written (`atomic.unpack`): `publish` packs none."""
+    return atomic.unpack(data, root, lambda staging: _compiled_folders(staging / CACHE), what)
 
 
 def _compiled_folders(cache: Path) -> list[Path]:
