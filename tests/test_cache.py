@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -308,24 +309,162 @@ def test_a_second_user_loads_from_the_cache_the_first_filled(
     assert copies(cache) == [kept] and not partials(cache)
 
 
-def test_a_symlink_in_the_cache_is_never_followed(
-    server: RangeServer, store: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+# -- links another user of a shared cache put there ---------------------------------------------------
+FIRST = "model-00001-of-00002.safetensors"
+SECOND = "model-00002-of-00002.safetensors"
+FOLDERS = {"scheme": 3, "host": 2, "key folder 1": 1, "key folder 2": 0}  # first copy's ancestor: the folder's level
+FILES = {"file": "", "record": cache_module.RECORD, "lock": cache_module.LOCK}
+
+
+@pytest.fixture
+def nested(store: Path) -> Iterator[tuple[RangeServer, str]]:
+    """The store served from its parent, at full speed: two key folders (`<store>/model/`) under the host's."""
+    s = RangeServer(store.parent)
+    yield s, f"{s.url}/{store.name}/model/"
+    s.close()
+
+
+def open_under(*roots: Path) -> list[str]:
+    """What this process has open under `roots` (their links not followed: the paths as the kernel names them)."""
+    fds = Path("/proc/self/fd")
+    opened = (os.path.realpath(fds / fd) for fd in os.listdir(fds))
+    return [t for t in opened if any(t == str(r) or t.startswith(f"{r}/") for r in roots)]
+
+
+def warnings_naming(caplog: pytest.LogCaptureFixture, what: Path) -> tuple[list[str], list[str]]:
+    """(every warning of the "streamload" logger, those that name `what`)."""
+    every = [r.getMessage() for r in caplog.records if r.name == "streamload" and r.levelno >= logging.WARNING]
+    return every, [m for m in every if str(what) in m]
+
+
+def ranged_bytes(requests: list[tuple[str, str, str | None]]) -> int:
+    """The bytes the GET requests asked for (`bytes=a-b`)."""
+    spans = [re.fullmatch(r"bytes=(\d+)-(\d+)", r or "") for m, _, r in requests if m == "GET"]
+    return sum(int(s[2]) + 1 - int(s[1]) for s in spans if s)
+
+
+def plant(cache: Path, url: str, level: str, outside: Path) -> Path:
+    """A link where `level` of the first shard's copy goes (one of its folders, the copy, its record or its
+    lock), to `outside`: an empty folder, or a file with bytes of its own. The link."""
+    first = cache_path(cache, ObjectPath(f"{url}{FIRST}"))
+    link = first.parents[FOLDERS[level]] if level in FOLDERS else Path(f"{first}{FILES[level]}")
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if level in FOLDERS:
+        outside.mkdir()
+    else:
+        outside.write_bytes(b"another user's file, not the cache's")
+    link.symlink_to(outside, target_is_directory=level in FOLDERS)
+    return link
+
+
+@pytest.mark.parametrize("level", [*FOLDERS, *FILES])
+def test_a_link_planted_in_a_shared_cache_is_never_followed(
+    nested: tuple[RangeServer, str], store: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, level: str
 ) -> None:
-    """A link where a lock file goes (put there by another user of the cache) would have the load create
-    and lock a file elsewhere: that copy is not kept, the other is."""
-    url, cache = f"{server.url}/model/", tmp_path / "cache"
-    first = cache_path(cache, ObjectPath(f"{url}model-00001-of-00002.safetensors"))
-    first.parent.mkdir(parents=True)
-    elsewhere = tmp_path / "elsewhere"
-    Path(f"{first}{cache_module.LOCK}").symlink_to(elsewhere)
+    """Another user of the cache (its root is everyone's, 1777) plants a link where a folder, a copy, its
+    record or its lock goes: the load writes nothing through it (the link's target keeps what it had),
+    reads the objects behind it from the store, bit-exact, keeps the copies no link is in the way of, and
+    one warning names the link."""
+    _, url = nested
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    cache.mkdir()
+    cache.chmod(0o1777)
+    link = plant(cache, url, level, outside)
+    before = None if outside.is_dir() else (outside.read_bytes(), outside.stat().st_mtime_ns)
     with caplog.at_level(logging.WARNING, logger="streamload"):
         got = streamload.load(url, device="cpu", cache_dir=cache)
     ref = reference(store)
     assert got.keys() == ref.keys() and all(same_bits(got[n], ref[n]) for n in ref)
-    assert not elsewhere.exists()
-    assert len(not_kept(caplog.text)) == 1 and str(cache) in caplog.text and str(first) in caplog.text
-    assert [p.name for p in copies(cache)] == ["model-00002-of-00002.safetensors"] and not partials(cache)
+    if before is None:
+        assert list(outside.iterdir()) == []
+    else:
+        assert (outside.read_bytes(), outside.stat().st_mtime_ns) == before
+    assert link.is_symlink() and os.readlink(link) == str(outside)  # neither replaced nor removed
+    every, named = warnings_naming(caplog, link)
+    assert len(named) == 1 and len(every) == 1, every
+    kept = [p.name for p in copies(cache) if not p.is_symlink()]
+    assert kept == ([] if level in FOLDERS else [SECOND])
+    assert not partials(cache) and not [p for p in cache.rglob("*.lock") if not p.is_symlink()]
+    assert not open_under(cache, outside) and not cache_module._held
+
+
+def test_complete_copies_behind_a_link_are_not_read(
+    nested: tuple[RangeServer, str], store: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A folder of whole copies (their records vouch for them) moved out of the cache and linked back in:
+    what lies behind a link is no copy, so the load reads every object from the store, writes nothing
+    there, and one warning names the link."""
+    server, url = nested
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    streamload.load(url, device="cpu", cache_dir=cache)
+    folder = cache_path(cache, ObjectPath(f"{url}{FIRST}")).parent
+    folder.rename(outside)
+    folder.symlink_to(outside, target_is_directory=True)
+    there = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in outside.iterdir()}
+    asked = len(server.requests)
+    with caplog.at_level(logging.WARNING, logger="streamload"):
+        got = streamload.load(url, device="cpu", cache_dir=cache)
+    ref = reference(store)
+    assert got.keys() == ref.keys() and all(same_bits(got[n], ref[n]) for n in ref)
+    assert ranged_bytes(server.requests[asked:]) >= data_bytes(store)  # every object from the store
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in outside.iterdir()} == there
+    every, named = warnings_naming(caplog, folder)
+    assert len(named) == 1 and len(every) == 1, every
+    assert not open_under(cache, outside)
+
+
+def test_a_fetch_writes_nothing_through_a_link(nested: tuple[RangeServer, str], tmp_path: Path) -> None:
+    """`python -m streamload.prefetch` fills the cache through the same walk: a link for the scheme's
+    folder leaves its target empty, the fetch succeeds, and its one warning names the link."""
+    _, url = nested
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    link = plant(cache, url, "scheme", outside)
+    fetch = prefetch(url, cache, tmp_path / "done.json")
+    _, err = fetch.communicate(timeout=DEADLINE)
+    assert fetch.returncode == 0, err.decode()
+    assert json.loads((tmp_path / "done.json").read_text())["ok"] is True
+    assert list(outside.iterdir()) == [] and link.is_symlink()
+    assert len([line for line in err.decode().splitlines() if str(link) in line]) == 1, err.decode()
+
+
+@pytest.mark.parametrize("level", [*FOLDERS, "file"])
+def test_a_small_file_kept_under_a_cache_root_is_never_written_through_a_link(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, level: str
+) -> None:
+    """`keep(..., root=cache_dir)` (a digest file, an index beside the copies) walks the folders as a load
+    does: through a link it keeps nothing (one warning names the file), and the link's target keeps what it had."""
+    url, cache, outside = "http://127.0.0.1:1/store/model/", tmp_path / "cache", tmp_path / "outside"
+    plant(cache, url, level, outside)
+    before = None if outside.is_dir() else (outside.read_bytes(), outside.stat().st_mtime_ns)
+    local = cache_path(cache, ObjectPath(f"{url}{FIRST}"))
+    with caplog.at_level(logging.WARNING, logger="streamload"):
+        cache_module.keep(local, b"{}", root=cache)
+    if before is None:
+        assert list(outside.iterdir()) == []
+        assert len(warnings_naming(caplog, local)[1]) == 1
+    else:  # the link itself is replaced by the file, whole: its target is untouched
+        assert (outside.read_bytes(), outside.stat().st_mtime_ns) == before and local.read_bytes() == b"{}"
+    assert not partials(cache) and not open_under(cache, outside)
+
+
+def test_a_cached_load_is_read_from_its_copies_the_next_time(
+    nested: tuple[RangeServer, str], store: Path, tmp_path: Path
+) -> None:
+    """The walk keeps the cache working: the first load keeps both copies, the next reads them (nothing
+    more from the store), and no descriptor or lock is left open after either."""
+    server, url = nested
+    cache = tmp_path / "cache"
+    ref = reference(store)
+    got = streamload.load(url, device="cpu", cache_dir=cache)
+    assert all(same_bits(got[n], ref[n]) for n in ref)
+    assert [p.name for p in copies(cache)] == [FIRST, SECOND] and not open_under(cache)
     assert_cache_holds_only_whole_copies(cache, store)
+    sent = server.sent
+    with streamload.iter(url, device="cpu", cache_dir=cache) as stream:
+        assert stream.stats.reader == "mmap"  # local copies, found by `lookup`
+        got = dict(stream)
+    assert all(same_bits(got[n], ref[n]) for n in ref) and got.keys() == ref.keys()
+    assert server.sent == sent and not open_under(cache) and not cache_module._held
 
 
 @pytest.mark.parametrize("room", ["a copy and a half", "all but the last record"])

@@ -23,8 +23,12 @@ cache at once:
   a part of those: no rank could complete its copy, and a rank waiting for one would wait for ever).
 
 Sharing it between users, and what goes wrong on a disk:
-- no file in it is opened through a symlink (`O_NOFOLLOW`; new files `O_EXCL`), and a symlink is no
-  copy: a link put there by another user cannot make a load create, lock or write a file elsewhere;
+- nothing in it is reached through a symlink: each folder under `cache_dir` is opened from the one
+  above it (`O_DIRECTORY|O_NOFOLLOW`, `dir_fd=`), once a load, and every file in it is opened, renamed,
+  removed and looked at through the folder's descriptor (`O_NOFOLLOW`; new files `O_EXCL`). A link
+  another user put there (for a folder, a copy, its record or its lock) cannot make a load read, create,
+  lock or replace a file elsewhere: the load reads what lies behind it from the store, without the
+  cache, and one warning names the link;
 - a lock file another user created is opened read-only (`flock` needs no write access), so a second
   user reads the complete copies and waits for copies being written like the first; where it cannot
   write (the directories are another user's, and not group-writable: use a setgid directory and
@@ -51,6 +55,7 @@ import logging
 import os
 import random
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -74,22 +79,173 @@ _lock_scopes: dict[Path, str | None] = {}  # cache directory: why its locks are 
 
 def cache_path(cache_dir: Path, path: PurePath) -> Path:
     """Where the copy of the object at `path` (an ObjectPath) lives."""
+    return cache_dir.joinpath(*_names(path))
+
+
+def _names(path: PurePath) -> list[str]:
+    """The folders under the cache directory that hold the copy of the object at `path`, then its name."""
     scheme, host, *key = path.parts
-    return cache_dir / scheme.rstrip(":") / host.replace(":", "_") / Path(*key)
+    return [scheme.rstrip(":"), host.replace(":", "_"), *PurePath(*key).parts]
 
 
-def complete(local: Path, header: FileHeader) -> bool:
-    """Whether `local` is a whole copy of the version of the object whose header was read."""
+class Linked(OSError):
+    """A symbolic link where the cache has a folder or a file of its own (put there by another user of a
+    shared cache: it would have this process read, create or replace files elsewhere)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(errno.ELOOP, "a symbolic link where the cache keeps a folder or file of its own", str(path))
+
+
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _refused(parent: int, name: str, path: Path, exc: OSError) -> OSError:
+    """What opening `name` in `parent` without following it failed with: `Linked` where it is a link."""
     try:
-        return _vouched(local, local.lstat(), header)  # a symlink is no copy (`Copies._open` opens none)
+        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except OSError:
+        return exc
+    return Linked(path) if stat.S_ISLNK(st.st_mode) else exc
+
+
+def _subfolder(parent: int, name: str, path: Path, create: bool) -> int:
+    """The folder `name` in `parent`, opened (made first where `create` and absent) without following a
+    link: one there raises `Linked`, so nothing is ever made or written through it."""
+    if name in ("", ".", "..") or "/" in name:
+        raise OSError(errno.EINVAL, "not a name the cache keeps a folder under", str(path))
+    try:
+        return _opened(parent, name, path)
+    except FileNotFoundError:
+        if not create:
+            raise
+    try:
+        os.mkdir(name, 0o777, dir_fd=parent)
+    except FileExistsError:  # made meanwhile (by another load), or a link: opened as any other
+        pass
+    return _opened(parent, name, path)
+
+
+def _opened(parent: int, name: str, path: Path) -> int:
+    try:
+        return os.open(name, _FOLDER, dir_fd=parent)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise _refused(parent, name, path, exc) from exc
+
+
+class Place:
+    """Where one file of the cache goes: its folder, open (`Folders`), and its name there. Every file of
+    it (`<name><suffix>`: the copy, its record, its lock, partial files) is opened, renamed, removed and
+    looked at through the folder's descriptor, never through a link. `path` names it in messages and
+    keys this process's locks."""
+
+    __slots__ = ("folder", "name", "path")
+
+    def __init__(self, folder: int, name: str, path: Path) -> None:
+        self.folder, self.name, self.path = folder, name, path
+
+    def open(self, suffix: str, flags: int, mode: int = 0o666) -> int:
+        return os.open(self.name + suffix, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self.folder)
+
+    def stat(self, suffix: str = "") -> os.stat_result:
+        return os.stat(self.name + suffix, dir_fd=self.folder, follow_symlinks=False)
+
+    def unlink(self, suffix: str) -> None:
+        """`<name><suffix>` removed, if it is there (a link is removed, never what it points to)."""
+        try:
+            os.unlink(self.name + suffix, dir_fd=self.folder)
+        except FileNotFoundError:
+            pass
+
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(self.name + src, self.name + dst, src_dir_fd=self.folder, dst_dir_fd=self.folder)
+
+    def suffixes(self, start: str) -> list[str]:
+        """The suffixes of the files in the folder named `<name><start>...`."""
+        head = self.name + start
+        try:
+            return [n[len(self.name) :] for n in os.listdir(self.folder) if n.startswith(head)]
+        except OSError:
+            return []
+
+    def linked(self) -> Linked | None:
+        """A link where the copy, its record or its lock goes, if there is one."""
+        for suffix in ("", RECORD, LOCK):
+            try:
+                if stat.S_ISLNK(self.stat(suffix).st_mode):
+                    return Linked(Path(f"{self.path}{suffix}"))
+            except OSError:
+                pass
+        return None
+
+    def put(self, suffix: str, data: bytes, temporary: str) -> None:
+        """`data` at `<name><suffix>` whole: written into a new `<name><temporary>`, renamed over it."""
+        fd = self.open(temporary, NEW)
+        try:
+            with open(fd, "wb") as f:
+                f.write(data)
+            self.rename(temporary, suffix)
+        except BaseException:
+            self.unlink(temporary)
+            raise
+
+
+class Folders:
+    """The folders of one cache that a load (or a lookup) uses: each opened once, from the one above it
+    without following a link (`O_DIRECTORY|O_NOFOLLOW`, `dir_fd=`), made where `create` and absent, and
+    kept open until `close`. The cache directory itself is the caller's, links and all."""
+
+    def __init__(self, cache_dir: Path, create: bool) -> None:
+        self.cache_dir = cache_dir
+        self._create = create
+        self._open: dict[tuple[str, ...], int] = {}
+
+    def place(self, path: PurePath) -> Place:
+        """Where the copy of the object at `path` goes. Raises `Linked` where a link is in the way (a
+        folder, or the copy, record or lock), another OSError where a folder cannot be opened or made."""
+        *folders, name = _names(path)
+        where = cache_path(self.cache_dir, path)
+        if name in ("", ".", ".."):  # (a folder's name is checked as it is opened)
+            raise OSError(errno.EINVAL, "not a name the cache keeps a copy under", str(where))
+        place = Place(self.folder(tuple(folders)), name, where)
+        linked = place.linked()
+        if linked is not None:
+            raise linked
+        return place
+
+    def folder(self, names: tuple[str, ...]) -> int:
+        fd = self._open.get(names)
+        if fd is not None:
+            return fd
+        if names:
+            parent = self.folder(names[:-1])
+            fd = _subfolder(parent, names[-1], self.cache_dir.joinpath(*names), self._create)
+        else:
+            if self._create:
+                self.cache_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._open[names] = fd
+        return fd
+
+    def close(self) -> None:
+        fds, self._open = self._open, {}
+        for fd in fds.values():
+            os.close(fd)
+
+
+def complete(place: Place, header: FileHeader) -> bool:
+    """Whether the file at `place` is a whole copy of the version of the object whose header was read."""
+    try:
+        return _vouched(place, place.stat(), header)  # a symlink is no copy (`Copies._open` opens none)
     except OSError:
         return False
 
 
-def _vouched(local: Path, st: os.stat_result, header: FileHeader) -> bool:
-    """Whether `local`'s record vouches for the file `st` describes as a whole copy of `header`'s version."""
+def _vouched(place: Place, st: os.stat_result, header: FileHeader) -> bool:
+    """Whether the record at `place` vouches for the file `st` describes as a whole copy of `header`'s version."""
     try:
-        fd = os.open(str(local) + RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = place.open(RECORD, os.O_RDONLY)
         with open(fd, "rb") as f:
             record = json.loads(f.read())
     except (OSError, ValueError):
@@ -99,19 +255,39 @@ def _vouched(local: Path, st: os.stat_result, header: FileHeader) -> bool:
 
 def lookup(cache_dir: Path, headers: Sequence[FileHeader]) -> list[Path] | None:
     """The local copies of every file, if the cache holds all of them complete at the versions whose
-    headers were just read; else None (never waits: files being written are the load's to wait for)."""
-    found = [cache_path(cache_dir, h.path) for h in headers]
-    return found if all(complete(local, h) for local, h in zip(found, headers, strict=True)) else None
+    headers were just read; else None (never waits: files being written are the load's to wait for; a
+    link in the way is no copy, and the load's `Copies` warns of it)."""
+    folders = Folders(cache_dir, create=False)
+    try:
+        for h in headers:
+            if not complete(folders.place(h.path), h):
+                return None
+    except OSError:
+        return None
+    finally:
+        folders.close()
+    return [cache_path(cache_dir, h.path) for h in headers]
 
 
-def keep(local: Path, data: bytes) -> None:
+def keep(local: Path, data: bytes, root: Path | None = None) -> None:
     """A small file (an index, a digest file) into the cache whole: written under a name of this
     writer's own, then renamed, so that two writers never mix their bytes and a reader sees one whole.
-    Where it cannot be kept (a full disk, another user's directory), the caller goes on without it."""
+    With `root` (the cache directory `local` is in), each folder under it is walked as a load walks it,
+    never through a link. Where it cannot be kept (a full disk, another user's directory, a link), the
+    caller goes on without it."""
     try:
-        local.parent.mkdir(parents=True, exist_ok=True)
-        atomic.write(local, data)
-    except OSError as exc:
+        if root is None:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write(local, data)
+            return
+        folders = Folders(root, create=True)
+        try:
+            names = local.relative_to(root).parts
+            place = Place(folders.folder(names[:-1]), names[-1], local)
+            place.put("", data, f"{PARTIAL}{writer_tag()}")
+        finally:
+            folders.close()
+    except (OSError, ValueError) as exc:
         log.warning("streamload: %s: not kept in the cache: %s", local, exc)
 
 
@@ -171,52 +347,51 @@ class Claim:
     """The right to write one file of the cache: its lock, held by this process and no other. A claim
     taken without a lock (`locks=False`: NFS without shared locks) is this process's only."""
 
-    def __init__(self, final: Path, fd: int | None) -> None:
-        self.final = final
+    def __init__(self, place: Place, fd: int | None) -> None:
+        self.place = place
+        self.final = place.path
         self._fd = fd
         self._holding = True
         self.exclusive = fd is not None  # no other process writes it: other partial files are killed writers'
 
     @classmethod
-    def take(cls, final: Path, locks: bool = True) -> Claim | None:
+    def take(cls, place: Place, locks: bool = True) -> Claim | None:
         """The claim, if no other writer (in this process or another) holds it now; never blocks.
         Raises OSError where the lock cannot be taken at all (a symlink in its place, a directory this
         user cannot write, a file system without locks)."""
         with _held_lock:
-            if final in _held:
+            if place.path in _held:
                 return None
-            _held.add(final)
+            _held.add(place.path)
         try:
             if not locks:
-                return cls(final, None)
-            fd = _locked(final)
+                return cls(place, None)
+            fd = _locked(place)
         except BaseException:
-            _forget(final)
+            _forget(place.path)
             raise
         if fd is None:
-            _forget(final)
+            _forget(place.path)
             return None
-        return cls(final, fd)
+        return cls(place, fd)
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
-            _unlink_if_ours(Path(str(self.final) + LOCK), fd)  # while held: no lock file outlives its use
+            _unlink_if_ours(self.place, fd)  # while held: no lock file outlives its use
             os.close(fd)  # drops the lock
         if self._holding:
             self._holding = False
             _forget(self.final)
 
 
-def _locked(final: Path) -> int | None:
-    """A descriptor holding `final`'s lock; None where another process holds it. Its holder removes the
-    lock file as it lets go (`Claim.release`): a lock taken on a file no longer at the path (removed,
-    or removed and made anew, between this process opening it and locking it) locks nothing anyone
-    else sees, so it is let go and the path's file taken instead."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    lock = Path(str(final) + LOCK)
+def _locked(place: Place) -> int | None:
+    """A descriptor holding the lock of the copy at `place`; None where another process holds it. Its
+    holder removes the lock file as it lets go (`Claim.release`): a lock taken on a file no longer at the
+    path (removed, or removed and made anew, between this process opening it and locking it) locks
+    nothing anyone else sees, so it is let go and the path's file taken instead."""
     while True:
-        fd = _open_lock(lock)
+        fd = _open_lock(place)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another process writes it
@@ -225,37 +400,39 @@ def _locked(final: Path) -> int | None:
         except BaseException:
             os.close(fd)
             raise
-        if _is_at(lock, fd):
+        if _is_at(place, fd):
             return fd
         os.close(fd)
 
 
-def _is_at(path: Path, fd: int) -> bool:
-    """Whether the file open at `fd` is the one at `path` now."""
+def _is_at(place: Place, fd: int) -> bool:
+    """Whether the file open at `fd` is the lock file at `place` now."""
     try:
-        at, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
+        at, held = place.stat(LOCK), os.fstat(fd)
     except FileNotFoundError:
         return False
     return (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)
 
 
-def _unlink_if_ours(lock: Path, fd: int) -> None:
-    """`lock` removed, if it is still the file this process holds locked at `fd` (where this user may:
-    another user's, in a folder this one cannot write, stays)."""
+def _unlink_if_ours(place: Place, fd: int) -> None:
+    """The lock file at `place` removed, if it is still the file this process holds locked at `fd` (where
+    this user may: another user's, in a folder this one cannot write, stays)."""
     try:
-        if _is_at(lock, fd):
-            lock.unlink()
+        if _is_at(place, fd):
+            place.unlink(LOCK)
     except OSError:
         pass
 
 
-def _open_lock(lock: Path) -> int:
+def _open_lock(place: Place) -> int:
     """The lock file, never through a symlink (one put there would have this process create or lock a
     file elsewhere); read-only where another user made it (`flock` needs no write access)."""
     try:
-        return os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        return place.open(LOCK, os.O_RDWR | os.O_CREAT)
     except PermissionError:
-        return os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return place.open(LOCK, os.O_RDONLY)
+    except OSError as exc:
+        raise _refused(place.folder, place.name + LOCK, Path(f"{place.path}{LOCK}"), exc) from exc
 
 
 def _forget(final: Path) -> None:
@@ -267,51 +444,52 @@ class WriterStalled(Exception):
     """The writer a load waits for has not written for `WRITER_STALL` seconds (stopped, or hung)."""
 
 
-def wait_for_writer(final: Path, header: FileHeader, stopped: threading.Event, locks: bool = True) -> bool:
-    """Wait while another writer holds `final`'s lock; whether a complete copy is there then (False
-    where the writer failed or was killed: the caller reads the object itself). Polls, so that
-    `stopped` ends the wait at once and a writer in another process or host is seen going. Raises
+def wait_for_writer(place: Place, header: FileHeader, stopped: threading.Event, locks: bool = True) -> bool:
+    """Wait while another writer holds the lock of the copy at `place`; whether a complete copy is there
+    then (False where the writer failed or was killed: the caller reads the object itself). Polls, so
+    that `stopped` ends the wait at once and a writer in another process or host is seen going. Raises
     WriterStalled once the writer's partial file has not changed for `WRITER_STALL` seconds."""
     start = changed = time.monotonic()
-    seen = _progress(final)
+    seen = _progress(place)
     noticed = False
     pause = 0.01
-    while not complete(final, header):
+    while not complete(place, header):
         try:
-            claim = Claim.take(final, locks)
+            claim = Claim.take(place, locks)
         except OSError:  # whether a writer is there cannot be told: the object is read from the store
-            return complete(final, header)
+            return complete(place, header)
         if claim is not None:  # no writer now: the copy is complete, or its writer went without one
             claim.release()
-            return complete(final, header)
+            return complete(place, header)
         if stopped.wait(pause):
             return False
         pause = min(0.25, pause * 2)
-        now, progress = time.monotonic(), _progress(final)
+        now, progress = time.monotonic(), _progress(place)
         if progress != seen:
             seen, changed = progress, now
         elif now - changed > WRITER_STALL:
-            raise WriterStalled(f"{final}: its writer ({_writers(final)}) wrote nothing for {WRITER_STALL:g} s")
+            raise WriterStalled(f"{place.path}: its writer ({_writers(place)}) wrote nothing for {WRITER_STALL:g} s")
         if not noticed and now - start > _NOTICE_AFTER:
             noticed = True
-            log.info("streamload: %s: waiting for its writer (%s) to complete it", final, _writers(final))
+            log.info("streamload: %s: waiting for its writer (%s) to complete it", place.path, _writers(place))
     return True
 
 
-def _progress(final: Path) -> list[tuple[str, int, int]]:
-    """What changes while a writer writes `final`: its partial files' names, modification times and blocks."""
+def _progress(place: Place) -> list[tuple[str, int, int]]:
+    """What changes while a writer writes the copy at `place`: its partial files' names, modification
+    times and blocks."""
     out = []
-    for p in _partials(final):
+    for suffix in place.suffixes(PARTIAL):
         try:
-            st = p.lstat()
+            st = place.stat(suffix)
         except OSError:
             continue
-        out.append((p.name, st.st_mtime_ns, st.st_blocks))
+        out.append((suffix, st.st_mtime_ns, st.st_blocks))
     return sorted(out)
 
 
-def _writers(final: Path) -> str:
-    return ", ".join(p.name.split(PARTIAL, 1)[1] for p in _partials(final)) or "another process"
+def _writers(place: Place) -> str:
+    return ", ".join(s.split(PARTIAL, 1)[1] for s in place.suffixes(PARTIAL)) or "another process"
 
 
 def _reserve(fd: int, size: int) -> None:
@@ -334,16 +512,17 @@ class CacheWriter:
     def __init__(self, claim: Claim, header: FileHeader) -> None:
         self.header = header
         self.final = claim.final
+        self._place = place = claim.place
         self._claim = claim
         if claim.exclusive:
-            for stale in _partials(self.final):  # a killed writer's: no live writer holds the claim
-                stale.unlink(missing_ok=True)
-        self.partial = Path(f"{self.final}{PARTIAL}{writer_tag()}")
+            for stale in place.suffixes(PARTIAL):  # a killed writer's: no live writer holds the claim
+                place.unlink(stale)
+        self._partial = f"{PARTIAL}{writer_tag()}"  # the suffix of this writer's own file
         self._lock = threading.Lock()
         self._written: list[tuple[int, int]] = []  # merged [start, end) ranges
         self._fd: int | None = None
         try:
-            self._fd = os.open(self.partial, NEW, 0o666)
+            self._fd = place.open(self._partial, NEW)
             _reserve(self._fd, header.size)
             self.write(0, memoryview(header.prefix))  # the length word and header, as read
         except BaseException:
@@ -368,9 +547,10 @@ class CacheWriter:
         os.fsync(fd)
         made = _file(os.fstat(fd))
         record = json.dumps({**_record(self.header), **made}).encode()
-        tmp = Path(f"{self.partial}.record")  # this writer's own (a killed one's goes with its partial file)
-        atomic.write(Path(str(self.final) + RECORD), record, temporary=tmp)  # names an inode `final` is not yet:
-        os.replace(self.partial, self.final)  # nothing looks complete before this rename
+        # The record's temporary file is this writer's own (a killed one's goes with its partial file); the
+        # record names an inode the copy's name is not yet: nothing looks complete before the second rename.
+        self._place.put(RECORD, record, temporary=f"{self._partial}.record")
+        self._place.rename(self._partial, "")
         self._fd = None
         os.close(fd)
         self._claim.release()
@@ -381,15 +561,15 @@ class CacheWriter:
             fd, self._fd = self._fd, None
             if fd is not None:
                 os.close(fd)
-                self.partial.unlink(missing_ok=True)
+                self._place.unlink(self._partial)
             self._claim.release()
 
 
 class _Awaited:
     """A file another writer is writing: the first reader thread that needs it waits, the rest wait on it."""
 
-    def __init__(self, final: Path) -> None:
-        self.final = final
+    def __init__(self, place: Place) -> None:
+        self.place = place
         self.lock = threading.Lock()
         self.done = False
 
@@ -398,12 +578,15 @@ class Copies:
     """What one load does with the cache for each object it reads: reads a complete copy (`local`),
     writes the copy as the bytes stream past (`write`), or waits for the writer another process (or
     load) is and then reads its copy. Files the load reads in part (`partly`) are neither written nor
-    waited for: a copy is whole or absent. A copy that cannot be written is dropped, and a writer that
-    stalls is given up on: the load reads from the store instead (one warning each)."""
+    waited for: a copy is whole or absent. A copy that cannot be written is dropped, a link in the way
+    of one (`Linked`) makes the load read that object from the store, and a writer that stalls is given
+    up on: the load reads from the store instead (one warning each). The folders are opened once, at the
+    start (`Folders`), and every file in them through their descriptors."""
 
     def __init__(self, cache_dir: Path, headers: dict[PurePath, FileHeader], partly: Iterable) -> None:
         self._cache_dir = cache_dir
         self._headers = headers
+        self._folders = Folders(cache_dir, create=True)
         self._fds: dict[PurePath, int] = {}
         self._writers: dict[PurePath, CacheWriter] = {}
         self._awaited: dict[PurePath, _Awaited] = {}
@@ -414,11 +597,11 @@ class Copies:
         self._locks = shared_locks(cache_dir)
         skip = set(partly)
         try:
-            wanted = {p: cache_path(cache_dir, p) for p in headers if p not in skip}
-            wanted = {p: final for p, final in wanted.items() if not self._open(p, final)}
+            wanted = self._places([p for p in headers if p not in skip])
+            wanted = {p: place for p, place in wanted.items() if not self._open(p, place)}
             claims = _claim_all(wanted, self._locks, self._not_kept)
             for path, claim in claims.items():
-                if self._open(path, claim.final):  # completed since it was looked at
+                if self._open(path, claim.place):  # completed since it was looked at
                     claim.release()
                     continue
                 try:
@@ -426,10 +609,27 @@ class Copies:
                 except OSError as exc:  # released its claim
                     self._not_kept(claim.final, exc)
             if not claims:
-                self._awaited = {p: _Awaited(final) for p, final in wanted.items()}
+                self._awaited = {p: _Awaited(place) for p, place in wanted.items()}
         except BaseException:
             self.close()
             raise
+
+    def _places(self, paths: Iterable[PurePath]) -> dict[PurePath, Place]:
+        """Where each object's copy goes, its folders open; an object whose place cannot be reached (a
+        link in the way, a folder this user cannot make) is read from the store, with one warning."""
+        out = {}
+        for path in paths:
+            try:
+                out[path] = self._folders.place(path)
+            except Linked as exc:
+                self._warn(
+                    Linked, "streamload: cache_dir %s: %s is a symbolic link (another user's?): this load neither "
+                    "reads nor writes copies through it, and reads %s from the store", self._cache_dir, exc.filename,
+                    path,
+                )  # fmt: skip
+            except OSError as exc:
+                self._not_kept(cache_path(self._cache_dir, path), exc)
+        return out
 
     def local(self, path: PurePath) -> int | None:
         """A descriptor of the complete copy of `path` to read from, after waiting for its writer where
@@ -441,16 +641,16 @@ class Copies:
         with awaited.lock:
             if not awaited.done:
                 awaited.done = True
-                if self._waited(path, awaited.final):
-                    self._open(path, awaited.final)
+                if self._waited(path, awaited.place):
+                    self._open(path, awaited.place)
             return self._fds.get(path)
 
-    def _waited(self, path: PurePath, final: Path) -> bool:
+    def _waited(self, path: PurePath, place: Place) -> bool:
         """Whether the copy another writer writes is complete, once it is (at once if a writer stalled)."""
         if self._stalled:
-            return complete(final, self._headers[path])
+            return complete(place, self._headers[path])
         try:
-            return wait_for_writer(final, self._headers[path], self.stopped, self._locks)
+            return wait_for_writer(place, self._headers[path], self.stopped, self._locks)
         except WriterStalled as exc:
             self._stalled = True
             self._warn(WriterStalled, "streamload: %s; this load reads the objects it lacks from the store", exc)
@@ -479,22 +679,24 @@ class Copies:
         (log.warning if first else log.debug)(message, *args)
 
     def close(self) -> None:
+        """Every writer closed, then every descriptor (after every read has returned: `ObjectFiles.close`)."""
         self.stopped.set()
         for writer in self._writers.values():
             writer.close()
         for fd in self._fds.values():
             os.close(fd)
         self._writers, self._fds = {}, {}
+        self._folders.close()
 
-    def _open(self, path: PurePath, final: Path) -> bool:
-        """Open `final` if it is a complete copy; checked on the descriptor, so that a newer version
+    def _open(self, path: PurePath, place: Place) -> bool:
+        """Open the copy at `place` if it is complete; checked on the descriptor, so that a newer version
         renamed over it meanwhile cannot slip in between the check and the reads."""
         try:
-            fd = os.open(final, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = place.open("", os.O_RDONLY)
         except OSError:
             return False
         try:
-            ok = _vouched(final, os.fstat(fd), self._headers[path])
+            ok = _vouched(place, os.fstat(fd), self._headers[path])
         except OSError:
             ok = False
         if ok:
@@ -505,7 +707,7 @@ class Copies:
 
 
 def _claim_all(
-    wanted: dict[PurePath, Path], locks: bool, failed: Callable[[Path, OSError], None], tries: int = 3
+    wanted: dict[PurePath, Place], locks: bool, failed: Callable[[Path, OSError], None], tries: int = 3
 ) -> dict[PurePath, Claim]:
     """Every claim, or none: a load either writes every copy it lacks or waits for other writers and
     writes nothing. A load that wrote some files while waiting for others could wait for a load that
@@ -514,11 +716,11 @@ def _claim_all(
     wanted = dict(wanted)
     for attempt in range(tries):
         claims: dict[PurePath, Claim] = {}
-        for path, final in sorted(wanted.items(), key=lambda kv: str(kv[1])):
+        for path, place in sorted(wanted.items(), key=lambda kv: str(kv[1].path)):
             try:
-                claim = Claim.take(final, locks)
+                claim = Claim.take(place, locks)
             except OSError as exc:
-                failed(final, exc)
+                failed(place.path, exc)
                 del wanted[path]
                 continue
             if claim is None:
@@ -530,15 +732,8 @@ def _claim_all(
             claim.release()
         if not claims:  # another writer holds the first file: it writes; this load waits for it
             break
-        time.sleep(0.01 * (1 + attempt) * (0.5 + random.random()))  # two loads took a file each: try again
+        time.sleep(0.01 * (1 + attempt) * (0.5 + random.random()))  # nosec B311 # jitter: two loads took a file each
     return {}
-
-
-def _partials(final: Path) -> list[Path]:
-    try:
-        return [p for p in final.parent.iterdir() if p.name.startswith(final.name + PARTIAL)]
-    except OSError:
-        return []
 
 
 def _record(header: FileHeader) -> dict[str, object]:

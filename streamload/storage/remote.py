@@ -172,7 +172,7 @@ class ObjectStorage:
         if self.cache_dir is not None:
             from .cache import cache_path, keep
 
-            keep(cache_path(self.cache_dir, path), bytes(data))
+            keep(cache_path(self.cache_dir, path), bytes(data), root=self.cache_dir)
         return bytes(data)
 
     def _path(self, url: str) -> ObjectPath:
@@ -255,7 +255,7 @@ class ObjectStorage:
             finally:
                 self.pace.release()
             attempt += 1
-            await asyncio.sleep(min(2.0, 0.05 * 2 ** max(0, attempt - 1)) * (0.5 + random.random()))
+            await asyncio.sleep(min(2.0, 0.05 * 2 ** max(0, attempt - 1)) * (0.5 + random.random()))  # nosec B311 # jitter
         if timed_out:
             raise ReadError(
                 f"{path}: {_what(span)} got no answer within {_timeout():g} s in {timed_out} of {self.retries + 1} "
