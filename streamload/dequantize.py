@@ -1,8 +1,9 @@
 """Quantized weights computed into plain ones as their layer streams in, as transformers computes them
 where it dequantizes (on a machine without the format's kernels, or `dequantize=True`):
 
-- FP8 with a float32 scale per block (`x.weight` + `x.weight_scale_inv`: DeepSeek-V3/R1, Qwen3-FP8):
-  the float8 values times their block's scale in float32, cast to the parameter's dtype;
+- FP8 with a scale per block (`x.weight` + `x.weight_scale_inv`: DeepSeek-V3/R1, Qwen3-FP8; float32, or
+  MXFP8's E8M0 exponents as uint8 or float8_e8m0fnu): the float8 values times their block's scale in
+  float32, cast to the parameter's dtype;
 - MXFP4 (`x_blocks` + `x_scales`: gpt-oss experts): 4-bit floats in blocks of 32 sharing an 8-bit
   exponent, into bfloat16 (whatever the model's dtype: transformers leaves them so), transposed to
   the experts' [experts, in, out] layout.
@@ -37,17 +38,18 @@ if TYPE_CHECKING:
 
 def fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`weight` (float8, [..., rows, cols]) times the scale of each of its blocks (`scale`: [..., rows /
-    block rows, cols / block cols]), in float32, cast to `dtype` (transformers' `Fp8Dequantize`)."""
+    block rows, cols / block cols]: read by `fp8_scales`), in float32, cast to `dtype` (transformers'
+    `Fp8Dequantize`)."""
     rows, cols = weight.shape[-2:]
     scale_rows, scale_cols = scale.shape[-2:] if scale.dim() >= 2 else (1, 1)  # whole blocks: `_fp8_grid`
     if weight.numel() < _FEWEST or weight.device.type != "cpu":  # torch's own, in place: the fewest operations
         values = weight.to(torch.float32)
         blocks = values.view(-1, scale_rows, rows // scale_rows, scale_cols, cols // scale_cols)
-        blocks.mul_(scale.to(torch.float32).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2))
+        blocks.mul_(fp8_scales(scale).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2))
         return values.to(dtype)
     block_rows = rows // scale_rows
     values = weight.reshape(-1, block_rows, cols)  # [block rows of every matrix, block's rows, cols]
-    grid = scale.to(torch.float32).reshape(-1, scale_rows, scale_cols)  # one grid, or one a matrix
+    grid = fp8_scales(scale).reshape(-1, scale_rows, scale_cols)  # one grid, or one a matrix
     scales = grid.expand(values.shape[0] // scale_rows, -1, -1).reshape(-1, 1, scale_cols, 1)
     step = max(1, _CHUNK // (block_rows * cols))  # block rows at a time: its temporaries stay in the cache
     # A chunk's temporaries, made once a weight (made a chunk, they left holes in the heap that a load's
@@ -61,6 +63,15 @@ def fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
         chunk.view(-1, block_rows, scale_cols, cols // scale_cols).mul_(scales[at : at + step] * power)
         into[at : at + step] = chunk
     return out
+
+
+def fp8_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales as float32 multipliers, as transformers' `Fp8Dequantize` reads them: uint8 bytes are
+    E8M0 exponents (MXFP8 checkpoints), 2 ** (byte - 127), 255 giving inf (float32's 2 ** 128); a
+    float8_e8m0fnu scale is torch's own conversion (255 is its NaN); any other dtype is its value."""
+    if scale.dtype == torch.uint8:  # the raw byte as a number would be a scale 127x too large (or worse)
+        return (scale.to(torch.float32) - 127.0).exp2()
+    return scale.to(torch.float32)
 
 
 class _Scratch:
