@@ -502,17 +502,22 @@ def test_a_compressed_tensors_mixture_of_experts_loads_as_transformers_decompres
     tmp_path: Path, layout: str
 ) -> None:
     """transformers 5 decompresses compressed-tensors experts (packed 4-bit, FP8) before merging them
-    into fused tensors (its DecompressExperts conversion; in the scale's dtype, or bfloat16 for FP8,
-    whatever the model's) and keeps every other layer as stored: streamload decompresses each expert
-    with transformers' own operation as its parts arrive, into its region of the fused parameter, and
-    places the rest as stored — every tensor bit for bit (dtypes included), the same logits."""
+    into fused tensors (its DecompressExperts conversion; in the scale's dtype, and FP8 in bfloat16
+    whatever the model's before 5.21, in the model's from then on) and keeps every other layer as
+    stored: streamload decompresses each expert with transformers' own operation as its parts arrive,
+    into its region of the fused parameter, and places the rest as stored — every tensor bit for bit
+    (dtypes included), the same logits."""
     transformers = pytest.importorskip("transformers")
     folder = compressed_moe(tmp_path, layout)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder)
     ours = streamload.from_pretrained(folder, device="cpu")
     want, _ = same_as_theirs(theirs, ours)
     assert want["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 256, 128)
-    assert want["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16  # the model's is float32
+    from streamload.integrations.transformers_internals import version
+
+    fp8_as_model = layout == "fp8-channel" and version(transformers) >= (5, 21)
+    fused = want["model.layers.1.mlp.experts.gate_up_proj"].dtype
+    assert fused == (torch.float32 if fp8_as_model else torch.bfloat16)  # the model's is float32
     assert any(n.startswith("model.layers.1.self_attn.q_proj.weight_") for n in want)  # kept as stored
 
 
@@ -520,7 +525,8 @@ def test_int8_compressed_tensors_experts_are_refused_before_reading(tmp_path: Pa
     """int8 experts (compressed-tensors `int-quantized`: no packed weights) are not what transformers'
     DecompressExperts reads (its own loader fails on them too): refused in one line naming it."""
     folder = compressed_moe(tmp_path, "w8a8-int8")
-    said = r"qwen2_moe: transformers converts '.*experts.*' with DecompressExperts.*nothing was read"
+    said = (r"qwen2_moe: transformers converts '.*experts.*' with (DecompressExperts|CompressedTensorsDequantize)"
+            r".*nothing was read")  # its name from 5.21 on  # fmt: skip
     with pytest.raises(streamload.StreamloadError, match=said):
         streamload.from_pretrained(folder, device="cpu")
 
@@ -564,9 +570,9 @@ def gpt_oss_mxfp4(folder: Path) -> Path:
 @pytest.mark.parametrize("dtype", [None, torch.float32])
 def test_an_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(tmp_path: Path, dtype: torch.dtype | None) -> None:
     """transformers' own from_pretrained, without its MXFP4 kernels (always on the CPU), dequantizes
-    gpt-oss's experts into bfloat16 (even in a float32 model) in the experts' layout: streamload
-    computes the same as each layer's blocks and exponents arrive — every tensor bit for bit (dtypes
-    included), the same logits."""
+    gpt-oss's experts into bfloat16 (even in a float32 model; from 5.23 on, into the model's dtype) in
+    the experts' layout: streamload computes the same as each layer's blocks and exponents arrive —
+    every tensor bit for bit (dtypes included), the same logits."""
     transformers = pytest.importorskip("transformers")
     folder = gpt_oss_mxfp4(tmp_path / "gpt-oss")
     kwargs = {} if dtype is None else {"dtype": dtype}
@@ -574,7 +580,10 @@ def test_an_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(tmp_path: Path
     ours = streamload.from_pretrained(folder, device="cpu", **kwargs)
     want, _ = same_as_theirs(theirs, ours)
     assert want["model.layers.1.mlp.experts.down_proj"].shape == (4, 64, 128)
-    assert want["model.layers.1.mlp.experts.down_proj"].dtype == torch.bfloat16
+    from streamload.integrations.transformers_internals import mxfp4_in_parameter_dtype
+
+    experts = (dtype or torch.bfloat16) if mxfp4_in_parameter_dtype() else torch.bfloat16
+    assert want["model.layers.1.mlp.experts.down_proj"].dtype == experts
     assert want["model.layers.1.mlp.router.weight"].dtype == (dtype or torch.bfloat16)
 
 

@@ -184,3 +184,36 @@ def test_a_folder_from_pretrained_cannot_build_from_is_one_line(tmp_path: Path) 
             streamload.from_pretrained(path, device="cpu")
         assert str(caught.value).startswith(str(path)) and says in str(caught.value)
         assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("release", ["4.57.6", "5.18.0", "6.0.0", "6.1.0.dev0"])
+def test_a_transformers_release_outside_the_tested_range_is_refused_in_one_line_before_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, release: str
+) -> None:
+    """streamload calls transformers' conversion and quantizer internals (through one adapter), which
+    change between releases: a release before the oldest tested or of another major version is refused
+    in one line naming the tested range, before a byte of the weights is read."""
+    from streamload.integrations import transformers_internals as internals
+
+    torch.manual_seed(0)
+    MODELS["llama"]().save_pretrained(tmp_path)
+    import transformers  # now: transformers replaces its module in sys.modules when it first loads a class
+
+    batches = []
+    monkeypatch.setattr(streamload.pipeline.Pipeline, "next_batch", lambda self: batches.append(1))
+    monkeypatch.setattr(transformers, "__version__", release)
+    low, high = (f"{v[0]}.{v[1]}" for v in (internals.LOWEST, internals.HIGHEST))
+    said = rf"tested with transformers {low} to {high} .*this is transformers {release}.*nothing was read"
+    with pytest.raises(streamload.UnsupportedError, match=said) as caught:
+        streamload.from_pretrained(tmp_path, device="cpu")
+    assert "\n" not in str(caught.value) and batches == []
+
+
+def test_the_adapter_takes_the_releases_in_its_range() -> None:
+    from types import SimpleNamespace
+
+    from streamload.integrations.transformers_internals import check_version, version
+
+    assert version(SimpleNamespace(__version__="5.25.0.dev0")) == (5, 25)
+    for release in ("5.19.0", "5.24.0", "5.30.1"):  # later releases of the tested major are taken
+        check_version(SimpleNamespace(__version__=release))

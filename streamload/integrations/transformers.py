@@ -8,7 +8,7 @@ streamed in by `load_into` (tied weights stay tied) -> the remaining buffers mov
 from __future__ import annotations
 
 import contextlib
-import importlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -20,11 +20,13 @@ from torch import nn
 from streamload import device as devices
 from streamload.api import inspect
 from streamload.convert import Conversion, Region, Step
-from streamload.dequantize import Dequantization, Format
+from streamload.dequantize import FORMATS, Dequantization, Format
 from streamload.dtypes import as_torch_dtype
 from streamload.errors import UnsupportedError
 from streamload.module import OnLayer, _Filler, empty_weights, load_into
 from streamload.storage.remote import is_url
+
+from . import transformers_internals as internals
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -71,6 +73,7 @@ def from_pretrained(
         import transformers
     except ImportError as exc:
         raise UnsupportedError("from_pretrained needs transformers: pip install -e '.[transformers]'") from exc
+    internals.check_version(transformers)  # its internals are those of the releases tested, or nothing is read
     source: str | Path = str(path) if is_url(str(path)) else Path(path)
     dev = devices.resolve(device)
     config = _config(transformers, source)
@@ -89,7 +92,7 @@ def from_pretrained(
             model = _build(transformers, config, kwargs)
         if quantizer is not None:  # its modules, laid out for the stored bytes, as transformers' loader does
             with _default_dtype(dtype):  # (theirs in the model's dtype: a quantized layer's bias is built so)
-                quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, use_kernels=False)
+                internals.prepare(quantizer, model, dtype)
     tied(model)
     checkpoint = inspect(source, options.get("cache_dir"))
     stored = checkpoint.tensors
@@ -110,8 +113,7 @@ def from_pretrained(
     )  # fmt: skip
     model.to(dev)  # the buffers the constructor made on the CPU; parameters are there already
     if quantizer is not None:
-        model.hf_quantizer = quantizer
-        quantizer.postprocess_model(model)
+        internals.finish(quantizer, model)
     return model.eval()
 
 
@@ -135,13 +137,10 @@ def placing_quantizer(config: Any) -> Any | None:
     rule = PLACED_AS_STORED.get(_quantization(config, "quant_method"))
     if rule is None or not rule(config):
         return None
-    from transformers.quantizers.auto import get_hf_quantizer
-
     try:
-        quantizer, _, _ = get_hf_quantizer(config, None, None, True, {})
+        return internals.hf_quantizer(config)
     except ImportError as exc:
         raise UnsupportedError(f"{_quantization(config, 'quant_method')} checkpoint: {exc}") from None
-    return quantizer
 
 
 def dequantization(config: Any, stored: Mapping[str, Any]) -> Dequantization | None:
@@ -151,7 +150,10 @@ def dequantization(config: Any, stored: Mapping[str, Any]) -> Dequantization | N
     rule = DEQUANTIZED_HERE.get(method)
     if rule is None or not (_quantization(config, "dequantize") or rule()):
         return None  # transformers keeps them quantized in its own layers here: refused, named by `fits`
-    return Dequantization.of(method, stored)
+    fmt = FORMATS[method]
+    if method == "mxfp4" and internals.mxfp4_in_parameter_dtype():  # bfloat16 whatever the model's before
+        fmt = dataclasses.replace(fmt, own_dtype=lambda parts: None)
+    return Dequantization.of(fmt, stored)
 
 
 def decompressed_experts(
@@ -161,26 +163,22 @@ def decompressed_experts(
     conversion: every other quantized layer stays as stored): each expert's weight decompressed by
     transformers' own operation as its packed values, scale and shape arrive, then copied into its
     region of the fused parameter; with the checkpoint's placement as computed. None where there are none."""
-    if quantizer is None or not hasattr(quantizer, "compressor"):
+    how = internals.experts_decompression(quantizer)
+    if how is None:
         return None
-    from transformers.integrations.compressed_tensors import DecompressExperts, get_experts_scheme
-
-    scheme = get_experts_scheme(quantizer.quantization_config.quantization_config)
-    operation = DecompressExperts(quantizer, scheme=scheme)
-    fp8 = scheme.weights.type == "float" and scheme.weights.num_bits == 8  # plain (weight, scale) pairs
+    fp8 = how.fp8  # plain (weight, scale) pairs
     ending = ".weight" if fp8 else ".weight_packed"
-    widen = 1 if fp8 else 32 // scheme.weights.num_bits  # packed: `num_bits`-bit integers in int32 words
+    widen = 1 if fp8 else 32 // how.bits  # packed: `bits`-bit integers in int32 words
 
     def parts(target: str) -> tuple[str, ...]:
         return (target, target + "_scale") if fp8 else (target + "_packed", target + "_scale", target + "_shape")
 
-    def dtype(infos: list[Any]) -> torch.dtype | None:  # FP8: transformers casts; packed: the scale's
-        return torch.bfloat16 if fp8 else infos[1].dtype.torch_dtype
+    def dtype(infos: list[Any]) -> torch.dtype | None:  # FP8: bfloat16 or the parameter's; packed: the scale's
+        return (torch.bfloat16 if how.in_bfloat16 else None) if fp8 else infos[1].dtype.torch_dtype
 
     def decompress(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         names = parts("expert.weight")  # transformers' own operation, on one expert's parts
-        out = operation.convert({n: [t] for n, t in zip(names, tensors, strict=False)}, [], [])
-        return out[names[0]][0]
+        return how.decompress(dict(zip(names, tensors, strict=False)), dtype)
 
     def target(name: str) -> str | None:
         return name.removesuffix(ending) + ".weight" if ".experts." in name and name.endswith(ending) else None
@@ -301,20 +299,16 @@ def conversion(model: nn.Module, shapes: dict[str, tuple[int, ...]], quantizer: 
     concatenations, transposes) and its own key matching, as data. A rule that computes (or that
     splits a tensor between parameters) is refused before a byte is read, naming the model type and
     the operation. Before transformers 5 (no conversion rules): nothing to convert."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
-    except ImportError:
+    rules = internals.conversion_rules(model, quantizer)
+    if rules is None:
         return Conversion()
-    transforms = get_model_conversion_mapping(model, hf_quantizer=quantizer)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings, converters, rename_source_key = rules.renamings, rules.converters, rules.rename
     meta = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None)
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     regions: dict[str, Region] = {}
     merged: dict[str, tuple[Any, dict[str, list[str]]]] = {}  # target -> (converter, {source pattern: keys})
-    for key in sorted(shapes, key=dot_natural_key):  # transformers' own order: experts 0, 1, ..., 10
+    for key in sorted(shapes, key=rules.natural_key):  # transformers' own order: experts 0, 1, ..., 10
         target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
         if target not in meta and key in meta:
             target, pattern = rename_source_key(key, [], [], prefix, meta)
@@ -340,18 +334,12 @@ def _dtypes(model: nn.Module, placed: Conversion, names: Iterable[str], dtype: t
     lands in: its dtype plan (`_keep_in_fp32_modules_strict`: a router's bias stays float32), else
     the tensor's own dtype where the model was built in another, else `dtype` ("*")."""
     own = {n: t.dtype for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_floating_point()}
-    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
-    search = None
-    if plan:
-        from transformers.core_model_loading import build_glob_alternation
-
-        alternation, by_group, _ = build_glob_alternation(list(plan))
-        search = alternation.search
+    planned = internals.dtype_plan(model, dtype)
     kept: dict[str, torch.dtype] = {}
     for n in names:
         target = placed.target_of(n)
-        if search is not None and (found := search(target)) is not None:
-            kept[n] = plan[by_group[found.lastgroup]]
+        if (chosen := planned(target)) is not None:
+            kept[n] = chosen
         elif target in own and own[target] != dtype:
             kept[n] = own[target]
     return {**kept, "*": dtype}
@@ -389,44 +377,42 @@ def _placed(
 ) -> _Node:  # fmt: skip
     """transformers' chain of operations for one target, run on shapes and names instead of tensors
     (each operation as transformers' own `convert` treats its inputs)."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
-
     values: dict[str, _Node | list[_Node]] = {
         p: [_Node(tuple(shapes[k]), k) for k in keys] for p, keys in inputs.items()
     }
     targets = converter.target_patterns
     for op in converter.operations:
-        if isinstance(op, MergeModulelist):
+        how, dims, check_dims = internals.operation(op)
+        if how == "stack":
             out: dict[str, _Node | list[_Node]] = {}
             for pattern, value in values.items():
                 parts = value if isinstance(value, list) else [value]
-                shape = (*parts[0].shape[: op.dim], len(parts), *parts[0].shape[op.dim :])
+                shape = (*parts[0].shape[: dims[0]], len(parts), *parts[0].shape[dims[0] :])
                 if any(p.shape != parts[0].shape for p in parts):
                     raise UnsupportedError(f"{model_type}: {target!r}: the tensors merged differ in shape")
-                out[targets[0] if len(values) == 1 else pattern] = _Node(
-                    shape, how="stack", dims=(op.dim,), parts=parts
-                )
+                out[targets[0] if len(values) == 1 else pattern] = _Node(shape, how="stack", dims=dims, parts=parts)
             values = out
-        elif isinstance(op, Concatenate):
+        elif how == "cat":
+            dim = dims[0]
             parts = []
             for pattern in converter.source_patterns:  # transformers keeps the patterns' order
                 value = values.get(pattern)
                 parts += [] if value is None else value if isinstance(value, list) else [value]
             shape = list(parts[0].shape)
-            if any(len(p.shape) != len(shape) or [*p.shape[: op.dim], *p.shape[op.dim + 1 :]] != [
-                    *shape[: op.dim], *shape[op.dim + 1 :]] for p in parts):  # fmt: skip
+            if any(len(p.shape) != len(shape) or [*p.shape[:dim], *p.shape[dim + 1 :]] != [
+                    *shape[:dim], *shape[dim + 1 :]] for p in parts):  # fmt: skip
                 shown = ", ".join(str(list(p.shape)) for p in parts)
                 raise UnsupportedError(f"{model_type}: {target!r}: the tensors concatenated differ in shape ({shown})")
-            shape[op.dim] = sum(p.shape[op.dim] for p in parts)
-            values = {targets[0]: _Node(tuple(shape), how="cat", dims=(op.dim,), parts=parts)}
-        elif isinstance(op, Transpose) and len(values) == 1:
+            shape[dim] = sum(p.shape[dim] for p in parts)
+            values = {targets[0]: _Node(tuple(shape), how="cat", dims=dims, parts=parts)}
+        elif how == "transpose" and len(values) == 1:
             value = next(iter(values.values()))
             part = value[0] if isinstance(value, list) else value
-            if op.check_dims and part.shape == target_shape:
+            if check_dims and part.shape == target_shape:
                 continue  # transformers leaves a tensor already of the parameter's shape as it is
             shape = list(part.shape)
-            shape[op.dim0], shape[op.dim1] = shape[op.dim1], shape[op.dim0]
-            values = {targets[0]: _Node(tuple(shape), how="transpose", dims=(op.dim0, op.dim1), parts=[part])}
+            shape[dims[0]], shape[dims[1]] = shape[dims[1]], shape[dims[0]]
+            values = {targets[0]: _Node(tuple(shape), how="transpose", dims=dims, parts=[part])}
         else:
             raise UnsupportedError(
                 f"{model_type}: transformers converts {target!r} with {type(op).__name__}, which streamload does "
@@ -448,11 +434,7 @@ def skipped_init(transformers: Any) -> contextlib.AbstractContextManager[Any]:
     """transformers' own switch that skips `init_weights` (its initialisers keep references to torch's
     that `empty_weights` cannot patch; on meta tensors they cost ~1.5 ms a tensor for nothing). It
     skips the weight tying too: `tied` the model after."""
-    try:
-        no_init = importlib.import_module(f"{transformers.__name__}.initialization").no_init_weights
-    except (ImportError, AttributeError):  # before transformers 5: `empty_weights` covers its initialisers
-        return contextlib.nullcontext()
-    return no_init()
+    return internals.no_init_weights()
 
 
 @contextlib.contextmanager
@@ -504,7 +486,7 @@ def _config(transformers: Any, source: str | Path) -> Any:
 
 def _read_config(transformers: Any, folder: Path, shown: object) -> Any:
     try:
-        return transformers.AutoConfig.from_pretrained(folder)
+        return transformers.AutoConfig.from_pretrained(folder)  # nosec B615 # a local folder: no hub download
     except (ValueError, OSError) as exc:  # not JSON, no model_type, a model_type this transformers lacks
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UnsupportedError(f"{shown}: transformers cannot read this config: {reason}") from None

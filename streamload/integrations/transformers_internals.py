@@ -1,0 +1,203 @@
+"""transformers' internals streamload uses, in one room: its quantizers, its conversion rules and their
+operations, its loader's helpers. These are not transformers' public API and change between releases
+(5.21 made compressed-tensors' expert decompression read the fused parameter's dtype from the model:
+`KeyError: 'model'` where it was called as 5.19 calls it), so `integrations/transformers.py` reaches
+them only through here, and here knows each release's way.
+
+Tested on transformers 5.19 (vLLM 0.32's pin) and 5.24; a release of another major version, or one
+before 5.19 (no conversion rules, or none for compressed-tensors' experts), is refused in one line
+before anything is read (`check_version`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from streamload.errors import UnsupportedError
+
+LOWEST = (5, 19)  # the oldest release tested
+HIGHEST = (5, 24)  # the newest release tested; later ones of its major version are taken
+# from 5.21 on, compressed-tensors' FP8 experts come out in their fused parameter's dtype (bfloat16 before),
+# and its operation reads that dtype from the model it is given
+_EXPERTS_IN_PARAMETER_DTYPE = (5, 21)
+_MXFP4_IN_PARAMETER_DTYPE = (5, 23)  # gpt-oss's dequantized experts: the same, from 5.23 on
+
+
+def version(transformers: Any) -> tuple[int, int]:
+    """transformers' (major, minor): "5.24.0" and "5.25.0.dev0" -> (5, 24), (5, 25)."""
+    major, minor, *_ = [*str(transformers.__version__).split("."), "0"]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def tested_range() -> str:
+    return f"{LOWEST[0]}.{LOWEST[1]} to {HIGHEST[0]}.{HIGHEST[1]} (and later {HIGHEST[0]}.x)"
+
+
+def check_version(transformers: Any) -> None:
+    """Refuses, in one line and before anything is read, a transformers release outside
+    [`LOWEST`, the next major version): its internals may not be those this module knows."""
+    got = version(transformers)
+    if not (LOWEST <= got and got[0] == HIGHEST[0]):
+        raise UnsupportedError(
+            f"streamload.from_pretrained is tested with transformers {tested_range()}, and this is transformers "
+            f"{transformers.__version__}: install one of those (pip install 'transformers>={LOWEST[0]}.{LOWEST[1]},"
+            f"<{HIGHEST[0] + 1}'); nothing was read"
+        )
+
+
+def mxfp4_in_parameter_dtype() -> bool:
+    """Whether transformers dequantizes MXFP4 experts into their parameter's dtype (else bfloat16), the
+    arithmetic otherwise the same (each value from the FP4 table in that dtype, then `ldexp`)."""
+    import transformers
+
+    return version(transformers) >= _MXFP4_IN_PARAMETER_DTYPE
+
+
+def no_init_weights() -> contextlib.AbstractContextManager[Any]:
+    """transformers' own switch that skips `init_weights` (a no-op context where it has none)."""
+    try:
+        return importlib.import_module("transformers.initialization").no_init_weights()
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+
+
+# -- quantizers ----------------------------------------------------------------------------------------
+
+
+def hf_quantizer(config: Any) -> Any:
+    """transformers' quantizer for the config's `quantization_config`, as its `from_pretrained` makes it.
+
+    Raises:
+        ImportError: the quantization's package is not installed (transformers' own message).
+    """
+    from transformers.quantizers.auto import get_hf_quantizer
+
+    quantizer, _, _ = get_hf_quantizer(config, None, None, True, {})
+    return quantizer
+
+
+def prepare(quantizer: Any, model: nn.Module, dtype: torch.dtype | None) -> None:
+    """The quantizer's modules laid out in `model` for the stored bytes, before weights load."""
+    quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, use_kernels=False)
+
+
+def finish(quantizer: Any, model: nn.Module) -> None:
+    """The quantizer's work after the weights are in, and the model's link to it (as transformers leaves it)."""
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
+
+
+@dataclass(frozen=True)
+class ExpertsDecompression:
+    """compressed-tensors' decompression of one expert's weight (transformers' `DecompressExperts`):
+    `fp8` (a weight and its scale) or packed (`bits`-bit integers in int32 words, a scale, a shape)."""
+
+    fp8: bool
+    bits: int
+    in_bfloat16: bool  # FP8 experts come out bfloat16 whatever the parameter's dtype (before 5.21)
+    decompress: Callable[[dict[str, torch.Tensor], torch.dtype], torch.Tensor]  # {part name: tensor}, dtype
+
+
+def experts_decompression(quantizer: Any) -> ExpertsDecompression | None:
+    """How transformers decompresses compressed-tensors experts it merges into fused tensors; None for
+    a quantizer that is not compressed-tensors'."""
+    if quantizer is None or not hasattr(quantizer, "compressor"):
+        return None
+    import transformers
+    from transformers.integrations.compressed_tensors import DecompressExperts, get_experts_scheme
+
+    scheme = get_experts_scheme(quantizer.quantization_config.quantization_config)
+    operation = DecompressExperts(quantizer, scheme=scheme)
+
+    def decompress(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        first = next(iter(parts))
+        # 5.21 on: the fused parameter's dtype, read from the model the loader passes (here one
+        # that holds that name only); before, neither is read (**kwargs)
+        out = operation.convert({n: [t] for n, t in parts.items()}, [], [], full_layer_name=first,
+                                model=_ParameterOfDtype(first, dtype))  # fmt: skip
+        return out[first][0]
+
+    fp8 = scheme.weights.type == "float" and scheme.weights.num_bits == 8
+    in_bfloat16 = version(transformers) < _EXPERTS_IN_PARAMETER_DTYPE
+    return ExpertsDecompression(fp8, scheme.weights.num_bits, in_bfloat16, decompress)
+
+
+class _ParameterOfDtype(nn.Module):
+    """A module with one (empty, meta) parameter of `dtype` under `name`: what the decompression reads of
+    the model (`get_parameter(name).dtype`)."""
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._name, self._parameter = name, nn.Parameter(torch.empty(0, dtype=dtype, device="meta"), False)
+
+    def get_parameter(self, target: str) -> nn.Parameter:
+        if target != self._name:
+            raise AttributeError(target)
+        return self._parameter
+
+
+# -- conversion rules -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rules:
+    """A model's conversion rules, as transformers' loader applies them: renamings, converters (each with
+    `source_patterns`, `target_patterns` and `operations`), and its key matching."""
+
+    renamings: list[Any]
+    converters: list[Any]
+    natural_key: Callable[[str], Any]  # the loader's order of keys: experts 0, 1, ..., 10
+    rename: Callable[..., tuple[str, str | None]]  # (key, renamings, converters, prefix, meta) -> (target, pattern)
+
+
+def conversion_rules(model: nn.Module, quantizer: Any = None) -> Rules | None:
+    """transformers' conversion rules for `model` (with the quantizer's own, if one); None where this
+    transformers has none."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    except ImportError:
+        return None
+    transforms = get_model_conversion_mapping(model, hf_quantizer=quantizer)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return Rules(renamings, converters, dot_natural_key, rename_source_key)
+
+
+def operation(op: Any) -> tuple[str, tuple[int, ...], bool]:
+    """A converter's operation as data: ("stack", (dim,)), ("cat", (dim,)), ("transpose", (dim0, dim1)),
+    with whether a tensor already of the parameter's shape is left as it is (a transpose's `check_dims`);
+    ("", (), False) for one that computes or splits (refused by the caller)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
+
+    if isinstance(op, MergeModulelist):
+        return "stack", (op.dim,), False
+    if isinstance(op, Concatenate):
+        return "cat", (op.dim,), False
+    if isinstance(op, Transpose):
+        return "transpose", (op.dim0, op.dim1), bool(op.check_dims)
+    return "", (), False
+
+
+def dtype_plan(model: nn.Module, dtype: torch.dtype) -> Callable[[str], torch.dtype | None]:
+    """The model's dtype plan (`_keep_in_fp32_modules_strict`: a router's bias stays float32) as a
+    lookup: a parameter's name -> the dtype the plan gives it, or None."""
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if not plan:
+        return lambda name: None
+    from transformers.core_model_loading import build_glob_alternation
+
+    alternation, by_group, _ = build_glob_alternation(list(plan))
+
+    def lookup(name: str) -> torch.dtype | None:
+        found = alternation.search(name)
+        return None if found is None else plan[by_group[found.lastgroup]]
+
+    return lookup
