@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
+import subprocess  # nosec B404 # runs the command the user typed, as an argv list, no shell
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,7 +50,7 @@ def serve(
     else:
         prefetch.ahead(source, cache_dir, pinned)  # cleaned up at this process's exit (atexit)
     try:
-        child = subprocess.Popen(list(command))
+        child = subprocess.Popen(list(command))  # nosec B603 # the user's own command line (streamload serve -- ...)
     except OSError as exc:
         raise StreamloadError(f"streamload serve: cannot run {command[0]!r}: {exc.strerror or exc}") from None
     previous = {sig: signal.signal(sig, lambda sig, _: _forward(child, sig)) for sig in FORWARDED}

@@ -6,6 +6,7 @@ worker thread (anyio, so asyncio and trio alike), imported only when async code 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections.abc import Callable
@@ -164,19 +165,16 @@ class TensorStream:
 
     def __del__(self) -> None:
         if getattr(self, "_state", "done") == "open":
-            try:  # at interpreter exit the warnings module may be torn down already: closing still matters
+            # at interpreter exit the warnings module may be torn down already: closing still matters
+            with contextlib.suppress(Exception):
                 warnings.warn(
                     "a streamload stream was left open and is closed by garbage collection; "
                     "use `with streamload.iter(...)` or call close()",
                     ResourceWarning,
                     stacklevel=2,
                 )
-            except Exception:
-                pass
-            try:
+            with contextlib.suppress(Exception):  # a finalizer raises nowhere useful
                 self.close()
-            except Exception:
-                pass
 
 
 def _next_batch_of(ref: weakref.ref[TensorStream]) -> list[Delivered] | None:

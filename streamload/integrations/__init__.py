@@ -84,7 +84,7 @@ def from_pretrained(
         raise ValueError(f"{path}: variant= is for diffusers folders; give a transformers model its files' folder")
     if dtype is not None and not isinstance(dtype, (torch.dtype, str)):
         raise ValueError(f"{path}: a dtype per component is for diffusers pipelines; give one dtype")
-    return transformers.from_pretrained(path, device=device, dtype=dtype, model_class=model_class, on_layer=on_layer,
+    return transformers.from_pretrained(path, device=device, dtype=dtype, model_class=model_class, on_layer=on_layer,  # nosec B615 # streamload's own: no hub download
                                         strict=strict, **options)  # fmt: skip
 
 
