@@ -73,3 +73,24 @@ def test_component_names_never_choose_where_a_file_is_written(
         server.close()
     assert list(scratch.iterdir()) == []
     assert not Path("/escape").exists() and not Path("/abs/config.json").exists()
+
+
+def test_a_config_naming_its_own_code_is_refused_and_the_code_never_runs(tmp_path: Path) -> None:
+    """A transformers config whose `auto_map` names Python files beside the weights (remote code):
+    streamload builds only the installed library's classes, so the files are never imported."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "m")
+    marker = tmp_path / "ran"
+    code = f"open({str(marker)!r}, 'w').close()\nfrom transformers import LlamaConfig as PlantedConfig\n"
+    (tmp_path / "m" / "configuration_planted.py").write_text(code)
+    (tmp_path / "m" / "modeling_planted.py").write_text(code)
+    settings = json.loads((tmp_path / "m" / "config.json").read_text())
+    settings["auto_map"] = {"AutoConfig": "configuration_planted.PlantedConfig",
+                            "AutoModelForCausalLM": "modeling_planted.PlantedConfig"}  # fmt: skip
+    settings["model_type"] = "planted"
+    (tmp_path / "m" / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(UnsupportedError, match="config.json"):
+        streamload.from_pretrained(tmp_path / "m", device="cpu")
+    assert not marker.exists()
