@@ -4,8 +4,20 @@ and the host staging slots the process keeps between streams.
 A server that loads many checkpoints at once (adapters, several models) must not grow threads and
 staging buffers with the number of loads. Every stream borrows reader threads from one pool and
 takes its ring slots from one budget: it waits for its first slot, takes more only while the budget
-allows, and gives them all back when it ends, so the staging memory of all streams together never
-exceeds the cap and every stream still makes progress.
+allows, and gives them all back when it ends, so the staging memory of all streams together stays
+within the cap and every stream still makes progress.
+
+One exception keeps that promise from becoming a wait for ever. A first slot waits for staging that
+other streams give back, and a stream gives it back only as its consumer reads it on: the async task
+that opened it (its calls run on worker threads, but the task waits for each), else the thread that
+took its first slot. So when every stream holding staging belongs to a consumer that is itself
+waiting for a first slot (`zip(iter(a), iter(b))`: the thread waiting for `b`'s is the only reader of
+`a`; or two threads, each holding a stream and waiting for a second), the waiting stream takes its
+first slot beyond the cap. The cap is then exceeded by at most that first slot (with the device's
+buffers) for each stream started so (`usage().staging_over`); every other slot, and every stream of
+a consumer that can still give staging back, waits until the total is within the cap again. (A
+stream opened outside the task that reads it with `async for` counts as the worker thread's that
+took its first slot: open streams read in turn by one task inside that task.)
 
 >>> import streamload
 >>> streamload.set_limits(reader_threads=16, staging_bytes=2 << 30)
@@ -16,6 +28,7 @@ exceeds the cap and every stream still makes progress.
 from __future__ import annotations
 
 import mmap
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -24,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import defaults
+from . import arguments, defaults
 
 GiB = 1 << 30
 
@@ -38,6 +51,8 @@ class Usage(NamedTuple):
     staging_peak: int  # the most held at once since the process started (or the last reset)
     streams: int  # streams using the reader pool now
     staging_kept: int = 0  # bytes of host slots kept for later streams (within the cap, with what is held)
+    staging_over: int = 0  # bytes of first slots held beyond the cap by running streams (see the module's doc)
+    staging_waiting: int = 0  # streams waiting for their first slot now
 
 
 Register = Callable[[torch.Tensor], "Callable[[], None] | None"]
@@ -153,6 +168,9 @@ class _Limits:
         self._freed = threading.Condition(self._lock)  # staging was given back
         self._held = 0
         self._peak = 0
+        self._over = 0  # first slots given beyond the cap, to streams still holding them
+        self._holders: dict[object, int] = {}  # consumer -> its streams holding staging
+        self._waiting: dict[object, int] = {}  # consumer -> its streams waiting for a first slot
         self._executor: ThreadPoolExecutor | None = None
         self._users = 0
         self.host = HostSlots()
@@ -183,16 +201,31 @@ class _Limits:
         self.host.trim(keep)
         return True
 
-    def take(self, nbytes: int, stop: threading.Event) -> bool:
-        """Wait until `nbytes` fit the budget, then hold them; False if `stop` was set first."""
+    def take_first(self, nbytes: int, stop: threading.Event, consumer: object) -> int | None:
+        """Wait until `nbytes` fit the budget, or until no stream holding staging could give any back
+        (see the module's doc), then hold them for a stream of `consumer`. Returns the bytes taken
+        beyond the cap (0 or `nbytes`), or None if `stop` was set first."""
         with self._lock:
-            while self._held + nbytes > self.staging_cap:
-                if stop.is_set():
-                    return False
-                self._freed.wait(0.05)  # a timeout only to see `stop`: `wake` notifies at once
+            _count(self._waiting, consumer, 1)
+            self._freed.notify_all()  # a waiter of another consumer may find now that no holder can move
+            try:
+                while self._held + nbytes > self.staging_cap and not self._stuck():
+                    if stop.is_set():
+                        return None
+                    self._freed.wait(0.05)  # a timeout only to see `stop`: `wake` notifies at once
+            finally:
+                _count(self._waiting, consumer, -1)
+            over = nbytes if self._held + nbytes > self.staging_cap else 0
+            self._over += over
+            _count(self._holders, consumer, 1)
             keep = self._hold(nbytes)
         self.host.trim(keep)
-        return True
+        return over
+
+    def _stuck(self) -> bool:  # under the lock
+        """Whether every stream holding staging has a consumer waiting for a first slot: none can read on
+        and give staging back (the waiter's own streams among them), so waiting would be for ever."""
+        return all(consumer in self._waiting for consumer in self._holders)
 
     def _hold(self, nbytes: int) -> int:  # under the lock
         """Hold `nbytes`; returns how much kept staging may stay beside what streams hold (the cap's rest)."""
@@ -204,9 +237,13 @@ class _Limits:
         with self._lock:
             self._freed.notify_all()
 
-    def give_back(self, nbytes: int) -> None:
+    def give_back(self, nbytes: int, consumer: object | None, over: int) -> None:
+        """A stream's staging returns: `nbytes` in all, `over` of them taken beyond the cap."""
         with self._lock:
             self._held -= nbytes
+            self._over -= over
+            if consumer is not None:
+                _count(self._holders, consumer, -1)
             self._freed.notify_all()
 
     def keep(self, slots: list[torch.Tensor]) -> None:
@@ -217,26 +254,59 @@ class _Limits:
 
     def usage(self, reset_peak: bool) -> Usage:
         with self._lock:
-            snapshot = Usage(self.reader_threads, self.staging_cap, self._held, self._peak, self._users, self.host.kept)
+            waiting = sum(self._waiting.values())
+            snapshot = Usage(self.reader_threads, self.staging_cap, self._held, self._peak, self._users,
+                             self.host.kept, self._over, waiting)  # fmt: skip
             if reset_peak:
                 self._peak = self._held
             return snapshot
 
 
+def _count(counts: dict[object, int], key: object, change: int) -> None:
+    """Add `change` to `counts[key]`, dropping the key at 0 (so `in` means "at least one")."""
+    left = counts.get(key, 0) + change
+    if left:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
+def _task() -> object | None:
+    """The async task running in this thread (asyncio or trio), else None. Only a library already imported
+    can be running one, so plain code imports nothing here."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is not None:
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no event loop runs in this thread
+            task = None
+        if task is not None:
+            return task
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            return trio.lowlevel.current_task()
+        except RuntimeError:  # not inside trio.run
+            pass
+    return None
+
+
 _limits = _Limits(reader_threads=defaults.reader_threads(), staging_bytes=2 * GiB)
 
 
-def set_limits(*, reader_threads: int | None = None, staging_bytes: int | None = None) -> None:
+def set_limits(*, reader_threads: int | None = None, staging_bytes: int | str | None = None) -> None:
     """Set the process-wide reader thread pool size and staging memory cap (defaults: 2 threads per CPU,
-    at least 8 and at most 32; 2 GiB).
+    at least 8 and at most 32; 2 GiB). The cap is in bytes, or text with a unit ("8MiB").
 
     A new pool size applies from the next time no stream is running; a new cap at once (streams
-    already holding more keep it until they end).
+    already holding more keep it until they end). The cap is exceeded only where a stream's first slot
+    could never be had otherwise, by that slot (see the module's doc and `usage().staging_over`).
     """
     if reader_threads is not None:
         if reader_threads < 1:
             raise ValueError(f"reader_threads must be >= 1, not {reader_threads}")
         _limits.reader_threads = reader_threads
+    staging_bytes = arguments.size(staging_bytes, "staging_bytes")
     if staging_bytes is not None:
         if staging_bytes < 4096:
             raise ValueError(f"staging_bytes must be at least 4096, not {staging_bytes}")
@@ -264,18 +334,29 @@ def shared_limits() -> _Limits:
 
 
 class Staging:
-    """One stream's share of the staging budget: taken slot by slot, given back all at once."""
+    """One stream's share of the staging budget: taken slot by slot, given back all at once.
+
+    Made where the stream is opened: a stream opened by an async task is read on by that task (through
+    worker threads, one call at a time), any other by the thread that takes its first slot.
+    """
 
     def __init__(self) -> None:
         self.held = 0
+        self.over = 0  # bytes of the first slot taken beyond the cap
+        self._opener = _task()
+        self._consumer: object | None = None
 
     def take_first(self, nbytes: int, stop: threading.Event) -> bool:
         """Wait until `nbytes` fit the budget (other streams ending free it), then hold them;
-        False if `stop` was set while waiting."""
+        False if `stop` was set while waiting. Taken beyond the cap rather than waiting for ever
+        where no stream holding staging can give it back (see the module's doc)."""
         check_fits(nbytes, "one ring slot with its buffers")
-        if not _limits.take(nbytes, stop):
+        consumer = self._opener if self._opener is not None else threading.current_thread()
+        over = _limits.take_first(nbytes, stop, consumer)
+        if over is None:
             return False
         self.held += nbytes
+        self.over, self._consumer = over, consumer
         return True
 
     def try_take(self, nbytes: int) -> bool:
@@ -285,5 +366,7 @@ class Staging:
         return False
 
     def give_back(self) -> None:
-        held, self.held = self.held, 0
-        _limits.give_back(held)
+        held, over, consumer = self.held, self.over, self._consumer
+        self.held = self.over = 0
+        self._consumer = self._opener = None  # a task or thread is not kept alive by a closed stream
+        _limits.give_back(held, consumer, over)

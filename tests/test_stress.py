@@ -192,8 +192,11 @@ async def test_a_stream_waiting_for_staging_can_be_cancelled(checkpoints: list[P
     before = streamload.usage()
     streamload.set_limits(staging_bytes=SLOT)
     try:
-        with streamload.iter(checkpoints[0], device="cpu", reader="posix", **RING) as holder:
-            next(holder)  # holds the only slot there is
+        # Opened and read by another thread: a stream waits only for staging that others can give back
+        # (one this task opened and holds would never be: its first slot would be taken beyond the cap).
+        opened = anyio.to_thread.run_sync(lambda: streamload.iter(checkpoints[0], device="cpu", reader="posix", **RING))
+        with await opened as holder:
+            await anyio.to_thread.run_sync(next, holder)  # holds the only slot there is
             with anyio.move_on_after(0.2) as scope:
                 async with streamload.iter(checkpoints[1], device="cpu", reader="posix", **RING) as waiting:
                     await waiting.__anext__()
