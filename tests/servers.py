@@ -7,28 +7,38 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from email.utils import parsedate_to_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 # A fault applies to the next data request (a GET with a Range past the first 256 KiB, i.e. not a
 # header read): "503" answers 503 SlowDown, "reset" sends half the body and drops the connection,
-# "stall:S" waits S seconds before answering.
+# "stall:S" waits S seconds before answering, "range" answers 206 with a Content-Range one byte off the
+# range asked for (a server, or a cache in front of it, that misbehaves).
 Fault = str
 
 
 class RangeServer:
     """Serves a directory over HTTP with `Range`, `ETag` and `If-Match`, like nginx or a CDN; or
     without Range support at all (`ranges=False`, like `python -m http.server`), or with Last-Modified
-    but no ETag (`etags=False`)."""
+    but no ETag (`etags=False`), a weak ETag (`weak=True`, `W/"..."`, never matching `If-Match`, as RFC 9110
+    compares it strongly), or without Last-Modified (`last_modified=False`). `on_request(n)` runs before the
+    n-th request (from 1) is served, with no response being read meanwhile (as a server sending each
+    response from one open file sees a file replaced by rename): a test replaces objects there.
+    `If-Unmodified-Since` is honoured (412), as nginx does."""
 
     def __init__(
         self, root: Path, ranges: bool = True, etags: bool = True, rate: float | None = None,
-        connections: int | None = None,
+        connections: int | None = None, weak: bool = False, last_modified: bool = True,
+        on_request: Callable[[int], None] | None = None,
     ) -> None:  # fmt: skip
         self.root, self.ranges, self.etags = root, ranges, etags
+        self.weak, self.last_modified, self.on_request = weak, last_modified, on_request
+        self._files = threading.Lock()  # held by on_request and by each response's stat and read
+        self.authorizations: list[str] = []  # the Authorization header of each request that had one
         self.rate = rate  # bytes a second, per response (a store capped per connection); None: as fast as it goes
         # At most this many connections open at once: one more is accepted and closed unanswered, as
         # nginx does with its `worker_connections` used up ("error sending request" at the client).
@@ -56,6 +66,16 @@ class RangeServer:
 
             def _serve(self, body: bool) -> None:
                 wanted = self.headers.get("Range")
+                if server.on_request is None:
+                    self._answer(body, wanted)
+                    return
+                with server._files:
+                    server.on_request(len(server.requests) + 1)
+                    self._answer(body, wanted)
+
+            def _answer(self, body: bool, wanted: str | None) -> None:
+                if self.headers.get("Authorization"):
+                    server.authorizations.append(self.headers["Authorization"])
                 server.requests.append((self.command, self.path, wanted))
                 server.arrived.append(time.time())
                 file = server.root / self.path.lstrip("/").split("?")[0]
@@ -63,8 +83,12 @@ class RangeServer:
                     self._status(404)
                     return
                 st = file.stat()
-                etag = f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
-                if server.etags and self.headers.get("If-Match") not in (None, etag, "*"):
+                etag = f'{"W/" if server.weak else ""}"{st.st_mtime_ns:x}-{st.st_size:x}"'
+                if server.etags and self.headers.get("If-Match") not in (None, "*", *([] if server.weak else [etag])):
+                    self._status(412)
+                    return
+                since = self.headers.get("If-Unmodified-Since")
+                if since and server.last_modified and int(st.st_mtime) > parsedate_to_datetime(since).timestamp():
                     self._status(412)
                     return
                 start, end = 0, st.st_size
@@ -80,11 +104,13 @@ class RangeServer:
                 self.send_response(206 if m else 200)
                 if server.etags:
                     self.send_header("ETag", etag)
-                self.send_header("Last-Modified", self.date_time_string(int(st.st_mtime)))
+                if server.last_modified:
+                    self.send_header("Last-Modified", self.date_time_string(int(st.st_mtime)))
                 self.send_header("Accept-Ranges", "bytes" if server.ranges else "none")
                 self.send_header("Content-Length", str(end - start))
                 if m:
-                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{st.st_size}")
+                    off = 1 if fault == "range" else 0
+                    self.send_header("Content-Range", f"bytes {start + off}-{end - 1 + off}/{st.st_size}")
                 self.end_headers()
                 if not body:
                     return

@@ -13,6 +13,7 @@ from torch import nn
 from streamload.errors import SourceError
 from streamload.module import OnLayer
 from streamload.options import TABLE
+from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ def from_pretrained(
     """
     if "torch_dtype" in options:  # transformers' and diffusers' earlier name for dtype=, which they accept
         if dtype is not None:
-            raise ValueError(f"{path}: give dtype= or torch_dtype= (its earlier name), not both")
+            raise ValueError(f"{redacted(path)}: give dtype= or torch_dtype= (its earlier name), not both")
         dtype = options.pop("torch_dtype")  # type: ignore[typeddict-item]
     unknown = sorted(set(options) - set(TABLE))
     if unknown:  # before a model is built, not when its weights are read
@@ -75,15 +76,17 @@ def from_pretrained(
 
     if diffusers.kind(path if is_url(str(path)) else Path(path)) is not None:
         if model_class is not None:
-            raise ValueError(f"{path}: model_class= is for transformers models, not diffusers folders")
+            raise ValueError(f"{redacted(path)}: model_class= is for transformers models, not diffusers folders")
         return diffusers.from_pretrained(path, device=device, dtype=dtype, variant=variant, on_layer=on_layer,
                                          strict=strict, **options)  # fmt: skip
     from . import transformers
 
     if variant is not None:
-        raise ValueError(f"{path}: variant= is for diffusers folders; give a transformers model its files' folder")
+        raise ValueError(
+            f"{redacted(path)}: variant= is for diffusers folders; give a transformers model its files' folder"
+        )
     if dtype is not None and not isinstance(dtype, (torch.dtype, str)):
-        raise ValueError(f"{path}: a dtype per component is for diffusers pipelines; give one dtype")
+        raise ValueError(f"{redacted(path)}: a dtype per component is for diffusers pipelines; give one dtype")
     return transformers.from_pretrained(path, device=device, dtype=dtype, model_class=model_class, on_layer=on_layer,  # nosec B615 # streamload's own: no hub download
                                         strict=strict, **options)  # fmt: skip
 

@@ -27,6 +27,7 @@ from streamload.dtypes import as_torch_dtype
 from streamload.errors import MissingFileError, SourceError, UnsupportedError
 from streamload.module import OnLayer, empty_weights, load_into
 from streamload.source import Checkpoint, merged, open_checkpoint
+from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ def from_pretrained(
     try:
         import diffusers
     except ImportError:
-        raise UnsupportedError(f"{path} is a diffusers folder: pip install -e '.[diffusers]'") from None
+        raise UnsupportedError(f"{redacted(path)} is a diffusers folder: pip install -e '.[diffusers]'") from None
     dev = devices.resolve(device)
     remote = is_url(str(path))
     with _Mirror(str(path), COMPONENT_FILES) if remote else contextlib.nullcontext() as mirror:
@@ -94,7 +95,7 @@ def from_pretrained(
                       **options)  # fmt: skip
             return model.to(dev).eval()
         index = json.loads((folder / PIPELINE_INDEX).read_text())
-        pipeline_class = _diffusers_class(diffusers, index["_class_name"], f"{path}/{PIPELINE_INDEX}")
+        pipeline_class = _diffusers_class(diffusers, index["_class_name"], f"{redacted(path)}/{PIPELINE_INDEX}")
         built: dict[str, nn.Module] = {}
         patterns: dict[str, torch.dtype | str | None] = {}
         for name, entry in index.items():
@@ -203,7 +204,7 @@ def _checked_name(name: str, path: str | Path) -> str:
     """A component's name from the pipeline's index, which names its folder: refused unless a plain
     folder name (the index is the store's: it never chooses where a byte is read or written)."""
     if not _COMPONENT_NAME.fullmatch(name):
-        raise UnsupportedError(f"{path}/{PIPELINE_INDEX}: component {name!r} is not a plain folder name")
+        raise UnsupportedError(f"{redacted(path)}/{PIPELINE_INDEX}: component {name!r} is not a plain folder name")
     return name
 
 
@@ -211,7 +212,7 @@ def _component_class(diffusers: Any, entry: list[Any], name: str, path: str | Pa
     """The class of a component that carries weights (a diffusers or transformers model), None for one
     that does not (diffusers loads those); a weighted component of another kind is refused by name."""
     library, class_name = entry if len(entry) == 2 else (entry, None)
-    where = f"{path}/{PIPELINE_INDEX}: component {name!r} ({library}.{class_name})"
+    where = f"{redacted(path)}/{PIPELINE_INDEX}: component {name!r} ({library}.{class_name})"
     if library == "diffusers":
         home: Any = diffusers
     elif library == "transformers":

@@ -24,6 +24,7 @@ from streamload.dequantize import FORMATS, Dequantization, Format
 from streamload.dtypes import as_torch_dtype
 from streamload.errors import UnsupportedError
 from streamload.module import OnLayer, _Filler, empty_weights, load_into
+from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
 
 from . import transformers_internals as internals
@@ -478,10 +479,12 @@ def _config(transformers: Any, source: str | Path) -> Any:
     near = beside(source)
     raw = storage_for(source).sidecar(near, "config.json")
     if raw is None:
-        raise UnsupportedError(f"{near.parent}/config.json: no such object; from_pretrained needs the model's config")
+        raise UnsupportedError(
+            f"{redacted(near.parent)}/config.json: no such object; from_pretrained needs the model's config"
+        )
     with tempfile.TemporaryDirectory(prefix="streamload-config-") as folder:
         Path(folder, "config.json").write_bytes(raw)
-        return _read_config(transformers, Path(folder), f"{near.parent}/config.json")
+        return _read_config(transformers, Path(folder), f"{redacted(near.parent)}/config.json")
 
 
 def _read_config(transformers: Any, folder: Path, shown: object) -> Any:

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .base import INDEX_NAME, Digest, Files, Listing, PathLike, Source, Storage, is_hex
+from .base import INDEX_NAME, Digest, Files, Listing, PathLike, Source, Storage, is_hex, redacted
 from .local import LocalFiles, LocalStorage
 
 
@@ -29,7 +29,9 @@ def storage_for(source: Source, cache_dir: PathLike | None = None) -> Storage:
         scheme = first.split("://", 1)[0]
         make = STORAGES.get(scheme)
         if make is None:
-            raise ValueError(f"{first}: no storage for {scheme}:// (known: {', '.join(STORAGES)}, or a local path)")
+            raise ValueError(
+                f"{redacted(first)}: no storage for {scheme}:// (known: {', '.join(STORAGES)}, or a local path)"
+            )
         from .remote import ObjectPath
 
         return make(ObjectPath(first).root, None if cache_dir is None else Path(cache_dir))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path, PurePath
 from typing import NamedTuple, Protocol
@@ -80,6 +81,17 @@ class Storage(Protocol):
     def sidecar(self, near: PurePath, name: str) -> bytes | None:
         """The bytes of the small file `name` in the folder (or prefix) of `near`; None if absent."""
         ...
+
+
+# A URL's user info: from the scheme's "//" to the last "@" before the path (a password may hold a raw "@").
+_USER_INFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s]*@")
+
+
+def redacted(text: object) -> str:
+    """`text` (a URL, a path, a message or a list of them) with the user info of every URL in it
+    (`user:password@`, or a token given as the user) shown as `***@`: what a log line, an error, a
+    summary or a file name may hold. Used wherever a source as the caller wrote it is formatted."""
+    return _USER_INFO.sub(r"\1***@", str(text))
 
 
 def is_hex(text: str) -> bool:

@@ -6,29 +6,56 @@ event loop thread per process; readers block on them from their own threads, so 
 concurrency is its reader threads, as for local files. Credentials, region and endpoint come from
 the standard environment (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`, `AWS_REGION`, ...).
 
-Each object's size and ETag (or Last-Modified where a server sends no ETag) are taken with its
-header; every later range must come from the same version (`If-Match`, and the response's own
-metadata), so an object replaced mid-load is an error, never a mix of two versions. Timeouts, resets,
-5xx and throttling are retried with backoff a bounded number of times (`STREAMLOAD_RETRIES`, default
-4; `STREAMLOAD_TIMEOUT`, seconds per request, default 30).
+Versions. A tensor is handed out as soon as its own bytes are in, so a change to an object mid-load must
+be seen on the response that brings the changed bytes, before they are used: a check at the end of a
+load could not take back the tensors already handed out. Each object's size and validator are taken
+with its header, and every later range is asked for with it and checked against its response:
+- a strong ETag (S3, GCS, nginx, CDNs): `If-Match`, and the response's own ETag and size. An object
+  replaced mid-load is an error, never a mix of two versions: this is the guarantee.
+- no strong ETag (a weak `W/` one, Last-Modified alone, or neither): nothing the server says tells a
+  change for sure. Last-Modified has one-second resolution and is kept by copies that keep times
+  (`cp -p`, `rsync -a`, unpacking an archive), so an object swapped for another of the same size and
+  Last-Modified answers exactly as before, and its later ranges would bring the new bytes: tensors of
+  both versions, and one torn between them. Such an object is therefore refused before any of its
+  tensor bytes are read (inspecting its headers still works), naming the URL, unless the caller opts in
+  with `STREAMLOAD_ALLOW_UNVALIDATED=1`. Then the load warns once, naming it, and checks what there is:
+  `If-Unmodified-Since` with its Last-Modified (412 where it changed) and each response's size,
+  Last-Modified and weak ETag, which catches every change that moves them; a change that keeps them
+  is seen only by `verify=True` with a digest file of per-tensor blocks (`streamload digest`), whose
+  tensors are each checked before they are handed out.
+
+A 206 whose Content-Range is not the range asked for is a server (or a cache in front of it) that
+misbehaves: refused at once, naming it, not retried. Timeouts, resets, 5xx and throttling are retried
+with backoff a bounded number of times (`STREAMLOAD_RETRIES`, default 4; `STREAMLOAD_TIMEOUT`, seconds
+per request, default 30).
+
+Credentials in an HTTP(S) URL (`https://user:password@host/...`) are sent as Basic authorization and
+kept in the client only: the storage's paths, hence every message, log line, record and cache folder
+made from them, carry the bare URL, and a source as the caller wrote it is formatted through
+`base.redacted` (`***@host`). An `s3://` URL with user info is refused: S3 keys come from the
+environment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import logging
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from datetime import datetime
 from pathlib import Path, PurePath, PurePosixPath
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import unquote, urlsplit
 
 from ..errors import MissingFileError, ReadError, SourceError, UnsupportedError
 from ..format import FIRST_READ, FileHeader, header_from
-from .base import INDEX_NAME, Digest, Listing, Partly, Source, file_list, is_hex, parse_index
+from .base import INDEX_NAME, Digest, Listing, Partly, Source, file_list, is_hex, parse_index, redacted
 from .pace import SMALLEST, Pace, Timer, pace_of
 
 if TYPE_CHECKING:
@@ -65,6 +92,30 @@ def is_url(source: object) -> bool:
     return isinstance(source, str) and source.split("://", 1)[0] in SCHEMES and "://" in source
 
 
+def bare(url: str) -> str:
+    """`url` without its user info (`user:password@`), which only the client keeps."""
+    scheme, sep, rest = url.partition("://")
+    netloc_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    at = rest.rfind("@", 0, netloc_end)
+    return url if not sep or at < 0 else f"{scheme}://{rest[at + 1 :]}"
+
+
+def _authorization(root: str) -> str | None:
+    """The Basic authorization that the user info of `root` stands for; None without one."""
+    if bare(root) == root:
+        return None
+    parts = urlsplit(root)
+    pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+    return "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
+
+
+ALLOW_UNVALIDATED = "STREAMLOAD_ALLOW_UNVALIDATED"
+
+
+def _unvalidated_allowed() -> bool:
+    return os.environ.get(ALLOW_UNVALIDATED, "").strip().lower() in ("1", "true", "yes")
+
+
 class ObjectStorage:
     """The objects under one `scheme://bucket` (or `scheme://host`)."""
 
@@ -76,10 +127,16 @@ class ObjectStorage:
             import obstore  # noqa: F401
         except ImportError:
             raise UnsupportedError(
-                f"{root}: reading from object storage needs obstore: pip install -e '.[remote]'"
+                f"{redacted(root)}: reading from object storage needs obstore: pip install -e '.[remote]'"
             ) from None
-        self.root = root
-        self.store = _store(root)
+        authorization = _authorization(root)
+        if authorization is not None and root.startswith("s3://"):
+            raise SourceError(
+                f"{redacted(root)}: credentials in an s3:// URL are not used: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) instead"
+            )
+        self.root = bare(root)  # the credentials live in the client only, never in a path
+        self.store = _store(self.root, authorization)
         self.cache_dir = cache_dir
         self.retries = int(os.environ.get("STREAMLOAD_RETRIES", "4"))
         self.pace = pace_of(root)
@@ -141,12 +198,19 @@ class ObjectStorage:
         return header_from(path, size, bytes(head), read_at)._replace(identity=identity)
 
     def open(self, headers: dict[PurePath, FileHeader], partly: Partly = None) -> ObjectFiles:
+        """The objects of a load; refused, before any byte is read, where the server gives one no
+        strong ETag and the caller has not allowed that (see the module's docstring)."""
+        weak = _unvalidated(tuple(headers.values()))
+        if weak:
+            _refuse_or_warn(weak)
         return ObjectFiles(self, headers, partly)
 
     def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:
         from .cache import lookup
 
-        return None if self.cache_dir is None else lookup(self.cache_dir, headers)
+        if self.cache_dir is None or (_unvalidated(headers) and not _unvalidated_allowed()):
+            return None  # a copy is only as sure as the load that made it: open() says why
+        return lookup(self.cache_dir, headers)
 
     def digest(self, header: FileHeader) -> Digest | None:
         """S3's ETag is the object's MD5 unless it was uploaded in parts ("<hex>-<parts>") or encrypted
@@ -161,6 +225,7 @@ class ObjectStorage:
         """The object `name` beside `near`; None if it is absent, or refused (S3 answers 403 for a missing
         key to a caller without ListBucket). Kept in the cache, where there is one, beside the copies."""
         assert isinstance(near, ObjectPath)
+        near = ObjectPath(bare(str(near)))  # a caller's path may still hold the user info of the URL it was given
         path = ObjectPath(str(near.parent) + "/" + name) if near.parent != near else near
         try:
             data, _ = self.call(lambda: _get(self.store, path.key, None, None), path)
@@ -176,11 +241,11 @@ class ObjectStorage:
         return bytes(data)
 
     def _path(self, url: str) -> ObjectPath:
-        path = ObjectPath(url)
+        path = ObjectPath(bare(url))
         if not is_url(url) or len(path.parts) < 2:
-            raise SourceError(f"{url}: not an object URL (s3://bucket/key, http(s)://host/path)")
+            raise SourceError(f"{redacted(url)}: not an object URL (s3://bucket/key, http(s)://host/path)")
         if path.root != self.root:
-            raise SourceError(f"{url}: every file of a checkpoint must be under {self.root}")
+            raise SourceError(f"{redacted(url)}: every file of a checkpoint must be under {self.root}")
         return path
 
     # -- requests -----------------------------------------------------------------------------------
@@ -206,7 +271,7 @@ class ObjectStorage:
         """Run `work` on the loop thread and wait for it; `pending` holds it meanwhile, for `cancel`."""
         if stopped is not None and stopped.is_set():
             work.close()
-            raise ReadError(f"{path}: the load was stopped")
+            raise ReadError(_closed(path))
         future = asyncio.run_coroutine_threadsafe(work, _loop())
         if pending is not None:
             pending.add(future)
@@ -215,7 +280,7 @@ class ObjectStorage:
         try:
             return future.result()
         except concurrent.futures.CancelledError:
-            raise ReadError(f"{path}: the load was stopped") from None
+            raise ReadError(_closed(path)) from None
         finally:
             if pending is not None:
                 pending.discard(future)
@@ -236,7 +301,7 @@ class ObjectStorage:
         attempt = 0
         while attempt <= self.retries:
             if stopped is not None and stopped.is_set():
-                raise ReadError(f"{path}: the load was stopped")
+                raise ReadError(_closed(path))
             ticket = await self.pace.acquire(measured)
             began = time.monotonic()
             try:
@@ -316,8 +381,11 @@ class ObjectFiles:
             span,
             self._stopped,
         )
-        if want and _identity(meta) != want:
-            raise ReadError(f"{path}: object changed after its header was read (was {want}, now {_identity(meta)})")
+        now = _identity(meta)
+        if want and now != want:
+            raise ReadError(
+                f"{path}: object changed after its header was read (was {_version(want)}, now {_version(now)})"
+            )
         view = memoryview(data)
         if len(view) != length:
             raise ReadError(f"{path}: {_what(span)}: got {len(view)} bytes (truncated since its header?)")
@@ -372,13 +440,15 @@ def _timeout() -> float:
     return float(os.environ.get("STREAMLOAD_TIMEOUT", "30"))
 
 
-def _store(root: str) -> Any:
+def _store(root: str, authorization: str | None = None) -> Any:
     from obstore.store import HTTPStore, from_url
 
     timeout = f"{_timeout()}s"
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
     plain = root.startswith("http://") or endpoint.startswith("http://")
-    options = {"timeout": timeout, "connect_timeout": "5s", "allow_http": plain}
+    options: dict[str, Any] = {"timeout": timeout, "connect_timeout": "5s", "allow_http": plain}
+    if authorization is not None:  # the URL's user info (obstore would neither send it nor keep it out of errors)
+        options["default_headers"] = {"Authorization": authorization}
     retry = {"max_retries": 0}  # retried by ObjectStorage.call, which also sees errors in a body
     if root.startswith("s3://"):
         return from_url(root, client_options=options, retry_config=retry, **_profile())  # type: ignore[arg-type]
@@ -413,8 +483,10 @@ async def _get(
     options: dict[str, Any] = {}
     if span is not None:
         options["range"] = span
-    if identity and identity[1] == "etag":  # Last-Modified is compared on the response instead
+    if identity and identity[1] == "etag":
         options["if_match"] = identity[2]
+    elif identity and isinstance(identity[-1], datetime):  # no strong ETag: the server checks what it can
+        options["if_unmodified_since"] = identity[-1]
     timer = Timer()
     result = await obstore.get_async(store, key, options=options)
     timer.headers()
@@ -437,9 +509,50 @@ async def _head(store: Any, key: str) -> Any:
 
 
 def _identity(meta: Any) -> tuple[object, ...]:
-    """(size, "etag", ETag), or (size, "modified", Last-Modified) from a server that sends no ETag."""
-    tag = meta.get("e_tag")
-    return (int(meta["size"]), "etag", tag) if tag else (int(meta["size"]), "modified", str(meta.get("last_modified")))
+    """(size, "etag", ETag) for a strong ETag; else what the server gives: (size, "weak", W/ETag,
+    Last-Modified or None), (size, "modified", Last-Modified) or (size, "size")."""
+    size, tag, modified = int(meta["size"]), meta.get("e_tag"), meta.get("last_modified")
+    if isinstance(modified, datetime) and modified.timestamp() == 0:
+        modified = None  # obstore's stand-in for a response without Last-Modified
+    if tag and not tag.startswith("W/"):
+        return (size, "etag", tag)
+    if tag:
+        return (size, "weak", tag, modified)
+    return (size, "modified", modified) if modified is not None else (size, "size")
+
+
+def _version(identity: tuple[object, ...]) -> str:
+    """An identity as a message shows it."""
+    size, kind, *rest = identity
+    said = {"etag": "ETag", "weak": "weak ETag, Last-Modified", "modified": "Last-Modified", "size": ""}[str(kind)]
+    return f"{size} bytes" + (f", {said} {', '.join(str(x) for x in rest)}" if said else "")
+
+
+def _unvalidated(headers: tuple[FileHeader, ...]) -> list[PurePath]:
+    """The objects whose server gave no strong ETag: a change to them may go unseen."""
+    return [h.path for h in headers if h.identity and h.identity[1] != "etag"]
+
+
+def _refuse_or_warn(weak: list[PurePath]) -> None:
+    """Refuse objects without a strong validator, or (allowed) say once what is and is not checked."""
+    more = f" (and {len(weak) - 1} more)" if len(weak) > 1 else ""
+    if not _unvalidated_allowed():
+        raise UnsupportedError(
+            f"{weak[0]}{more}: the server sends no strong ETag, so a change to the object while it loads "
+            "cannot be told for sure (Last-Modified has one-second resolution and is kept by copies that keep "
+            f"times) and tensors could mix two versions; refused before reading. {ALLOW_UNVALIDATED}=1 loads it, "
+            "checking each range's size and Last-Modified; with verify=True and a digest file (`streamload "
+            "digest`) every tensor is also checked against its digests before it is handed out"
+        )
+    log.warning(
+        "streamload: %s%s: the server sends no strong ETag (%s=1): each range is checked against the size and "
+        "Last-Modified read with the header, but a change that keeps both is not seen (verify=True with a digest "
+        "file sees it)", weak[0], more, ALLOW_UNVALIDATED,
+    )  # fmt: skip
+
+
+def _closed(path: PurePath) -> str:
+    return f"{path}: the stream was closed (by close() from another thread) while being read"
 
 
 # How a store that caps its connections turns one away: refused, or accepted and closed before the
@@ -459,7 +572,7 @@ def _transient(exc: BaseException) -> bool:
                         ox.UnauthenticatedError, ox.InvalidPathError, FileNotFoundError)):  # fmt: skip
         return False
     text = str(exc)
-    if _no_credentials(exc):
+    if _no_credentials(exc) or _wrong_range(exc):
         return False
     return not any(f"status: {code}" in text or f"HTTP status {code}" in text for code in (400, 401, 403, 404, 412))
 
@@ -476,9 +589,23 @@ def _no_credentials(exc: BaseException) -> bool:
     return _METADATA_SERVICE in text and refused and not os.environ.get("AWS_ACCESS_KEY_ID")
 
 
+_WRONG_RANGE = re.compile(r"Requested (\d+)\.\.(\d+), got (\d+)\.\.(\d+)")
+
+
+def _wrong_range(exc: BaseException) -> re.Match[str] | None:
+    """A 206 whose Content-Range is not the range asked for (obstore's UnexpectedRange)."""
+    return _WRONG_RANGE.search(str(exc))
+
+
 def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> BaseException:
     import obstore.exceptions as ox
 
+    if wrong := _wrong_range(exc):
+        asked, got = (int(wrong[1]), int(wrong[2]) - 1), (int(wrong[3]), int(wrong[4]) - 1)
+        return ReadError(
+            f"{path}: the server misbehaves: asked for bytes {asked[0]}-{asked[1]}, it answered 206 with "
+            f"Content-Range bytes {got[0]}-{got[1]}; refused (not retried: its answers cannot be trusted)"
+        )
     if "NoSuchBucket" in str(exc):  # S3 answers 404 with an XML body: name the bucket and key, not the XML
         parts = PurePath(path).parts
         bucket, key = (parts[1], "/".join(parts[2:])) if len(parts) > 1 else (str(path), "")
@@ -492,7 +619,10 @@ def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> 
             f"instance or pod role provides them, but the instance metadata service did not ({_short(exc)})"
         )
     if isinstance(exc, ox.PreconditionError):
-        return ReadError(f"{path}: object changed after its header was read (its ETag no longer matches)")
+        return ReadError(
+            f"{path}: object changed after its header was read (412: its ETag no longer matches, or it was "
+            "modified since its Last-Modified)"
+        )
     if isinstance(exc, ox.NotSupportedError) and "Range" in str(exc):
         return UnsupportedError(f"{path}: the server does not honour HTTP Range requests, which streaming needs")
     if isinstance(exc, (ox.PermissionDeniedError, ox.UnauthenticatedError)):
@@ -508,5 +638,5 @@ def _what(span: tuple[int, int] | None) -> str:
 
 
 def _short(exc: BaseException | None) -> str:
-    text = str(exc).split("\n\nDebug source:")[0].strip()
+    text = redacted(str(exc).split("\n\nDebug source:")[0].strip())
     return text.splitlines()[0][:300] if text else type(exc).__name__

@@ -22,6 +22,7 @@ from streamload.dtypes import torch_shape
 from streamload.errors import UnsupportedError
 from streamload.plan import ordered
 from streamload.source import Checkpoint, open_checkpoint
+from streamload.storage import redacted
 
 
 class Part:
@@ -82,7 +83,7 @@ class Files:
 
     def part(self, source: Any, primary: bool, cache_dir: str | None) -> Part:
         """The files of one of `sources`, their headers read (a missing shard or a broken header fails here)."""
-        where = str(source.model_or_path)
+        where = redacted(source.model_or_path)  # no password of a URL in the message
         if "://" in where:  # object storage: the files are what streamload lists there
             if not primary or source.allow_patterns_overrides is not None:
                 what = (

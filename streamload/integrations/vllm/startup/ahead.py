@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamload import prefetch
+from streamload.storage import redacted
 
 from ..ranks import Ranks
 from ..report import last_load
@@ -57,7 +58,7 @@ def start_fetch(model: str, options: dict[str, Any]) -> dict[str, Any] | None:
         if options.get("cache_dir") and adopted.get("cache_dir") != str(options["cache_dir"]):
             log.warning("streamload: the fetch under way writes into %s, not cache_dir %s: reading from there",
                         adopted.get("cache_dir"), options["cache_dir"])  # fmt: skip
-        log.info("streamload: the weights have been fetched since the process started (%s)", source)
+        log.info("streamload: the weights have been fetched since the process started (%s)", redacted(source))
         return adopted
     try:
         return prefetch.ahead(source, options.get("cache_dir"), options.get("compile_cache"))

@@ -37,6 +37,7 @@ from typing import Any, BinaryIO
 
 from streamload import atomic, pins
 from streamload.prefetch import COMPILE_CACHE, MODEL_INFOS, STAGED_INDEX, beside
+from streamload.storage import redacted
 
 log = logging.getLogger("vllm.streamload")
 
@@ -103,7 +104,7 @@ def install(
     `staged`: where the fetch started with the process put the candidate archives before the weights
     (`prefetch.stage_compile_caches`); what it decided is taken from there, without a request."""
     if not pinned:
-        raise ValueError(f"compiled artifacts beside {source}: nothing pinned; {pins.HOW}")
+        raise ValueError(f"compiled artifacts beside {redacted(source)}: nothing pinned; {pins.HOW}")
     from streamload.storage import storage_for
 
     storage = storage or storage_for(source)
@@ -130,8 +131,9 @@ def install(
             said = "no compiled artifacts published beside the checkpoint: compiling here"
         log.info("streamload: %s", said)
         return said
-    pins.check(data, pinned, f"compiled artifacts {FOLDER}/{name}.tar beside {source}")  # before a byte is unpacked
-    added = _unpack(data, Path(root) if root is not None else cache_root(), f"{FOLDER}/{name}.tar beside {source}")
+    where = f"{FOLDER}/{name}.tar beside {redacted(source)}"
+    pins.check(data, pinned, f"compiled artifacts {where}")  # before a byte is unpacked
+    added = _unpack(data, Path(root) if root is not None else cache_root(), where)
     said = f"installed {len(added)} compiled folder(s) published beside the checkpoint ({name})" if added else (
         "the compiled artifacts published beside the checkpoint are here already")  # fmt: skip
     log.info("streamload: %s", said)
