@@ -108,14 +108,42 @@ def iter(
     given = {"device": device, "dtype": dtype, "reader": reader, "ring_bytes": ring_bytes, "chunk_bytes": chunk_bytes,
              "threads": threads, "slots": slots, "include": include, "exclude": exclude, "into": into, "shard": shard,
              "verify": verify, "order": order, "cooperative": cooperative, "cache_dir": cache_dir}  # fmt: skip
-    read_options = ReadOptions.of(options.checked(given))  # every option, before anything is opened
-    dev = devices.resolve(device)
-    checkpoint = open_checkpoint(source, cache_dir)
-    _check_into_names(into, checkpoint)
-    way = _route(checkpoint, dev, read_options, cooperative, verify, copies=_copies(into, checkpoint), order=order)
-    plan, digests = _plan(checkpoint, way, dtype, include, exclude, order, shard, into, verify)
-    _check_plan(plan, checkpoint, dev, include, exclude, shard, cache_dir)
-    return _stream(checkpoint, plan, way, digests)
+    exchange: Exchange | None = None
+    joined = False  # whether this rank took its part in a cooperative load (its exchange, if any)
+    try:
+        read_options = ReadOptions.of(options.checked(given))  # every option, before anything is opened
+        dev = devices.resolve(device)
+        checkpoint = open_checkpoint(source, cache_dir)
+        _check_into_names(into, checkpoint)
+        joined = True
+        exchange = _exchange(cooperative, dev)
+        way = _route(checkpoint, dev, read_options, exchange, verify, copies=_copies(into, checkpoint), order=order)
+        plan, digests = _plan(checkpoint, way, dtype, include, exclude, order, shard, into, verify)
+        if way.exchange is not None:
+            way.exchange.expect(sum(b.shared for b in plan.batches))
+        _check_plan(plan, checkpoint, dev, include, exclude, shard, cache_dir)
+        return _stream(checkpoint, plan, way, digests)
+    except BaseException:
+        _left(cooperative, joined, exchange)
+        raise
+
+
+def _left(cooperative: bool | ProcessGroup | Fleet, joined: bool, exchange: Exchange | None) -> None:
+    """A cooperative iter() failed on this rank: the others are told at once (they read its share
+    themselves) instead of waiting for it until the process group's timeout."""
+    if joined:
+        if exchange is not None:
+            exchange.close()  # tells the others, and lets go of the group
+        return
+    if cooperative is False or cooperative is None:
+        return
+    from .exchange import leave_early
+
+    try:
+        group = _group(cooperative)
+    except ValueError:
+        return  # no group, no fleet: no one to tell
+    leave_early(group)
 
 
 class _Route(NamedTuple):
@@ -144,7 +172,7 @@ def _route(
     checkpoint: Checkpoint,
     dev: torch.device,
     read_options: ReadOptions,
-    cooperative: bool | ProcessGroup | Fleet,
+    exchange: Exchange | None,
     verify: Verify,
     copies: bool,
     order: Order,
@@ -155,7 +183,6 @@ def _route(
     tuning.check()
     check_fits(tuning.slot_bytes, "a ring slot")
     first = checkpoint.files[0].path if checkpoint.files else None
-    exchange = _exchange(cooperative, dev)
     lands, why = _lands(exchange, verify)
     read, make = route(dev, read_options.reader, checkpoint.storage.kind, tuning, first, total, lands, why, copies)
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
@@ -334,6 +361,12 @@ def _exchange(cooperative: bool | ProcessGroup | Fleet, dev: torch.device) -> Ex
         return None
     from .exchange import Exchange
 
+    exchange = Exchange(_group(cooperative), dev)
+    return exchange if exchange.world > 1 else None  # alone, there is nothing to divide
+
+
+def _group(cooperative: bool | ProcessGroup | Fleet) -> ProcessGroup | Fleet | None:
+    """The group a cooperative load divides its reads among (None: torch.distributed's default group)."""
     group = None if cooperative is True else cooperative
     if group is None and not _group_initialised():
         from .fleet import ENVIRONMENT, Fleet
@@ -344,8 +377,7 @@ def _exchange(cooperative: bool | ProcessGroup | Fleet, dev: torch.device) -> Ex
                 "cooperative=True needs an initialised torch.distributed process group, or a fleet: "
                 f"cooperative=streamload.Fleet('host:port', world_size, rank), or {', '.join(ENVIRONMENT)} set"
             )
-    exchange = Exchange(group, dev)
-    return exchange if exchange.world > 1 else None  # alone, there is nothing to divide
+    return group
 
 
 def _group_initialised() -> bool:

@@ -28,6 +28,14 @@ So storage serves the lost rank's share once, not once per survivor. Where no ne
 formed (an NCCL group, a group other than the default one, the store gone with rank 0, a second
 failure), each rank reads what the others would have shared from storage itself. A warning names
 the lost ranks. Only when storage cannot serve those bytes either is the load an error.
+
+A rank that leaves on purpose says so: a stream closed before its end (a `break`, an exception in the
+loop) or an iter() that failed (a bad argument on that rank only) leaves word in the group's store of
+how many steps (the plan's agreement, then each shared batch) it took part in. The others look there
+while they wait (every ~0.1 s) and stop waiting for it at once, as for a lost rank, instead of after the
+deadline. Only a fleet not yet joined cannot be told (its rendezvous waits for every member).
+
+The ranks also agree that they read the same bytes, not only the same layout: see "which bytes" below.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import torch
 
 from .device import Delivered, Device
 from .errors import StreamloadError, UnsupportedError
+from .format import FileHeader
 from .plan import Batch, Item
 from .read import Reader, Work
 from .source import Checkpoint
@@ -113,6 +122,132 @@ def wait(work: Work, deadline: float, abort: Any, given_up: Callable[[], bool] |
     work.wait()
 
 
+# -- which bytes ---------------------------------------------------------------------------------
+# The ranks' plans agree on names, dtypes, shapes and offsets; each file must also be the same bytes on
+# every rank. A file's version, as the storage names it without reading data, settles most cases at no
+# cost: one inode, size and mtime (one file, on one host or on a file system every host mounts), or one
+# URL, size and ETag (one object version). Where ranks name different versions (a copy on each host's own
+# disk, another URL), the versions prove nothing either way: the ranks compare what they read of each
+# file (its size, header, the first and last 64 KiB of its data and 4 KiB at 6 points between) and the
+# digests known of it (`streamload.digests.json`, a hub cache's blob name, an S3 MD5 ETag). Identical
+# copies agree and load together; a file whose sampled bytes differ, or whose digests of one kind differ,
+# is refused, naming each rank's file: ranks mixing two versions hand out tensors of neither. A change
+# that leaves every sampled byte alone is told only by digests (written by `streamload digest`).
+ENDS = 64 << 10  # bytes of a file's data sampled at each end
+PROBES, PROBE = 6, 4 << 10  # and blocks of this size between them
+
+
+def version(header: FileHeader, checkpoint: Checkpoint) -> bytes:
+    """32 bytes naming the version of a file as its storage identifies it, without reading data:
+    equal on two ranks means the same bytes; different proves nothing (copies)."""
+    if checkpoint.storage.kind == "local":  # (device, inode, size, mtime): a host's device number is its own
+        named: tuple[object, ...] = header.identity[1:]
+    else:  # an ETag names a version of one URL's object
+        named = (str(header.path), *header.identity)
+    return hashlib.sha256(repr((header.size, named)).encode()).digest()
+
+
+def known_claims(checkpoint: Checkpoint, headers: Sequence[FileHeader]) -> list[bytes]:
+    """Per file, 32 bytes: its known whole-file digest (8 bytes naming the algorithm, 24 of the digest),
+    or zeros where none is known."""
+    from .verify import known_digests
+
+    known = known_digests(checkpoint, strict=False)
+    out = []
+    for h in headers:
+        whole = known[h.path].whole if h.path in known else None
+        if whole is None:
+            out.append(bytes(32))
+            continue
+        kind, value = hashlib.sha256(whole.algorithm.encode()).digest(), hashlib.sha256(whole.hex.encode()).digest()
+        out.append(kind[:8] + value[:24])
+    return out
+
+
+def fingerprints(checkpoint: Checkpoint, headers: Sequence[FileHeader]) -> list[bytes]:
+    """Per file, the SHA-256 of its size, header and sampled data (a few small reads)."""
+    files = checkpoint.storage.open({h.path: h for h in headers})
+    try:
+        return [_fingerprint(h, files) for h in headers]
+    finally:
+        files.close()
+
+
+def _fingerprint(header: FileHeader, files: Any) -> bytes:
+    h = hashlib.sha256(f"{header.size}\0".encode())
+    spans = []
+    if len(header.prefix) == header.data_start:  # the header's bytes as read: no second read
+        h.update(header.prefix)
+    else:
+        spans.append((0, header.data_start))
+    start, end = header.data_start, header.size
+    step = (end - start) // (PROBES + 1)
+    spans += [(start, min(ENDS, end - start)), (max(start, end - ENDS), min(ENDS, end - start))]
+    spans += [(start + k * step, min(PROBE, end - start - k * step)) for k in range(1, PROBES + 1) if step]
+    for offset, length in spans:
+        if length > 0:
+            for view in files.read(header.path, offset, length):
+                h.update(view)
+    return h.digest()
+
+
+def differ(rows: torch.Tensor) -> str:
+    """Why the ranks' (claim, fingerprint) rows of one file (`[world, 2, 32]`) say different bytes, or ""."""
+    claims, prints = rows[:, 0], rows[:, 1]
+    if not bool((prints == prints[0]).all()):
+        return "their sizes, headers or sampled bytes differ"
+    known = bool(claims.any(dim=1).all())
+    if known and bool((claims[:, :8] == claims[0, :8]).all()) and not bool((claims == claims[0]).all()):
+        return "their digests differ"
+    return ""
+
+
+class Left(TimeoutError):
+    """Ranks said they left the load (`ranks`: first rank -> the steps they took part in: the plan's
+    agreement, then each shared batch) before the step this rank waits in: no answer will come."""
+
+    def __init__(self, ranks: dict[int, int], world: int) -> None:
+        super().__init__()
+        self.ranks, self.world = ranks, world
+        self.waited = 0.0  # seconds this rank waited for them
+
+    def __str__(self) -> str:
+        def after(steps: int) -> str:
+            return "before agreeing on the plan" if steps == 0 else f"after {steps - 1} shared batch(es)"
+
+        said = "; ".join(f"rank {r} of {self.world} left the load {after(k)}" for r, k in sorted(self.ranks.items()))
+        return (
+            f"{said} (its stream was closed before the end, or its iter() failed): this rank stopped waiting "
+            f"for it after {self.waited:.3g} s"
+        )
+
+
+def leave_early(group: ProcessGroup | Fleet | None) -> None:
+    """This rank's iter() failed before it joined a cooperative load (a bad argument, a missing file):
+    tells the others at once, where the group has a store, so that they read its share themselves."""
+    import torch.distributed as dist
+
+    from .fleet import Fleet
+
+    number = next(_LOADS)  # a load all the same: every rank counts them alike
+    store, rank = None, 0
+    with contextlib.suppress(Exception):  # no store (another group, a fleet not yet joined): nothing to tell
+        if isinstance(group, Fleet):
+            store, rank = group.joined_store(), group.rank
+        elif group is None or group == dist.group.WORLD:
+            store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+    if store is not None:
+        _say_left(store, number, rank, 0)
+
+
+def _say_left(store: Any, number: int, rank: int, steps: int) -> None:
+    """Leave word in the group's store that `rank` (of the first group) took part in `steps` steps of
+    load `number` and no more (its value first: whoever sees the count reads it)."""
+    with contextlib.suppress(Exception):  # the store may be gone with rank 0: no one is waiting then
+        store.set(f"streamload/{number}/left/{rank}", str(steps))
+        store.add(f"streamload/{number}/left", 1)
+
+
 class Exchange:
     """The ranks of `group` (None: the default group) loading the same checkpoint together."""
 
@@ -128,13 +263,19 @@ class Exchange:
         self.lost: str = ""  # why no group is used any more: this rank then reads alone
         self._backend: Any = None  # a fleet's gloo group, or the survivors' once one was formed
         self._store: Any = None  # the group's store: where survivors of a lost rank meet
-        self._load = f"{next(_LOADS)}"
+        self._number = next(_LOADS)
+        self._load = f"{self._number}"
+        self._steps = 0  # steps taken part in (the plan's agreement, then each shared batch): alike on all ranks
+        self._total: int | None = None  # steps of the whole load, once planned
+        self._left: dict[int, int] = {}  # first ranks that said they left -> the steps they took part in
+        self._left_seen = 0  # how many had said so when last asked
         self.regrouped = 0  # times a group was formed among survivors
         self._fleet = group if isinstance(group, Fleet) else None
         if isinstance(group, Fleet):  # streamload's own group: gloo, through host slots
             self._store, self._backend = group.join()
             self.group, self._pg = None, self._backend
             self.rank, self.world, self.on_device = group.rank, group.world_size, False
+            self.first_world = self.world
             self.timeout = group.timeout
             self.members: tuple[int, ...] = tuple(range(self.world))  # ranks of the first group in the group now
             self.first_rank = self.rank
@@ -143,7 +284,7 @@ class Exchange:
             raise ValueError("cooperative loading needs an initialised torch.distributed process group")
         self.group = group
         self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self.world = self.first_world = dist.get_world_size(group)
         backend = str(dist.get_backend(group)).lower()
         # On a CUDA device, exchange device memory when the group speaks NCCL; else go through host memory.
         self.on_device = device.type == "cuda" and "nccl" in backend
@@ -173,15 +314,55 @@ class Exchange:
         self._wait(work)
 
     def _wait(self, work: Work) -> None:
-        given_up = self._given_up if self._store is not None and not self.on_device else None
-        wait(work, time.monotonic() + self.timeout.total_seconds() * DEADLINE_SHARE, self._abort, given_up)
+        given_up = self._given_up if self._store is not None else None
+        started = time.monotonic()
+        try:
+            wait(work, started + self.timeout.total_seconds() * DEADLINE_SHARE, self._abort, given_up)
+        except Left as exc:
+            exc.waited = time.monotonic() - started
+            if self.on_device:  # as past the deadline: NCCL would spin on the GPU until its watchdog
+                self._abort(work)
+            raise
+        except TimeoutError as exc:  # the seconds it took (gloo's thread is waited for past the deadline)
+            raise TimeoutError(f"{exc} (waited {time.monotonic() - started:.3g} s)") from None
 
     def _given_up(self) -> bool:
-        """Whether other ranks began to regroup (a rank was lost): this rank's exchange will not finish."""
+        """Whether other ranks began to regroup (a rank was lost): this rank's exchange will not finish.
+        Raises `Left` where a rank said it left the load before this step."""
+        self._check_left()
+        if self.on_device:  # an NCCL group is never regrouped
+            return False
         try:
             return bool(self._store.check([f"{self._regroup_key()}/count"]))
         except Exception:
             return False
+
+    def _check_left(self) -> None:
+        """Raises `Left` where members said they left the load before the step this rank is in."""
+        key = f"streamload/{self._number}/left"
+        try:
+            count = self._store.add(key, 0)
+            if count > self._left_seen:
+                self._left_seen = count
+                for r in self.members:
+                    if r != self.first_rank and r not in self._left and self._store.check([f"{key}/{r}"]):
+                        self._left[r] = int(self._store.get(f"{key}/{r}"))
+        except Exception:
+            return  # no word from the store: the deadline still holds
+        gone = {r: k for r, k in self._left.items() if r in self.members and k <= self._steps}
+        if gone:
+            raise Left(gone, self.first_world)
+
+    def expect(self, shared_batches: int) -> None:
+        """The plan is made: the load is its agreement and `shared_batches` exchanges."""
+        self._total = 1 + shared_batches
+
+    def leave(self) -> None:
+        """Tell the others this rank takes no part in the rest of the load (its stream was closed before
+        the end, or its iter() failed), where it has not taken part in all of it: they stop waiting at once."""
+        if self._store is not None and (self._total is None or self._steps < self._total):
+            _say_left(self._store, self._number, self.first_rank, self._steps)
+            self._total = self._steps  # said once
 
     def _broadcast(self, t: torch.Tensor, root: int) -> None:
         """`t` from rank `root` of the survivors' group to every other (only after a regroup)."""
@@ -242,26 +423,44 @@ class Exchange:
 
     def agree(self, checkpoint: Checkpoint, candidates: Sequence[Item], layout: str) -> set[str]:
         """Blocking, collective: the names among `candidates` (tensors this rank reads whole) that every
-        rank reads whole. First checks that all ranks load the same checkpoint with the same layout."""
+        rank reads whole. First checks that all ranks load the same checkpoint with the same layout, and
+        the same bytes (`_same_files`). A rank that left before agreeing is left out: the others agree
+        among themselves (or, alone, read everything themselves)."""
         names = sorted(checkpoint.tensors)
         digest = hashlib.sha256(layout.encode())
+        for h in checkpoint.files:  # the files (and their count: what `_same_files` exchanges a token of each)
+            digest.update(f"{h.path.name}\0".encode())
         for n in names:
             t = checkpoint.tensors[n]
             digest.update(f"{n}\0{t.path.name}\0{t.dtype.name}\0{t.shape}\0{t.begin}\0{t.end}\0".encode())
-        self._load = f"{self._load}-{digest.hexdigest()[:16]}"  # keys of this load in the group's store
-        mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
+        self._load = f"{self._number}-{digest.hexdigest()[:16]}"  # keys of this load in the group's store
+        while True:
+            try:
+                agreed = self._agree(checkpoint, names, digest.digest(), candidates)
+                break
+            except Left as exc:
+                self._regroup(StreamloadError(f"cooperative loading: agreeing on the plan: {exc}"))
+                if self.lost:  # alone: every tensor this rank reads, it reads whole itself
+                    agreed = {i.name for i in candidates}
+                    break
+        self._steps += 1
+        return agreed
+
+    def _agree(self, checkpoint: Checkpoint, names: list[str], digest: bytes, candidates: Sequence[Item]) -> set[str]:
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
         try:
             digests = self._gather_small(mine)
-            differ = [r for r, d in enumerate(digests) if not torch.equal(d, digests[0])]
+            differ = [self.members[r] for r, d in enumerate(digests) if not torch.equal(d, digests[0])]
             if differ:
                 raise StreamloadError(
                     f"cooperative loading: ranks {differ} load a different checkpoint (or ring layout: "
-                    f"slot size, order) than rank 0; every rank of the group must call iter() alike"
+                    f"slot size, order) than rank {self.members[0]}; every rank of the group must call iter() alike"
                 )
+            self._same_files(checkpoint)
             wanted = {i.name for i in candidates}
             mask = torch.tensor([n in wanted for n in names], dtype=torch.uint8)
             everyone = self._gather_small(mask).min(dim=0).values
-        except StreamloadError:
+        except (StreamloadError, Left):
             raise
         except Exception as exc:
             raise StreamloadError(
@@ -269,6 +468,57 @@ class Exchange:
                 f"other ranks failed (every rank must call iter() with cooperative loading): {exc}"
             ) from exc
         return {n for n, keep in zip(names, everyone.tolist(), strict=True) if keep}
+
+    def _same_files(self, checkpoint: Checkpoint) -> None:
+        """Collective: refuses files that are not the same bytes on every rank (the rules: "Which bytes",
+        above): the plan says which bytes of which file name each rank reads, not which file."""
+        files = sorted(checkpoint.files, key=lambda h: h.path.name)
+        versions = torch.frombuffer(bytearray(b"".join(version(h, checkpoint) for h in files)), dtype=torch.uint8)
+        every = self._gather_small(versions).view(self.world, len(files), -1)
+        unsure = [i for i in range(len(files)) if not bool((every[:, i] == every[0, i]).all())]
+        if not unsure:
+            return  # one file (a shared file system), or one object version, for every rank
+        headers = [files[i] for i in unsure]
+        mine = b"".join(
+            c + f for c, f in zip(known_claims(checkpoint, headers), fingerprints(checkpoint, headers), strict=True)
+        )
+        every = self._gather_small(torch.frombuffer(bytearray(mine), dtype=torch.uint8)).view(
+            self.world, len(unsure), 2, -1
+        )
+        different = {unsure[k]: why for k in range(len(unsure)) if (why := differ(every[:, k]))}
+        if different:
+            raise StreamloadError(self._different(files, different, every, unsure))
+
+    def _different(
+        self, files: list[FileHeader], different: dict[int, str], every: torch.Tensor, unsure: list[int]
+    ) -> str:
+        """Collective: the refusal of files that differ, naming each rank's file."""
+        paths = [text.split("\n") for text in self._gather_text("\n".join(str(files[i].path) for i in different))]
+        said = []
+        for j, (i, why) in enumerate(different.items()):
+            k = unsure.index(i)
+            groups: dict[bytes, list[int]] = {}
+            for r in range(self.world):
+                groups.setdefault(bytes(every[r, k].flatten().tolist()), []).append(r)
+            ranks = "; ".join(
+                f"rank{'s' if len(rs) > 1 else ''} {', '.join(str(self.members[r]) for r in rs)}: "
+                f"{', '.join(sorted({paths[r][j] for r in rs}))}"
+                for rs in groups.values()
+            )
+            said.append(f"{files[i].path.name} ({why}): {ranks}")
+        return (
+            f"cooperative loading: the ranks were given different files (or versions) of the same layout: "
+            f"{' | '.join(said)}; every rank must load the same bytes (identical copies elsewhere are fine), "
+            f"or load without cooperative="
+        )
+
+    def _gather_text(self, text: str) -> list[str]:
+        """Collective: every rank's `text`."""
+        raw = text.encode()
+        longest = int(self._gather_small(torch.tensor([len(raw)], dtype=torch.int64)).max())
+        mine = torch.zeros(max(1, longest), dtype=torch.uint8)
+        mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        return [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in self._gather_small(mine)]
 
     def _gather_small(self, t: torch.Tensor) -> torch.Tensor:
         """All ranks' `t`, stacked (on the device the group exchanges)."""
@@ -282,17 +532,26 @@ class Exchange:
         names = sorted({p.item.name for p in batch.pieces})
         paths = sorted({str(p.item.info.path) for p in batch.pieces})
         shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+        deadline = self.timeout.total_seconds() * DEADLINE_SHARE
+        why = (
+            f"{exc}" if isinstance(exc, Left) else
+            f"a rank failed, stopped early, or did not answer within {deadline:.3g} s ({DEADLINE_SHARE:.0%} of the "
+            f"process group's timeout): {exc}"
+        )  # fmt: skip
         return StreamloadError(
-            f"{', '.join(paths)}: rank {self.rank} of {self.world}: exchanging tensors {shown} with the other "
-            f"ranks failed; a rank failed, stopped early, or did not answer within "
-            f"{self.timeout.total_seconds() * DEADLINE_SHARE:.3g} s ({DEADLINE_SHARE:.0%} of the process "
-            f"group's timeout){'; the process group was aborted' if self.aborted else ''}: {exc}"
+            f"{', '.join(paths)}: rank {self.first_rank} of {self.first_world}: exchanging tensors {shown} with the "
+            f"other ranks failed; {why}{'; the process group was aborted' if self.aborted else ''}"
         )
 
     # -- a lost rank ---------------------------------------------------------------------------------
     def complete(self, batch: Batch, slot: torch.Tensor, then: tuple[int, ...], read: Read) -> torch.Tensor:
         """Blocking: `batch`, of which this rank read its part among the ranks `then`, made whole in a
         buffer that is returned — from the others, or, what they cannot give, from storage (`read`)."""
+        whole = self._complete(batch, slot, then, read)
+        self._steps += 1
+        return whole
+
+    def _complete(self, batch: Batch, slot: torch.Tensor, then: tuple[int, ...], read: Read) -> torch.Tensor:
         if self.regrouped and not self.lost:
             self._agree_on(batch, then)
         if not self.lost and then == self.members:
@@ -360,7 +619,7 @@ class Exchange:
             store = self._store
             store.set(f"{key}/alive/{self.first_rank}", b"1")
             seen, since = store.add(f"{key}/count", 1), time.monotonic()
-            while seen < len(self.members) and time.monotonic() - since < GRACE:
+            while seen < len(self.members) - len(self._gone()) and time.monotonic() - since < GRACE:
                 time.sleep(0.05)
                 now = store.add(f"{key}/count", 0)
                 if now != seen:
@@ -378,13 +637,20 @@ class Exchange:
             return
         lost = sorted(set(self.members) - set(members))
         log.warning(
-            "streamload: %s; ranks %s of the first group are lost: %d ranks go on together, reading what "
-            "the lost ones would have shared from storage, a share each", exc, lost, len(members),
+            "streamload: %s; ranks %s of the first group are lost: %s, reading what the lost ones would have "
+            "shared from storage%s", exc, lost, f"{len(members)} ranks go on together" if len(members) > 1 else
+            "this rank goes on alone", ", a share each" if len(members) > 1 else "",
         )  # fmt: skip
         self.members, self.rank, self.world, self._backend = members, rank, len(members), backend
         self.regrouped += 1
         if self._fleet is not None:  # its group has lost a member: a later load forms it anew
             self._fleet.forget()
+
+    def _gone(self) -> set[int]:
+        """Members that said they left the load before this step (they will not say they are alive)."""
+        with contextlib.suppress(Left):
+            self._check_left()
+        return {r for r, k in self._left.items() if r in self.members and k <= self._steps}
 
     def _regroup_key(self) -> str:
         return f"streamload/{self._load}/{self.regrouped + 1}"
@@ -398,7 +664,9 @@ class Exchange:
     def close(self) -> None:
         """Let go of everything of torch.distributed's it holds (the group, the store, a survivors'
         group): a stream kept after the load (`with iter(...) as stream`, then `stream.stats`) must not
-        keep them alive past the caller's `destroy_process_group`, nor until the interpreter's exit."""
+        keep them alive past the caller's `destroy_process_group`, nor until the interpreter's exit. The
+        others are told where this rank leaves before the end of the load."""
+        self.leave()
         self._buffer = self._stream = None
         self._backend = self._store = self._pg = self.group = None
 

@@ -70,6 +70,13 @@ class Fleet:
         with _LOCK:
             _JOINED.pop(self, None)
 
+    def joined_store(self) -> Any | None:
+        """The fleet's store where this process joined the fleet already (else None: joining is a
+        rendezvous of every member, which a member that failed before its load must not wait for)."""
+        with _LOCK:
+            joined = _JOINED.get(self)
+        return None if joined is None else joined[0]
+
     def join(self) -> tuple[Any, Any]:
         """This process's (store, gloo group) of the fleet: formed on first use (a rendezvous of every
         member, up to `timeout`), then reused."""
