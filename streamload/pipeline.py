@@ -7,13 +7,16 @@ frees its slot. Reads of later batches run on reader threads while the consumer 
 
 There is no event loop and no thread of the pipeline's own: the sync face calls `next_batch` in the
 caller's thread, the async face on a worker thread, so a plain `for` pays for no event loop, no
-portal and no async library import (measured: those were most of a warm CPU load's fixed cost).
+portal and no async library import (measured: those were most of a warm CPU load's fixed cost). Only a
+close on the main thread runs on a short-lived thread, which a Ctrl-C cannot cut short (`_shielded`).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -167,10 +170,16 @@ class Pipeline:
         shared_limits().wake()
 
     def close(self) -> None:
-        """Stop, wait for the reads that have begun, and release every file, slot and buffer (idempotent)."""
+        """Stop, wait for the reads that have begun, and release every file, slot and buffer (idempotent).
+        A Ctrl-C meanwhile does not cut it short (`_shielded`)."""
+        if self._closed and not self._busy.locked():  # released already (not being released now)
+            return
+        _shielded(self._close)
+
+    def _close(self) -> None:
         self.stop()
         with self._busy:
-            self._release()
+            self._release_all()
 
     # -- inside ------------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -260,28 +269,118 @@ class Pipeline:
             ) from exc
 
     def _release(self) -> None:
+        """`_release_all`, from `next_batch` (which holds `_busy`), where a Ctrl-C does not cut it short."""
+        _shielded(self._release_all)
+
+    def _release_all(self) -> None:
         """Everything the pipeline holds goes: reads are waited for, then files, slots and buffers."""
         if self._closed:
             return
         self._closed = True
+        pool = self._pool
         try:
-            if self._pool is not None:
-                self._pool.close()  # every read has returned: nothing writes into a slot or uses a descriptor
+            if pool is not None:
+                pool.close()  # every read has returned: nothing writes into a slot or uses a descriptor
         finally:
-            self._filling.clear()
-            self._free.clear()
-            self._batches = iter(())  # the plan's batches: `into=`'s tensors among them
+            if pool is None or pool.idle:  # else a wait cut short: a read may still write a slot, nothing is freed
+                self._release_held()
+
+    def _release_held(self) -> None:
+        """Files, slots and buffers go (no read runs any more)."""
+        self._filling.clear()
+        self._free.clear()
+        self._batches = iter(())  # the plan's batches: `into=`'s tensors among them
+        try:
+            self.check.close()  # no thread hashes a slot's bytes any more
+            self._hashing.clear()
+            self.reader.close()
+            if self._files is not None:
+                self._files.close()
+        finally:  # whatever failed above, the device gives its slots back (unregistered if dropped)
+            self.stats.staging_bytes = max(self.stats.staging_bytes, self._staging.held)
+            self._staging.give_back()
+            self.device.close()  # after the budget is given back: slots kept for later streams fit in it
+            self._files = self._pool = None
+
+
+def _shielded(work: Callable[[], None]) -> None:
+    """Run `work` to its end whatever Ctrl-C does meanwhile.
+
+    A KeyboardInterrupt is raised only in the main thread, so there `work` runs on a thread of its own and
+    the caller waits for it: an interrupt stops the waiting, never the work halfway (a descriptor closed or a
+    slot handed to the next stream while a read still uses it, the rest never released). The first interrupt
+    is held until the work is done, then raised; a second (or one while an interrupt is already being
+    handled) is raised at once, and the work still finishes, on its thread.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        work()
+        return
+    shield = _Shield(work)
+    held: BaseException | None = None
+    patient = not isinstance(sys.exc_info()[1], KeyboardInterrupt)
+    while True:
+        try:
+            shield.wait()
+            break
+        except KeyboardInterrupt as exc:
+            if held is not None or not patient:
+                shield.abandon(exc)
+            held = exc
+    if held is not None:
+        raise held
+
+
+class _Shield:
+    """`work`, run once on a thread of its own (see `_shielded`)."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self._work = work
+        self._lock = threading.Lock()
+        self._claimed = self._started = self._abandoned = False
+        self._error: BaseException | None = None
+        self._runner: threading.Thread | None = None
+        self._done = threading.Event()
+
+    def wait(self) -> None:
+        """Start the thread (again, if a Ctrl-C came while it was being started: only one runs the work),
+        wait for the work to end and raise its error."""
+        if not self._started:
+            thread = threading.Thread(target=self._run, name="streamload-close", daemon=True)
             try:
-                self.check.close()  # no thread hashes a slot's bytes any more
-                self._hashing.clear()
-                self.reader.close()
-                if self._files is not None:
-                    self._files.close()
-            finally:  # whatever failed above, the device gives its slots back (unregistered if dropped)
-                self.stats.staging_bytes = max(self.stats.staging_bytes, self._staging.held)
-                self._staging.give_back()
-                self.device.close()  # after the budget is given back: slots kept for later streams fit in it
-                self._files = self._pool = None
+                thread.start()
+            except RuntimeError:  # no new thread (the interpreter is exiting, or none can be made)
+                self._run()
+            self._started = True
+        self._done.wait()
+        runner = self._runner
+        if runner is not None and runner is not threading.current_thread():
+            runner.join()  # (a second thread, started after a Ctrl-C in the first's start, ends at once)
+        if self._error is not None:
+            raise self._error
+
+    def abandon(self, interrupt: KeyboardInterrupt) -> None:
+        """Stop waiting: the work ends on its own, and an error of it then goes to the thread's excepthook."""
+        with self._lock:
+            self._abandoned = True
+            error = self._error
+        if error is not None:
+            raise interrupt from error
+        raise interrupt
+
+    def _run(self) -> None:
+        with self._lock:
+            if self._claimed:
+                return
+            self._claimed, self._runner = True, threading.current_thread()
+        try:
+            self._work()
+        except BaseException as exc:
+            with self._lock:
+                self._error, abandoned = exc, self._abandoned
+            if abandoned:
+                raise
+        finally:
+            self._done.set()
 
 
 def _not_read_whole(plan: Plan) -> set[PurePath]:

@@ -102,6 +102,11 @@ class ReaderPool:
             if self._running == 0:
                 self._idle.notify_all()
 
+    @property
+    def idle(self) -> bool:
+        """No request runs: none writes into a slot or uses a descriptor (after `stop`, none starts again)."""
+        return self._running == 0
+
     def stop(self) -> None:
         """Skip every request not yet begun (their batches finish at once, unread)."""
         with self._lock:
