@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 from . import pins
 from .arguments import parse_size
 from .errors import StreamloadError
+from .storage.base import redacted
 
 
 class _Parser(argparse.ArgumentParser):
@@ -235,9 +236,20 @@ def _prefetch(source: str, cache_dir: Path | None, threads: int | None) -> None:
     started = time.perf_counter()
     report = fetch(source, cache_dir, None, threads)
     if not report["ok"]:
-        raise StreamloadError(f"{source}: {report['error']}")
-    where = f" into {cache_dir}" if cache_dir is not None else ""
-    print(f"prefetched {source}{where}: {report['bytes'] / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s")
+        raise StreamloadError(f"{redacted(source)}: {redacted(report['error'])}")
+    where = f"{redacted(source)} into {cache_dir}" if cache_dir is not None else redacted(source)
+    took = time.perf_counter() - started
+    if "cached" not in report:  # local files (into the page cache), or objects read without a cache
+        print(f"prefetched {where}: {report['bytes'] / 1e9:.2f} GB in {took:.1f} s")
+        return
+    # What the cache holds once the fetch has ended, not what was read: a copy another process writes
+    # still, or one that could not be kept, is not there.
+    cached, missing = list(report["cached"]), [redacted(m) for m in report["not_cached"]]
+    print(f"prefetched {where}: {report['cached_bytes'] / 1e9:.2f} GB, {len(cached)} file(s) complete there, "
+          f"in {took:.1f} s")  # fmt: skip
+    if missing:
+        print(f"streamload: read but not kept in {cache_dir} (see the warnings above): {', '.join(missing)}",
+              file=sys.stderr)  # fmt: skip
 
 
 def _vllm_check(args: argparse.Namespace) -> int:
@@ -293,14 +305,14 @@ def _inspect(path: str, as_json: bool) -> None:
     from rich.table import Table
 
     console = Console()
-    files = Table("file", "bytes", "tensors", "digests", title=f"{path}")
+    files = Table("file", "bytes", "tensors", "digests", title=redacted(path))
     for f in summary["files"]:
         files.add_row(Path(f["path"]).name, f"{f['bytes']:,}", str(f["tensors"]), _digest_text(f["digest"]))
     console.print(files)
     unknown = sum(1 for f in summary["files"] if not (f["digest"]["whole_file"] or f["digest"]["per_tensor"]))
     if unknown:
-        console.print(f"no digest known for {_count(unknown, 'file')}: `streamload digest {path}` writes them "
-                      "(loads with verify=True check them)")  # fmt: skip
+        console.print(f"no digest known for {_count(unknown, 'file')}: `streamload digest {redacted(path)}` "
+                      "writes them (loads with verify=True check them)")  # fmt: skip
     kinds = Table("dtype", "tensors", "bytes")
     for d, v in summary["dtypes"].items():
         kinds.add_row(d, str(v["tensors"]), f"{v['bytes']:,}")
@@ -437,8 +449,8 @@ def _bench(args: argparse.Namespace) -> int:
         try:  # before the runs: a checkpoint without digests would fail every verify run alike
             choose(open_checkpoint(args.path), True)
         except StreamloadError as exc:
-            print(f"streamload: error: --verify needs the files' digests: run `streamload digest {args.path}` "
-                  f"first ({exc})", file=sys.stderr)  # fmt: skip
+            print(f"streamload: error: --verify needs the files' digests: run `streamload digest "
+                  f"{redacted(args.path)}` first ({exc})", file=sys.stderr)  # fmt: skip
             return 1
         if loaders is None:
             readers = ("mmap", "posix") if args.device == "cpu" else ("posix",)

@@ -36,9 +36,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import atomic, owned
+from .storage.base import redacted
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from .format import FileHeader
 
 ENV = "STREAMLOAD_FETCH"  # the fetch this process (or the one that started it) began: JSON, see `ahead`
 
@@ -101,7 +107,7 @@ def start(
         line = starter.stdout.readline()
     starter.wait()
     if not line.strip().isdigit():
-        raise RuntimeError(f"the prefetch of {source} did not start (exit status {starter.returncode})")
+        raise RuntimeError(f"the prefetch of {redacted(source)} did not start (exit status {starter.returncode})")
     prefetch = Prefetch(int(line), done)
     atexit.register(prefetch.stop)
     return prefetch
@@ -264,7 +270,7 @@ def install_model_infos(source: str) -> int:
     data = storage_for(source).sidecar(beside(source), MODEL_INFOS)
     if data is None:
         return 0
-    what = f"{MODEL_INFOS} beside {source}"
+    what = f"{MODEL_INFOS} beside {redacted(source)}"
     infos = _model_infos(data, what)
     if not infos:
         return 0
@@ -429,7 +435,8 @@ def _fetch_objects(source: str, cache_dir: Path | None, budget: int | None, thre
 
     checkpoint = open_checkpoint(source, cache_dir)
     if checkpoint.storage.kind == "local":  # every file is in the cache already
-        return {"ok": True, "bytes": 0}
+        cached, size = [str(h.path) for h in checkpoint.files], sum(h.size for h in checkpoint.files)
+        return {"ok": True, "bytes": 0, "cached": cached, "cached_bytes": size, "not_cached": []}
     if budget is None and cache_dir is not None:
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
         budget = shutil.disk_usage(cache_dir).free
@@ -447,7 +454,24 @@ def _fetch_objects(source: str, cache_dir: Path | None, budget: int | None, thre
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         files.close()
-    return {"ok": True, "bytes": got}
+    report: dict[str, object] = {"ok": True, "bytes": got}
+    if cache_dir is not None:
+        report.update(_in_cache(Path(cache_dir), checkpoint.files))
+    return report
+
+
+def _in_cache(cache_dir: Path, headers: Sequence[FileHeader]) -> dict[str, object]:
+    """What the cache holds of the checkpoint, looked at once the fetch has ended: the complete copies
+    (`cached`, their bytes `cached_bytes`), and the objects it holds no complete copy of (`not_cached`:
+    read, but not kept, each warned of: a full disk, a link in the way, a writer still at it)."""
+    from .storage.cache import cache_path, kept
+
+    whole = {h.path for h in kept(cache_dir, headers)}
+    return {
+        "cached": [str(cache_path(cache_dir, h.path)) for h in headers if h.path in whole],
+        "cached_bytes": sum(h.size for h in headers if h.path in whole),
+        "not_cached": [str(h.path) for h in headers if h.path not in whole],
+    }
 
 
 def _fetch_local(source: Path, budget: int | None) -> dict[str, object]:
@@ -559,5 +583,19 @@ def _end_with(pid: int, work: Path | None = None) -> None:
     os._exit(1)
 
 
+def _exit(code: int) -> None:
+    """End the process without the interpreter's finalization, once its report is written. obstore's
+    (tokio) threads may still be returning a request's last result into Python; one that takes the GIL
+    while the interpreter finalizes is ended by `pthread_exit`, which cannot unwind through Rust frames:
+    glibc then aborts the process (SIGABRT, no message; Python < 3.14). `os._exit` ends every thread as is."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

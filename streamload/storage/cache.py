@@ -9,6 +9,9 @@ cache at once:
 - one writer per file: the process that takes the file's lock (`flock`, which the kernel drops when
   the process dies; over NFS it is a byte-range lock the server keeps) writes it; the others read the
   complete copy it leaves, waiting for it while it writes (`Copies.local`), instead of downloading again;
+  where that writer goes without completing it (killed), the first load to find the lock free takes its
+  place: it writes the copy itself from the bytes it reads (a load that writes copies then waits for no
+  other writer: it reads what another live writer holds from the store, so no two loads wait for each other);
 - a writer writes into a file of its own (`<key>.partial.<host>.<pid>.<random>`), never truncating or
   overwriting another's bytes, and renames it to `<key>` only once every byte is on disk, after its
   record: a copy counts as complete only if the record names the object's version and the copy's inode and mtime,
@@ -164,10 +167,16 @@ class Place:
     def suffixes(self, start: str) -> list[str]:
         """The suffixes of the files in the folder named `<name><start>...`."""
         head = self.name + start
-        try:
-            return [n[len(self.name) :] for n in os.listdir(self.folder) if n.startswith(head)]
+        try:  # the folder opened anew: a listing's position is its descriptor's, and threads list at once
+            fd = os.open(".", _FOLDER, dir_fd=self.folder)
         except OSError:
             return []
+        try:
+            return [n[len(self.name) :] for n in os.listdir(fd) if n.startswith(head)]
+        except OSError:
+            return []
+        finally:
+            os.close(fd)
 
     def linked(self) -> Linked | None:
         """A link where the copy, its record or its lock goes, if there is one."""
@@ -267,6 +276,23 @@ def lookup(cache_dir: Path, headers: Sequence[FileHeader]) -> list[Path] | None:
     finally:
         folders.close()
     return [cache_path(cache_dir, h.path) for h in headers]
+
+
+def kept(cache_dir: Path, headers: Sequence[FileHeader]) -> list[FileHeader]:
+    """The files of which the cache holds a complete copy now, at the versions whose headers were read
+    (a link in the way is no copy; a copy still being written is none yet)."""
+    folders = Folders(cache_dir, create=False)
+    whole = []
+    try:
+        for h in headers:
+            try:
+                if complete(folders.place(h.path), h):
+                    whole.append(h)
+            except OSError:
+                continue
+    finally:
+        folders.close()
+    return whole
 
 
 def keep(local: Path, data: bytes, root: Path | None = None) -> None:
@@ -444,11 +470,20 @@ class WriterStalled(Exception):
     """The writer a load waits for has not written for `WRITER_STALL` seconds (stopped, or hung)."""
 
 
-def wait_for_writer(place: Place, header: FileHeader, stopped: threading.Event, locks: bool = True) -> bool:
-    """Wait while another writer holds the lock of the copy at `place`; whether a complete copy is there
-    then (False where the writer failed or was killed: the caller reads the object itself). Polls, so
-    that `stopped` ends the wait at once and a writer in another process or host is seen going. Raises
-    WriterStalled once the writer's partial file has not changed for `WRITER_STALL` seconds."""
+def wait_for_writer(
+    place: Place,
+    header: FileHeader,
+    stopped: threading.Event,
+    locks: bool = True,
+    writing: threading.Event | None = None,
+) -> Claim | None:
+    """Wait while another writer holds the lock of the copy at `place`. Returns the claim where that
+    writer went without completing the copy (killed, or failed): the caller writes the copy in its
+    place, or releases it. Returns None once the copy is complete, or the wait ends without it
+    (`stopped`; `writing` set: the caller became a writer, and a writer waits for no other; the lock
+    cannot be taken at all): the caller opens the copy if it is complete, else reads the object
+    itself. Polls, so that `stopped` ends the wait at once and a writer in another process or host is
+    seen going. Raises WriterStalled once the writer's partial file has not changed for `WRITER_STALL` seconds."""
     start = changed = time.monotonic()
     seen = _progress(place)
     noticed = False
@@ -457,12 +492,16 @@ def wait_for_writer(place: Place, header: FileHeader, stopped: threading.Event, 
         try:
             claim = Claim.take(place, locks)
         except OSError:  # whether a writer is there cannot be told: the object is read from the store
-            return complete(place, header)
+            return None
         if claim is not None:  # no writer now: the copy is complete, or its writer went without one
-            claim.release()
-            return complete(place, header)
+            if complete(place, header):
+                claim.release()
+                return None
+            return claim
+        if writing is not None and writing.is_set():
+            return None
         if stopped.wait(pause):
-            return False
+            return None
         pause = min(0.25, pause * 2)
         now, progress = time.monotonic(), _progress(place)
         if progress != seen:
@@ -472,7 +511,7 @@ def wait_for_writer(place: Place, header: FileHeader, stopped: threading.Event, 
         if not noticed and now - start > _NOTICE_AFTER:
             noticed = True
             log.info("streamload: %s: waiting for its writer (%s) to complete it", place.path, _writers(place))
-    return True
+    return None
 
 
 def _progress(place: Place) -> list[tuple[str, int, int]]:
@@ -594,6 +633,7 @@ class Copies:
         self._warned: set[type] = set()  # the kinds of warning this load gave (one of each)
         self._warned_lock = threading.Lock()
         self._stalled = False  # a writer it waited for stalled: it waits for none any more
+        self._writing = threading.Event()  # it writes a copy another writer left: it waits for none any more
         self._locks = shared_locks(cache_dir)
         skip = set(partly)
         try:
@@ -638,23 +678,39 @@ class Copies:
         awaited = self._awaited.get(path)
         if fd is not None or awaited is None:
             return fd
-        with awaited.lock:
+        with awaited.lock:  # held until settled: no byte of the object is read before (its copy may be ours)
             if not awaited.done:
                 awaited.done = True
-                if self._waited(path, awaited.place):
-                    self._open(path, awaited.place)
+                self._settle(path, awaited.place)
             return self._fds.get(path)
 
-    def _waited(self, path: PurePath, place: Place) -> bool:
-        """Whether the copy another writer writes is complete, once it is (at once if a writer stalled)."""
-        if self._stalled:
-            return complete(place, self._headers[path])
+    def _settle(self, path: PurePath, place: Place) -> None:
+        """The copy another writer writes, opened once complete (at once, complete or not, where a writer
+        stalled); or, where that writer went without completing it, written by this load (`_take_over`)."""
+        claim = None
+        if not self._stalled:
+            try:
+                claim = wait_for_writer(place, self._headers[path], self.stopped, self._locks, self._writing)
+            except WriterStalled as exc:
+                self._stalled = True
+                self._warn(WriterStalled, "streamload: %s; this load reads the objects it lacks from the store", exc)
+        if claim is not None:
+            self._take_over(path, claim)
+        else:
+            self._open(path, place)
+
+    def _take_over(self, path: PurePath, claim: Claim) -> None:
+        """The copy whose writer went without completing it, written by this load from the bytes it
+        reads (none of the object's bytes has been read yet: `local` holds them back until now); the
+        dead writer's partial file is removed (`CacheWriter`). From now on this load waits for no
+        other writer (one could be waiting for it)."""
+        self._writing.set()
         try:
-            return wait_for_writer(place, self._headers[path], self.stopped, self._locks)
-        except WriterStalled as exc:
-            self._stalled = True
-            self._warn(WriterStalled, "streamload: %s; this load reads the objects it lacks from the store", exc)
-            return False
+            self._writers[path] = CacheWriter(claim, self._headers[path])
+        except OSError as exc:  # released its claim
+            self._not_kept(claim.final, exc)
+            return
+        log.info("streamload: %s: its writer went without completing it; this load writes it", claim.final)
 
     def write(self, path: PurePath, offset: int, data: memoryview) -> None:
         writer = self._writers.get(path)
@@ -681,7 +737,7 @@ class Copies:
     def close(self) -> None:
         """Every writer closed, then every descriptor (after every read has returned: `ObjectFiles.close`)."""
         self.stopped.set()
-        for writer in self._writers.values():
+        for writer in list(self._writers.values()):
             writer.close()
         for fd in self._fds.values():
             os.close(fd)
