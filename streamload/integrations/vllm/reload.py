@@ -4,22 +4,32 @@
 vLLM's in-place reload (`reload_weights(weights_path=...)`, the weight-transfer engine's updates)
 empties each layer onto meta, and fills and processes it as its weights arrive, in place. A stream
 that fails mid-way (a damaged byte caught by `verify`, a shard gone or cut short, a store refusing)
-would leave the layers already filled with the new weights and the others on meta: a dead engine.
-So the reload's feed ends, on every rank, with a vote (`ranks.Ranks.decide`: one all-reduce on vLLM's
-CPU world group: every pipeline stage and every tensor, expert and data parallel rank, since a stage
-that kept new weights while another put old ones back would serve a mix); where any rank failed,
-every rank puts its layers back (vLLM's own finalisation), reads the weights it served before over
-them if anything had arrived (only from the very files read then: restore.py), and raises the error.
+would leave the layers already filled with the new weights and the others on meta: a dead engine; so
+would a model whose `load_weights` raises mid-way (a weight loader refusing a tensor of another shape),
+its peers waiting in the vote until the group's timeout. So the reload's feed ends, on every rank and
+every way out of it (its end, its error, its close when its consumer raised), with a vote
+(`ranks.Ranks.decide`: one all-reduce on vLLM's CPU world group: every pipeline stage and every
+tensor, expert and data parallel rank, since a stage that kept new weights while another put old ones
+back would serve a mix); where any rank failed, every rank puts its layers back (vLLM's own
+finalisation), reads the weights it served before over them if anything had arrived (only from the
+very files read then: restore.py), and raises the error.
 Every parameter keeps its storage, so the engine serves the previous weights at the same addresses.
 
-The error is raised by the engine's last rank only, naming every rank's reason (the others log
-it and return, their weights restored): vLLM's executor reads the workers' replies to a call in rank
-order and stops at the first failure, leaving the later replies queued as the answers to the next
+The stream's error is raised by the engine's last rank only, naming every rank's reason (the others
+log it and return, their weights restored): vLLM's executor reads the workers' replies to a call in
+rank order and stops at the first failure, leaving the later replies queued as the answers to the next
 call (vLLM 0.32, `MultiprocExecutor.collective_rpc`), so a failure raised by every rank, or by a
 rank before the last, would make the engine's next call fail with a stale error. A rank whose vote
 was lost (a peer died or hung: ranks.py) asks its peers nothing more: it puts its layers back, reads
 the previous weights over them, and raises (every such rank: the engine has lost a worker, so the
 rank-order reasoning above no longer holds).
+
+A rank whose model raised learns it only when the stream is closed: vLLM's `reload_weights` lets go
+of it with the error (a worker, once it has sent the error back and before it takes the next call;
+the weight-transfer engine closes it itself: sync.py). That rank votes "failed" from the close, every
+rank restores, and the model's own error is the one raised, by that rank, once: no rank raises
+streamload's over it (the others log what happened). Where that rank is not the last, vLLM's executor
+stops at its reply and leaves the later ranks' replies queued (above): nothing a loader can change.
 """
 
 from __future__ import annotations
@@ -48,32 +58,70 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.streamload")
 
 
+# A rank whose model's `load_weights` raised (or stopped reading) votes this reason: the model's error is
+# raised by that rank, once, so no rank raises streamload's own over it.
+STOPPED = "its model's load_weights raised (its own error, raised by that rank) or stopped reading"
+
+
 def guarded(
     loader: StreamloadModelLoader, model_config: ModelConfig, model: nn.Module
 ) -> Generator[tuple[str, torch.Tensor]]:
-    """The reload's stream (`stream`), then the vote of every rank; where any failed, this rank's
-    previous weights put back and the error raised (by the last rank, or every rank that lost the vote)."""
+    """The reload's stream (`stream`), then the vote of every rank, on every way out: the stream's end,
+    its error, or the stream closed early (its consumer, the model's `load_weights`, raised: vLLM's
+    `reload_weights` lets go of the stream with the error, which closes it). Where any rank failed,
+    this rank's previous weights are put back and the error raised (module docstring: by which rank)."""
     world = tp_rank_world()[1]
     failure: Exception | None = None
+    stopped = False
     touched = False
+    weights = stream(loader, model_config, model, world, bool(loader.options.get("cooperative")))
     try:  # vLLM's reload has emptied the layers: from here every rank votes, whatever happens
-        for pair in stream(loader, model_config, model, world, bool(loader.options.get("cooperative"))):
+        for pair in weights:
             touched = True
             yield pair
     except Exception as exc:  # the stream's error (or the headers')
         failure = exc
+    except GeneratorExit:  # closed early: nothing more is yielded, but this rank still votes and restores
+        stopped = True
+    finally:
+        failure = _closed(weights, failure)
+    _decide(loader, model_config, model, failure, stopped, touched)
+
+
+def _closed(weights: Generator[tuple[str, torch.Tensor]], failure: Exception | None) -> Exception | None:
+    """The stream closed (its threads and slots let go of before anything reads again); `failure`, or
+    the close's own error where there was none (it must not skip the vote)."""
+    try:
+        weights.close()
+    except Exception as exc:
+        return failure or exc
+    return failure
+
+
+def _decide(
+    loader: StreamloadModelLoader,
+    model_config: ModelConfig,
+    model: nn.Module,
+    failure: Exception | None,
+    stopped: bool,
+    touched: bool,
+) -> None:
+    """The vote (one collective, on every rank), and where any rank failed, this rank's previous weights
+    put back and the error raised or logged. Never yields: it may run in the stream's close."""
     ranks = Ranks.of_engine()
-    decided = ranks.decide(None if failure is None else str(failure), touched)  # never raises
+    why_mine = STOPPED if stopped else None if failure is None else str(failure)
+    decided = ranks.decide(why_mine, touched)  # never raises
     if decided.ok:
         restore.SERVED[model] = loader._served(model_config, loader._reloaded)
         return
     previous = restore.SERVED.get(model)
-    why = failure or StreamloadError(decided.lost or "another rank of the engine failed")
+    why = failure or StreamloadError(decided.lost or (STOPPED if stopped else "another rank of the engine failed"))
     wanted = getattr(loader, "_where", None) or model_config.model
     _restore(loader, previous, decided.touched, model_config, model, f"reloading from {wanted} failed ({why})")
     served = previous.where if previous is not None else "the weights it had"
     message = f"reloading from {wanted} failed; serving {served} again: {_because(ranks, decided, why)}"
-    if not ranks.last and not decided.lost:  # the last rank raises it (the module's docstring: why only one)
+    model_raised = STOPPED in decided.reasons  # that rank raises the model's own error: none other is raised
+    if stopped or ((not ranks.last or model_raised) and not decided.lost):
         log.error("streamload: %s", message)
         return
     raise StreamloadError(message) from why
