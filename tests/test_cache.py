@@ -40,8 +40,11 @@ DEADLINE = 60.0
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two shards of 2 MB (each layer's tensors in one shard), served from `store/model/`."""
-    root = tmp_path_factory.mktemp("store")
+    return two_shards(tmp_path_factory.mktemp("store"))
+
+
+def two_shards(root: Path) -> Path:
+    """Two shards of 2 MB (each layer's tensors in one shard) in `root/model/`, to be served from `root`."""
     model = root / "model"
     model.mkdir()
     index: dict[str, str] = {}

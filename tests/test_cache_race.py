@@ -20,11 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from .conftest import random_tensor
 from .servers import RangeServer
+from .test_cache import two_shards
 
 pytest.importorskip("obstore")
 RATE = 2 << 20  # bytes a second per connection: a fetch of the checkpoint takes about a second
@@ -33,26 +31,6 @@ RUNS = int(os.environ.get("STREAMLOAD_RACE_RUNS", "9"))
 # Where the writer is killed: as soon as its partial files are there, once 10% or 80% of the bytes have
 # left the store, or once its first copy is complete.
 POINTS = ("start", "10%", "first-copy", "80%")
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two shards of 2 MB, served from `store/model/`."""
-    root = tmp_path_factory.mktemp("store")
-    model = root / "model"
-    model.mkdir()
-    index: dict[str, str] = {}
-    for shard in (1, 2):
-        name = f"model-0000{shard}-of-00002.safetensors"
-        tensors = {
-            f"model.layers.{layer}.{w}": random_tensor(torch.bfloat16, (256, 1024), seed=10 * layer + k)
-            for layer in range(4 * (shard - 1), 4 * shard)
-            for k, w in enumerate(("up.weight", "down.weight"))
-        }
-        save_file(tensors, model / name)
-        index.update(dict.fromkeys(tensors, name))
-    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    return root
 
 
 class Store(RangeServer):
@@ -68,6 +46,11 @@ class Store(RangeServer):
             super()._send(out, data[at : at + step])
             with self._lock:
                 self.out += min(step, len(data) - at)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return two_shards(tmp_path_factory.mktemp("store"))
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 import streamload
 
 from .conftest import same_bits
+from .test_stress import Watch
 
 pytestmark = pytest.mark.anyio
 MiB = 1 << 20
@@ -124,29 +125,6 @@ async def test_two_async_streams_interleaved_in_one_task_finish(files: list[Path
                 assert usage.staging_over == SLOT  # `b`'s first slot, beyond the cap `a` holds all of
     assert equal_to_files(got[0], files[0]) and equal_to_files(got[1], files[1])
     assert streamload.usage().staging_bytes == streamload.usage().staging_over == 0
-
-
-class Watch:
-    """Samples the staging held, and the most held beyond the cap, while loads run."""
-
-    def __init__(self) -> None:
-        self.staging = self.over = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.0005):
-            usage = streamload.usage()
-            self.staging = max(self.staging, usage.staging_bytes)
-            self.over = max(self.over, usage.staging_over)
-
-    def __enter__(self) -> Watch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def wait_for(what: Callable[[], bool]) -> None:

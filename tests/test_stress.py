@@ -124,10 +124,10 @@ def tight_limits() -> Iterator[streamload.Usage]:
 
 
 class Watch:
-    """Samples the reader threads alive and the staging held while loads run."""
+    """Samples the reader threads alive, the staging held and the most held beyond the cap while loads run."""
 
     def __init__(self) -> None:
-        self.threads = self.staging = 0
+        self.threads = self.staging = self.over = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run)
 
@@ -135,7 +135,9 @@ class Watch:
         while not self._stop.wait(0.0005):
             readers = sum(t.name.startswith("streamload-read") for t in threading.enumerate())
             self.threads = max(self.threads, readers)
-            self.staging = max(self.staging, streamload.usage().staging_bytes)
+            usage = streamload.usage()
+            self.staging = max(self.staging, usage.staging_bytes)
+            self.over = max(self.over, usage.staging_over)
 
     def __enter__(self) -> Watch:
         self._thread.start()

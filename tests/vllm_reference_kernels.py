@@ -2,8 +2,9 @@
 
 - FP8 linear layers with block scales (DeepSeek-V3's, Qwen3-FP8's layout), where vLLM on this CPU finds
   no kernel ("Failed to find a kernel that can implement the ScaledMM linear layer");
-- 4-bit linear layers (compressed-tensors W4A16 symmetric, GPTQ, AWQ), whose kernel vLLM chooses here
-  but whose op this build lacks (`torch.ops._C.cpu_gemm_wna16`): the engine builds, its forward fails;
+- 4-bit linear layers (compressed-tensors W4A16 symmetric, GPTQ, AWQ), whose CPU kernel vLLM chooses
+  but whose op (`torch.ops._C.cpu_gemm_wna16`) some builds lack and others run only for some dtypes
+  on some CPUs: the engine builds, its forward fails; the reference replaces it on every machine;
 - mixtures of experts in compressed-tensors W4A16 ("No WNA16 MoE backend supports the deployment
   configuration"), FP8 with block scales (vLLM's oracle leaves `Fp8MoeBackend.NONE`, to an out-of-tree
   plugin, and then fails converting the weights for it) and gpt-oss's MXFP4 ("No MXFP4 MoE backend ...").
@@ -229,12 +230,14 @@ def install_moe() -> None:
 def install() -> None:
     """vLLM's FP8 linear layers with block scales get `BlockFp8Reference` (offered as vLLM's own
     `force_kernel`; other FP8 layers choose as before); 4-bit linear layers (compressed-tensors W4A16, GPTQ,
-    AWQ), `PackedInt4Reference` where this build lacks the op of the kernel vLLM chose; MoE layers without
-    a kernel, `reference_moe` (`install_moe`). In the engines' process only (and their forked ranks:
+    AWQ), `PackedInt4Reference` where vLLM chose its CPU kernel; MoE layers without
+    a kernel, `reference_moe` (`install_moe`); every kernel chosen as on a CPU without AMX (`without_amx`). In the
+    engines' process only (and their forked ranks:
     tests/vllm_engines.py's `_worker`)."""
     from vllm.model_executor.layers.quantization import auto_awq, auto_gptq, fp8
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import compressed_tensors_wNa16 as wna16
 
+    without_amx()
     install_moe()
     for module in (wna16, auto_gptq, auto_awq):  # each imported the chooser under its own name
         if getattr(module.choose_mp_linear_kernel, "reference", False):
@@ -251,13 +254,25 @@ def install() -> None:
     fp8.init_fp8_linear_kernel = init_fp8_linear_kernel
 
 
+def without_amx() -> None:
+    """vLLM's kernels chosen as on a CPU without AMX tiles, whatever this one has: where it has them, vLLM
+    picks AMX kernels that run bfloat16 activations and DeepSeek's own sizes only (W8A8 int8's
+    `int8_scaled_mm_with_quant`: "expect A to be bfloat16 or half"; MLA attention: "invalid weight
+    input features 16"), and the test engines run float32 models of their own sizes. vLLM asks torch at
+    each choice (`torch.cpu._is_amx_tile_supported()`), so answering no here reaches every one."""
+    torch.cpu._is_amx_tile_supported = lambda: False  # type: ignore[attr-defined]
+    torch.cpu._is_amx_fp16_supported = lambda: False  # type: ignore[attr-defined]
+
+
 def _int4_reference(choose: Any) -> Any:
-    """vLLM's kernel chooser, with `PackedInt4Reference` where it chose a kernel whose op this build lacks
-    for a 4-bit layer: symmetric (`uint4b8`) or with zero points (`uint4`, AWQ's)."""
+    """vLLM's kernel chooser, with `PackedInt4Reference` where it chose its CPU kernel for a 4-bit layer:
+    symmetric (`uint4b8`) or with zero points (`uint4`, AWQ's)."""
 
     def choose_mp_linear_kernel(config: Any, *args: Any, **kwargs: Any) -> Any:
         kernel = choose(config, *args, **kwargs)
-        built_without = kernel.__name__ == "CPUWNA16LinearKernel" and not hasattr(torch.ops._C, "cpu_gemm_wna16")
+        # vLLM's CPU kernel: its op is missing from some builds, and where present runs only some dtypes on
+        # some CPUs ("cpu_gemm_wna16" not implemented for 'Float' on AVX512): the reference on every machine
+        built_without = kernel.__name__ == "CPUWNA16LinearKernel"
         four_bits = str(config.weight_type) == "uint4b8" and not config.zero_points
         four_bits = four_bits or (str(config.weight_type) == "uint4" and config.zero_points)
         return PackedInt4Reference if built_without and four_bits else kernel
