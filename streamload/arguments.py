@@ -81,8 +81,11 @@ def source(value: object) -> None:
     """A path, URL or list of them (a `Checkpoint` is taken before its arguments are checked)."""
     if isinstance(value, (str, os.PathLike)):
         return
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (str, os.PathLike)) for v in value):
-        return
+    if isinstance(value, (list, tuple)) and value:
+        bad = next((i for i, v in enumerate(value) if not isinstance(v, (str, os.PathLike))), None)
+        if bad is None:
+            return
+        raise TypeError(f"source[{bad}] must be a path or a URL, not {_kind(value[bad])}")
     raise TypeError(
         f"source must be a path, a URL, a non-empty list of them, or a Checkpoint from inspect(), not {_kind(value)}"
     )

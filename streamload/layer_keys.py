@@ -27,7 +27,10 @@ def layer_of(name: str) -> Layer | None:
     >>> layer_of("lm_head.weight") is None
     True
     """
-    m = _LAYER.match(name)
+    try:
+        m = _LAYER.match(name)
+    except TypeError:  # (a try costs nothing where the name is text: this runs for every tensor)
+        raise TypeError(f"layer_of: name must be a tensor name (text), not {type(name).__name__} {name!r}") from None
     if m is None:
         return None
     return Layer(f"{m['prefix']}.{m['index']}", int(m["index"]))

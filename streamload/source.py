@@ -4,6 +4,7 @@ the storage's business (storage/)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePath
@@ -63,6 +64,8 @@ def open_checkpoint(source: Source | Checkpoint, cache_dir: PathLike | None = No
                 raise SourceError(f"tensor {t.name!r} appears in both {tensors[t.name].path} and {h.path}")
             tensors[t.name] = t
     if listing.weight_map is not None:
+        if not listing.weight_map:  # as include= that selects nothing: said, not an empty state dict in silence
+            warnings.warn(f"streamload: {listing.index}: its weight_map is empty: no tensor to load", stacklevel=3)
         for name, shard in listing.weight_map.items():
             where = tensors.get(name)
             if where is None or where.path.name != shard:

@@ -228,6 +228,9 @@ def pytest_configure(config: pytest.Config) -> None:
     environment.setdefault("PYTEST_DEBUG_TEMPROOT", os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir())
     for name in ("vllm", "vllm-config", "huggingface", "cache", "tmp"):
         (folder / name).mkdir()
+    # passable by every user (not listable), as /tmp is: tests that drop to `nobody` reach their own folders
+    for path in (folder, folder / "tmp"):
+        path.chmod(0o711)
     SUITE["folder"], SUITE["saved"] = folder, {name: os.environ.get(name) for name in environment}
     os.environ.update(environment)
     tempfile.tempdir = None  # read again from TMPDIR

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
-from ..errors import HeaderError, MissingFileError, ReadError, SourceError
+from ..errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError
 from ..format import FIRST_READ, FileHeader, header_from
 from .base import INDEX_NAME, Digest, Listing, Partly, Source, file_list, is_hex, parse_index
 
@@ -24,20 +24,12 @@ class LocalStorage:
 
     def locate(self, source: Source) -> Listing:
         if isinstance(source, (str, os.PathLike)):
-            path = Path(source)
-            if path.is_dir():
-                index = path / INDEX_NAME
-                if index.is_file():
-                    return _from_index(index)
-                found = sorted(path.glob("*.safetensors"))
-                if not found:
-                    raise SourceError(f"{path}: directory holds no *.safetensors file")
-                return Listing(list(found))
-            if path.name.endswith(".index.json") and path.is_file():
-                return _from_index(path)
-            if not path.exists():
-                raise MissingFileError(f"{path}: no such file or directory")
-            return Listing([path])
+            try:
+                return _located(Path(source))
+            except StreamloadError:
+                raise
+            except OSError as exc:  # a folder this user may not list or enter: pathlib's bare PermissionError
+                raise SourceError(f"{source}: cannot list or read: {exc.strerror or exc}") from exc
         return file_list([Path(p) for p in source])
 
     def header(self, path: PurePath) -> FileHeader:
@@ -72,6 +64,24 @@ class LocalStorage:
             return None
         except OSError as exc:
             raise SourceError(f"{Path(near).parent / name}: cannot read: {exc.strerror or exc}") from None
+
+
+def _located(path: Path) -> Listing:
+    """The files of a local file, folder (its index when present) or index."""
+    if path.is_dir():
+        index = path / INDEX_NAME
+        if index.is_file():
+            return _from_index(index)
+        with os.scandir(path) as entries:  # raises where it cannot list (pathlib's glob would find nothing)
+            found = sorted(path / e.name for e in entries if e.name.endswith(".safetensors"))
+        if not found:
+            raise SourceError(f"{path}: directory holds no *.safetensors file")
+        return Listing(found)
+    if path.name.endswith(".index.json") and path.is_file():
+        return _from_index(path)
+    if not path.exists():
+        raise MissingFileError(f"{path}: no such file or directory")
+    return Listing([path])
 
 
 def _from_index(index: Path) -> Listing:

@@ -27,7 +27,9 @@ with its header, and every later range is asked for with it and checked against 
 A 206 whose Content-Range is not the range asked for is a server (or a cache in front of it) that
 misbehaves: refused at once, naming it, not retried. Timeouts, resets, 5xx and throttling are retried
 with backoff a bounded number of times (`STREAMLOAD_RETRIES`, default 4; `STREAMLOAD_TIMEOUT`, seconds
-per request, default 30).
+per request, default 30). A request that runs out its time is not a refused connection (both read "error
+sending request"), and once no request to a store has been answered for the timeout x attempts, all of them
+fail (`Silence`): requests queued behind the connection cap do not each wait their own attempts in turn.
 
 Credentials in an HTTP(S) URL (`https://user:password@host/...`) are sent as Basic authorization and
 kept in the client only: the storage's paths, hence every message, log line, record and cache folder
@@ -140,6 +142,7 @@ class ObjectStorage:
         self.cache_dir = cache_dir
         self.retries = int(os.environ.get("STREAMLOAD_RETRIES", "4"))
         self.pace = pace_of(root)
+        self.silence = Silence(_timeout(), self.retries + 1)  # shared by every request: one verdict per store
 
     # -- listing and headers ------------------------------------------------------------------------
     def locate(self, source: Source) -> Listing:
@@ -299,34 +302,100 @@ class ObjectStorage:
         last: BaseException | None = None
         timed_out = 0  # attempts that ran out the timeout: a server that accepts and never answers says nothing
         attempt = 0
+        first = time.monotonic()
+        silence = self.silence
         while attempt <= self.retries:
             if stopped is not None and stopped.is_set():
                 raise ReadError(_closed(path))
+            silence.check(path, span)  # the store has been silent for the whole budget: no request waits longer
             ticket = await self.pace.acquire(measured)
+            silence.check(path, span, release=self.pace.release)
             began = time.monotonic()
             try:
-                return await request(ticket)
+                result = await request(ticket)
+                silence.heard()
+                return result
             except Exception as exc:
                 if not _transient(exc):
                     raise _named(exc, path, span) from exc
                 last = exc
-                if _connection_refused(exc) and self.pace.refused(ticket):
-                    attempt -= 1  # fewer connections now: this one is tried again at no cost
-                elif time.monotonic() - began >= 0.9 * _timeout():
+                if time.monotonic() - began >= 0.9 * _timeout():  # first: a timeout reads "error sending request" too
                     timed_out += 1
+                    silence.timed_out(began)
                     if attempt < self.retries:  # minutes may pass in silence otherwise
+                        silence.check(path, span, exc=exc)  # unless the store has said nothing for all of them
                         log.warning("streamload: %s: %s got no answer within %g s; trying again (attempt %d of %d)",
                                     path, _what(span), _timeout(), attempt + 2, self.retries + 1)  # fmt: skip
+                elif _connection_refused(exc) and self.pace.refused(ticket):
+                    attempt -= 1  # fewer connections now: this one is tried again at no cost
+                else:
+                    silence.heard()  # an answer (503, a reset mid-body): the server is there
             finally:
                 self.pace.release()
             attempt += 1
             await asyncio.sleep(min(2.0, 0.05 * 2 ** max(0, attempt - 1)) * (0.5 + random.random()))  # nosec B311 # jitter
+        waited = time.monotonic() - first
         if timed_out:
             raise ReadError(
                 f"{path}: {_what(span)} got no answer within {_timeout():g} s in {timed_out} of {self.retries + 1} "
-                f"attempts (STREAMLOAD_TIMEOUT, STREAMLOAD_RETRIES): {_short(last)}"
+                f"attempts ({waited:.1f} s in all; STREAMLOAD_TIMEOUT, STREAMLOAD_RETRIES): {_short(last)}"
             ) from last
-        raise ReadError(f"{path}: {_what(span)} failed after {self.retries + 1} attempts: {_short(last)}") from last
+        raise ReadError(
+            f"{path}: {_what(span)} failed after {self.retries + 1} attempts ({waited:.1f} s in all): {_short(last)}"
+        ) from last
+
+
+class Silence:
+    """How long a store has answered none of the requests made to it. Each request has `attempts` of
+    `timeout` seconds, but many requests wait on one store, behind its connection cap: retried each on
+    its own, they would time out one after another, for `timeout` x `attempts` x (requests / connections)
+    in all. Once no request has been answered for the whole `timeout` x `attempts` (a server that accepts
+    and then stalls), every request of the store fails, naming how long it waited: a load's wait on an
+    unanswering server is bounded as one request's is. Any answer starts the count again. Used on the
+    requests' loop thread only."""
+
+    def __init__(self, timeout: float, attempts: int) -> None:
+        self.timeout, self.attempts = timeout, attempts
+        self.since: float | None = None  # when the first request not answered since the last answer began
+        self.last_timeout = 0.0  # when a request last ran out its time
+        self.heard_at = 0.0
+        self.count = 0  # requests that ran out their time since `since`
+        self.verdict: str | None = None
+
+    def heard(self) -> None:
+        self.since, self.count, self.verdict, self.heard_at = None, 0, None, time.monotonic()
+
+    def timed_out(self, began: float) -> None:
+        """A request that began at `began` ran out its time; past the budget, the store's verdict."""
+        now = self.last_timeout = time.monotonic()
+        if self.since is None:
+            self.since = max(began, self.heard_at)
+        self.count += 1
+        silent = now - self.since
+        if self.verdict is None and silent >= 0.9 * self.timeout * self.attempts:
+            self.verdict = (
+                f"the server answered none of {self.count} requests for {silent:.1f} s in all (each "
+                f"{self.timeout:g} s, {self.attempts} attempts: STREAMLOAD_TIMEOUT, STREAMLOAD_RETRIES)"
+            )
+
+    def check(
+        self,
+        path: PurePath,
+        span: tuple[int, int] | None,
+        release: Callable[[], None] | None = None,
+        exc: BaseException | None = None,
+    ) -> None:
+        """Raise the verdict, while it stands (a request ran out its time within the last `timeout`: the
+        server still says nothing; a later load on the same storage tries again). `release`: the
+        connection this request holds, handed back first."""
+        if self.verdict is None:
+            return
+        if time.monotonic() - self.last_timeout > self.timeout:  # stale: nothing has been asked since
+            self.since, self.count, self.verdict = None, 0, None
+            return
+        if release is not None:
+            release()
+        raise ReadError(f"{path}: {_what(span)}: {self.verdict}" + (f": {_short(exc)}" if exc else ""))
 
 
 class ObjectFiles:

@@ -25,7 +25,7 @@ def install() -> None:
             extra = check_options(config.model_loader_extra_config)
             fetches = not isinstance(extra.get("prefetch"), dict) and ahead.starts_engine(self)
             if fetches and (started := ahead.start_fetch(str(self.model), extra)):
-                config.model_loader_extra_config = {**config.model_loader_extra_config, "prefetch": started}
+                config.model_loader_extra_config = {**(config.model_loader_extra_config or {}), "prefetch": started}
         return config
 
     create_load_config.checks_streamload = True  # type: ignore[attr-defined]

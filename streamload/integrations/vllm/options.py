@@ -31,7 +31,10 @@ STREAM = tuple(options.CONFIG)  # handed to iter as they are
 
 
 def check_options(extra: Any) -> dict[str, Any]:
-    """`model_loader_extra_config`, checked: known keys with values of the right type."""
+    """`model_loader_extra_config`, checked: known keys with values of the right type. None (vLLM's own
+    default, which its loaders take) is no options."""
+    if extra is None:
+        extra = {}
     if not isinstance(extra, dict):
         raise ValueError(
             f"model_loader_extra_config for load format {FORMAT!r} must be a dict, not {type(extra).__name__}"

@@ -32,6 +32,7 @@ import os
 import platform
 import sys
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -78,16 +79,32 @@ def publish(checkpoint: str | os.PathLike[str], root: str | os.PathLike[str] | N
         raise FileNotFoundError(f"{source / CACHE}: no compiled artifacts to publish (run the engine once, compiled)")
     key = node_key()
     folder = Path(checkpoint) / FOLDER
+    made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"{key_name(key)}.tar"
     members = [(source / CACHE / name, f"{CACHE}/{name}") for name in packed(source, checkpoint)]
-    atomic.write(target, lambda f: _tar(f, members), sync=True)
-    if (source / "modelinfos").is_dir():  # vLLM's model inspections: installed by the fetch started first
-        _pack_model_infos(source / "modelinfos", Path(checkpoint) / MODEL_INFOS, _architectures(Path(checkpoint)))
-    index = _read_index(folder / INDEX)
-    index[key_name(key)] = key
-    atomic.write(folder / INDEX, json.dumps(index, indent=1, sort_keys=True).encode())
+    try:
+        _written(target, lambda f: _tar(f, members), sync=True)
+        if (source / "modelinfos").is_dir():  # vLLM's model inspections: installed by the fetch started first
+            _pack_model_infos(source / "modelinfos", Path(checkpoint) / MODEL_INFOS, _architectures(Path(checkpoint)))
+        index = _read_index(folder / INDEX)
+        index[key_name(key)] = key
+        _written(folder / INDEX, json.dumps(index, indent=1, sort_keys=True).encode())
+    except BaseException:
+        if made and not any(folder.iterdir()):  # a failed publish leaves no empty folder of its own behind
+            folder.rmdir()
+        raise
     return target
+
+
+def _written(target: Path, data: bytes | Callable[[BinaryIO], object], sync: bool = False) -> None:
+    """`atomic.write`, its failure (a full disk: `[Errno 28]`, with no file name) naming `target`."""
+    try:
+        atomic.write(target, data, sync=sync)
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, f"{exc.strerror or exc} (publishing compiled artifacts)", str(target)) from exc
 
 
 def install(
@@ -186,7 +203,7 @@ def _pack_model_infos(folder: Path, target: Path, architectures: list[str]) -> N
     those of every model the node ever ran."""
     ours = [i for i in sorted(folder.glob("*.json")) if i.stem.rpartition("-")[2] in architectures]
     if ours:
-        atomic.write(target, lambda f: _tar(f, [(info, f"modelinfos/{info.name}") for info in ours]))
+        _written(target, lambda f: _tar(f, [(info, f"modelinfos/{info.name}") for info in ours]))
 
 
 def _tar(into: BinaryIO, members: list[tuple[Path, str]]) -> None:
