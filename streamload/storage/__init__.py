@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .base import INDEX_NAME, Digest, Files, Listing, PathLike, Source, Storage, is_hex, redacted
+from .hub import hub_id
 from .local import LocalFiles, LocalStorage
 
 
@@ -18,11 +19,19 @@ def _objects(root: str, cache_dir: Path | None) -> Storage:
     return ObjectStorage(root, cache_dir)
 
 
-STORAGES: dict[str, Callable[[str, Path | None], Storage]] = {"s3": _objects, "http": _objects, "https": _objects}
+def _hub(root: str, cache_dir: Path | None) -> Storage:
+    from .hub import HubStorage  # huggingface_hub is imported only for hub ids
+
+    return HubStorage(cache_dir)
+
+
+STORAGES: dict[str, Callable[[str, Path | None], Storage]] = {"s3": _objects, "http": _objects, "https": _objects,
+                                                               "hf": _hub}  # fmt: skip
 
 
 def storage_for(source: Source, cache_dir: PathLike | None = None) -> Storage:
-    """The storage that holds `source`: by its URL scheme (s3://, http(s)://), else the local one.
+    """The storage that holds `source`: by its URL scheme (s3://, http(s)://, hf://), a Hugging Face hub id
+    (`org/name[@revision]` where no local path has that name: storage/hub.py), else the local one.
     `cache_dir`: where a remote storage keeps local copies of what it reads (local files need none)."""
     first = source if isinstance(source, (str, os.PathLike)) else next(iter(source), "")
     if isinstance(first, str) and "://" in first:
@@ -35,6 +44,8 @@ def storage_for(source: Source, cache_dir: PathLike | None = None) -> Storage:
         from .remote import ObjectPath
 
         return make(ObjectPath(first).root, None if cache_dir is None else Path(cache_dir))
+    if hub_id(source) is not None:  # "org/name[@revision]" naming nothing local: the hub cache, else the hub
+        return STORAGES["hf"](str(source), None if cache_dir is None else Path(cache_dir))
     return LocalStorage()
 
 
