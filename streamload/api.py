@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from . import device as devices
-from . import options
+from . import options, progress
 from .defaults import Tuning
 from .errors import IntegrityError, UnsupportedError
 from .limits import check_fits
@@ -122,7 +122,9 @@ def iter(
         if way.exchange is not None:
             way.exchange.expect(sum(b.shared for b in plan.batches))
         _check_plan(plan, checkpoint, dev, include, exclude, shard, cache_dir)
-        return _stream(checkpoint, plan, way, digests)
+        stream = _stream(checkpoint, plan, way, digests)
+        progress.watch(stream.stats)  # counted on the bar of a `load` (or from_pretrained) it is part of
+        return stream
     except BaseException:
         _left(cooperative, joined, exchange)
         raise
@@ -310,7 +312,7 @@ def load(source: Source, **options: Unpack[Options]) -> dict[str, torch.Tensor]:
         >>> state = streamload.load("model.safetensors", device="cpu")  # doctest: +SKIP
     """
     try:
-        with iter(source, **options) as stream:
+        with progress.loading(), iter(source, **options) as stream:  # a bar on a terminal, as transformers draws
             return dict(stream)
     except IntegrityError as exc:
         exc.handed_out = []  # to the dict only, which the caller never gets

@@ -386,6 +386,7 @@ def _load(
     cache_dir: str | None,
     verify: bool = False,
 ) -> None:
+    from . import progress
     from .api import iter as stream_iter
 
     # A dtype's name is resolved (and an unknown one refused) by the API, as for any caller.
@@ -393,23 +394,22 @@ def _load(
                          **tuning)  # type: ignore[arg-type]  # fmt: skip
     s = stream.stats
     sizes = {i.name: i.nbytes for i in stream.plan.items}
-    if sys.stderr.isatty():
-        from .progress import progress_bar
-
-        with progress_bar() as progress, stream:
-            task = progress.add_task("loading", total=s.bytes_total, stats=s)
+    # The bar library loads draw, from the start (asked for); plain lines where none is drawn (a log, a pipe,
+    # bars switched off, no tqdm): one per ~10% of the bytes handed out (reads run ahead of them).
+    with progress.loading("loading", after=0.0) as bar, stream:
+        if bar is not None:
+            bar.watch(s)
             for _ in stream:
-                progress.update(task, completed=s.bytes_read)
-    else:  # plain lines for logs: one per ~10% of the bytes handed out (reads run ahead of them)
-        next_mark, done = 0.1, 0
-        with stream:
+                pass
+        else:
+            next_mark, done = 0.1, 0
             for name, _ in stream:
                 done += sizes[name]
                 if s.bytes_total and done / s.bytes_total >= next_mark - 1e-9:
-                    print(f"{100 * done // s.bytes_total:3d}% {done / 1e9:.2f} GB {s.gbps:.2f} GB/s "
+                    print(f"{100 * done // s.bytes_total:3d}% {progress.size(done)} {s.gbps:.2f} GB/s "
                           f"{s.tensors_done}/{s.tensors_total} tensors", flush=True)  # fmt: skip
                     next_mark = min(1.0, done / s.bytes_total + 0.1) if done < s.bytes_total else 2.0
-    print(f"{s.tensors_done} tensors, {s.bytes_read / 1e9:.2f} GB to {s.device} via {s.reader} in {s.elapsed:.2f} s "
+    print(f"{s.tensors_done} tensors, {progress.size(s.bytes_read)} to {s.device} via {s.reader} in {s.elapsed:.2f} s "
           f"({s.gbps:.2f} GB/s), first tensor after {1e3 * (s.time_to_first_tensor or 0):.1f} ms")  # fmt: skip
     if verify:
         print(f"verified: {s.bytes_verified / 1e9:.2f} GB matched their digests")
@@ -424,6 +424,10 @@ def _bench(args: argparse.Namespace) -> int:
     if args.path is None:
         print("streamload: error: bench needs a checkpoint PATH (or --list)", file=sys.stderr)
         return 2
+    for flag, out in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
+        if out is not None and (why := _unwritable(out)):  # before the runs, not after minutes of them
+            print(f"streamload: error: {flag} {out}: cannot write there: {why}", file=sys.stderr)
+            return 1
     from . import device, routes
 
     routes.usable(device.resolve(args.device))  # before any run, not in each run's failure
@@ -480,6 +484,18 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"streamload: error: failed in every run: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why a file cannot be written at `path` (its folder missing, read-only, not ours), else None: a
+    file made and removed there, the real test (a mode says nothing of a read-only mount)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=path.parent):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
 
 
 def _list_loaders(args: argparse.Namespace, bench: Any) -> int:

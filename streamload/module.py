@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from . import progress
 from .convert import Conversion
 from .device import resolve
 from .errors import StreamloadError, UnsupportedError
@@ -445,6 +446,7 @@ def _filler(module: nn.Module, in_place: bool, caller: str, conversion: Conversi
     return _InPlaceFiller(module) if in_place else _Filler(module)
 
 
+@progress.shown  # a bar on a terminal, for a long load (progress.py)
 def load_into(
     module: nn.Module,
     source: Source,

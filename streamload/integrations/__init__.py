@@ -10,11 +10,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from streamload import device as devices
+from streamload import progress
 from streamload.errors import SourceError
 from streamload.module import OnLayer
 from streamload.options import TABLE
 from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
+
+DeviceMap = str | int | torch.device | dict[str, str | int | torch.device] | None
+# transformers' device_map strategies: the model spread over the GPUs (on one GPU or none: that device)
+_SPREAD = ("auto", "balanced", "balanced_low_0", "sequential")
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -24,15 +30,18 @@ if TYPE_CHECKING:
     from .diffusers import Dtype
 
 
+@progress.shown  # a bar on a terminal, where transformers draws its "Loading weights"
 def from_pretrained(
     path: str | os.PathLike[str],
     *,
     device: str | torch.device | None = None,
+    device_map: DeviceMap = None,
     dtype: Dtype = None,
     model_class: type[nn.Module] | None = None,
     variant: str | None = None,
     on_layer: OnLayer | None = None,
     strict: bool = True,
+    trust_remote_code: bool = False,
     **options: Unpack[Options],
 ) -> Any:
     """Load a model or a diffusion pipeline from its folder, the weights streamed in.
@@ -46,6 +55,10 @@ def from_pretrained(
     Args:
         path: the folder, or its object-storage prefix.
         device: where the weights go ("cpu", "cuda", "cuda:N"; default cuda when available).
+        device_map: transformers' name for it, where it names one device: a device ("cpu", "cuda:0", a
+            `torch.device`, a GPU's index), "auto" (or "balanced", "sequential") on a machine with at most
+            one GPU (where `device` would default), or a dict whose entries all name one device
+            (`{"": "cuda:0"}`). A model spread over several devices, or offloaded to disk, is refused.
         dtype: the floating-point dtype of the weights (default: as stored); for a pipeline also per
             component, as diffusers takes it: `{"transformer": torch.bfloat16, "default": torch.float16}`.
         model_class: (transformers) the class to build (default: the config's `architectures[0]`).
@@ -53,10 +66,13 @@ def from_pretrained(
             a component without that variant loads its plain files.
         on_layer: called with (key, submodule) as each layer is complete, while later ones load.
         strict: a key the model needs and the checkpoint lacks is an error, raised before any weight is read.
+        trust_remote_code: (transformers) run the Python files the folder's config names (`auto_map`): its
+            config and model classes, as transformers does with True. Default: such a config is refused.
         **options: the options of `streamload.iter` (reader, threads, ...).
 
     Returns:
-        The model (in eval mode) or the pipeline, on `device`.
+        The model (in eval mode) or the pipeline, on `device`. On a terminal, a progress bar once the load
+        has run a second (`STREAMLOAD_PROGRESS_AFTER`), unless Hugging Face's switches turned bars off.
 
     Example:
         >>> model = streamload.from_pretrained("path/to/llama", device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
@@ -70,13 +86,16 @@ def from_pretrained(
     unknown = sorted(set(options) - set(TABLE))
     if unknown:  # before a model is built, not when its weights are read
         raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(unknown)}")
+    device = _device(path, device, device_map)
     if not is_url(str(path)):
+        path = _hub_snapshot(path, options.get("cache_dir"))
         _check_folder(Path(path))
     from . import diffusers
 
     if diffusers.kind(path if is_url(str(path)) else Path(path)) is not None:
-        if model_class is not None:
-            raise ValueError(f"{redacted(path)}: model_class= is for transformers models, not diffusers folders")
+        if model_class is not None or trust_remote_code:
+            given = "model_class=" if model_class is not None else "trust_remote_code="
+            raise ValueError(f"{redacted(path)}: {given} is for transformers models, not diffusers folders")
         return diffusers.from_pretrained(path, device=device, dtype=dtype, variant=variant, on_layer=on_layer,
                                          strict=strict, **options)  # fmt: skip
     from . import transformers
@@ -88,7 +107,17 @@ def from_pretrained(
     if dtype is not None and not isinstance(dtype, (torch.dtype, str)):
         raise ValueError(f"{redacted(path)}: a dtype per component is for diffusers pipelines; give one dtype")
     return transformers.from_pretrained(path, device=device, dtype=dtype, model_class=model_class, on_layer=on_layer,  # nosec B615 # streamload's own: no hub download
-                                        strict=strict, **options)  # fmt: skip
+                                        strict=strict, trust_remote_code=trust_remote_code, **options)  # fmt: skip
+
+
+def _hub_snapshot(path: str | os.PathLike[str], cache_dir: object) -> str | os.PathLike[str]:
+    """A Hugging Face hub id (`org/name[@revision]` naming nothing local) as its snapshot folder in the hub
+    cache, downloaded there where absent (storage/hub.py); any other path as it is."""
+    from streamload.storage.hub import hub_id, snapshot_folder
+
+    if hub_id(path) is None:
+        return path
+    return snapshot_folder(str(path), None if cache_dir is None else Path(str(cache_dir)))
 
 
 def _check_folder(folder: Path) -> None:
@@ -105,6 +134,52 @@ def _check_folder(folder: Path) -> None:
             f"{folder}: no config.json (nor model_index.json): from_pretrained builds the model from its config; "
             "for the tensors alone use streamload.load, or streamload.load_into on a model you build"
         )
+
+
+def _device(path: object, device: str | torch.device | None, device_map: DeviceMap) -> str | torch.device | None:
+    """The one device `device_map` names (as transformers reads it), or `device` where there is none; a map
+    that spreads the model over several devices, or offloads it, refused in one line naming it."""
+    if device_map is None:
+        return device
+    where = redacted(path)
+    if isinstance(device_map, dict):
+        named = {_one(where, device_map, value) for value in device_map.values()}
+        if len(named) != 1:
+            shown = ", ".join(sorted(str(d) for d in named)) or "no device"
+            raise ValueError(
+                f"{where}: device_map={device_map!r} places the model on {shown}; streamload.from_pretrained "
+                "loads a model onto one device: give device_map={'': device} (or device=), or load a model "
+                "spread over devices with transformers' own from_pretrained"
+            )
+        mapped: torch.device | None = named.pop()
+    elif device_map in _SPREAD:
+        gpus = torch.cuda.device_count()
+        if gpus > 1:
+            raise ValueError(
+                f"{where}: device_map={device_map!r} spreads the model over this machine's {gpus} GPUs; "
+                "streamload.from_pretrained loads a model onto one device: give device_map='cuda:N' (or device=)"
+            )
+        mapped = None  # where streamload loads by default: the GPU, else the CPU
+    else:
+        mapped = _one(where, device_map, device_map)
+    if device is not None and devices.resolve(device) != devices.resolve(mapped):
+        raise ValueError(f"{where}: device={device!r} and device_map={device_map!r} name different devices: give one")
+    return mapped if device is None else device
+
+
+def _one(where: str, device_map: DeviceMap, value: object) -> torch.device:
+    """One device of a device_map: a device's name, a `torch.device`, or a GPU's index (as accelerate reads it)."""
+    if isinstance(value, str) and value in ("disk", *_SPREAD):
+        what = "offloads to disk" if value == "disk" else f"names {value!r} for a part of the model"
+        raise ValueError(
+            f"{where}: device_map={device_map!r} {what}; streamload.from_pretrained loads the whole model onto "
+            "one device: give device_map='cpu', 'cuda:N' or {'': device}, or use transformers' own from_pretrained"
+        )
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = f"cuda:{value}"
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(f"{where}: device_map={device_map!r}: {value!r} is not a device")
+    return devices.resolve(value)
 
 
 __all__ = ["from_pretrained"]

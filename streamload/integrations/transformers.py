@@ -43,6 +43,7 @@ def from_pretrained(
     model_class: type[nn.Module] | None = None,
     on_layer: OnLayer | None = None,
     strict: bool = True,
+    trust_remote_code: bool = False,
     **options: Unpack[Options],
 ) -> nn.Module:
     """Load a `transformers` model from a local checkpoint directory, its weights streamed in.
@@ -57,6 +58,9 @@ def from_pretrained(
         model_class: the class to build (default: the config's `architectures[0]`, else `AutoModel`).
         on_layer: called with (key, submodule) as each layer is complete, while later ones load.
         strict: a key the model needs and the checkpoint lacks is an error, raised before any weight is read.
+        trust_remote_code: run the Python files a local folder's config names (`auto_map`), as transformers
+            does when given True: its config class, and its model class (the `auto_map` entry of the config's
+            `architectures[0]`). False (the default): a config that needs them is refused, nothing run.
         **options: the options of `streamload.iter` (reader, threads, ...).
 
     Returns:
@@ -76,8 +80,13 @@ def from_pretrained(
         raise UnsupportedError("from_pretrained needs transformers: pip install -e '.[transformers]'") from exc
     internals.check_version(transformers)  # its internals are those of the releases tested, or nothing is read
     source: str | Path = str(path) if is_url(str(path)) else Path(path)
+    if trust_remote_code and not isinstance(source, Path):
+        raise UnsupportedError(
+            f"{redacted(source)}: trust_remote_code=True runs the model's Python files from a local folder, and "
+            "from object storage only its config and weights are fetched: copy the folder here first"
+        )
     dev = devices.resolve(device)
-    config = _config(transformers, source)
+    config = _config(transformers, source, trust_remote_code)
     dtype = default_dtype(transformers, config) if dtype is None else as_torch_dtype(dtype)
     kwargs = {} if dtype is None else {"dtype": dtype}
     quantizer = placing_quantizer(config)
@@ -90,7 +99,7 @@ def from_pretrained(
                 else model_class(config)
             )
         else:
-            model = _build(transformers, config, kwargs)
+            model = _build(transformers, config, kwargs, trust_remote_code)
         if quantizer is not None:  # its modules, laid out for the stored bytes, as transformers' loader does
             with _default_dtype(dtype):  # (theirs in the model's dtype: a quantized layer's bias is built so)
                 internals.prepare(quantizer, model, dtype)
@@ -467,10 +476,10 @@ def default_dtype(transformers: Any, config: Any) -> torch.dtype | None:
     return None if dtype is None else as_torch_dtype(dtype)
 
 
-def _config(transformers: Any, source: str | Path) -> Any:
+def _config(transformers: Any, source: str | Path, trust_remote_code: bool = False) -> Any:
     """The model's config: from the folder, or fetched from the object store's prefix."""
     if isinstance(source, Path):
-        return _read_config(transformers, source, source / "config.json")
+        return _read_config(transformers, source, source / "config.json", trust_remote_code)
     import tempfile
 
     from streamload.prefetch import beside
@@ -487,16 +496,23 @@ def _config(transformers: Any, source: str | Path) -> Any:
         return _read_config(transformers, Path(folder), f"{redacted(near.parent)}/config.json")
 
 
-def _read_config(transformers: Any, folder: Path, shown: object) -> Any:
+def _read_config(transformers: Any, folder: Path, shown: object, trust_remote_code: bool = False) -> Any:
+    # trust_remote_code given as a bool: transformers asks on a terminal (and waits) when it is None
+    trusted = bool(trust_remote_code)
     try:
-        return transformers.AutoConfig.from_pretrained(folder)  # nosec B615 # a local folder: no hub download
+        return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trusted)  # nosec B615 # a local folder: no hub download
     except (ValueError, OSError) as exc:  # not JSON, no model_type, a model_type this transformers lacks
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not trusted and "trust_remote_code" in str(exc):
+            reason += " (its auto_map names Python files beside it; pass trust_remote_code=True to run them)"
         raise UnsupportedError(f"{shown}: transformers cannot read this config: {reason}") from None
 
 
-def _build(transformers: Any, config: Any, kwargs: dict[str, Any]) -> nn.Module:
+def _build(transformers: Any, config: Any, kwargs: dict[str, Any], trust_remote_code: bool = False) -> nn.Module:
     names = getattr(config, "architectures", None) or []
+    auto = _trusted_auto_class(transformers, config, names) if trust_remote_code else None
+    if auto is not None:  # the model class from the folder's code, as transformers' auto class resolves it
+        return auto.from_config(config, trust_remote_code=True, **kwargs)
     for name in names:
         cls = getattr(transformers, name, None)
         if cls is not None:
@@ -504,3 +520,17 @@ def _build(transformers: Any, config: Any, kwargs: dict[str, Any]) -> nn.Module:
     if names:
         raise UnsupportedError(f"this transformers ({transformers.__version__}) has no model class {names[0]!r}")
     return transformers.AutoModel.from_config(config, **kwargs)
+
+
+def _trusted_auto_class(transformers: Any, config: Any, names: list[str]) -> Any | None:
+    """transformers' auto model class under which the config's `auto_map` names the model's own class: the
+    entry whose class is `architectures[0]`, else `AutoModel`'s, else the first; None where it names none.
+    Only transformers' own auto classes are looked up (a key from the file names no other attribute)."""
+    entries = {k: v for k, v in (getattr(config, "auto_map", None) or {}).items()
+               if k.startswith("AutoModel") and isinstance(v, str)}  # fmt: skip
+    by_class = [k for k, v in entries.items() if names and v.rsplit(".", 1)[-1] == names[0]]
+    for key in [*by_class, "AutoModel", *entries]:
+        auto = getattr(transformers, key, None) if key in entries else None
+        if auto is not None and callable(getattr(auto, "from_config", None)):
+            return auto
+    return None

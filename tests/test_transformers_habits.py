@@ -1,0 +1,291 @@
+"""What transformers users expect of `streamload.from_pretrained` and `load`: a progress bar on a terminal
+(where transformers draws its "Loading weights", and switched off by the same switches), `device_map=`
+naming one device, and `trust_remote_code=True` running the folder's own model code as transformers does."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import streamload
+from streamload.cli import main
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tqdm")
+
+SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 128}  # fmt: skip
+BAR = "Loading weights"
+SWITCHES = ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE", "STREAMLOAD_PROGRESS_AFTER")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=False)).save_pretrained(folder)
+    return folder
+
+
+def _stderr(code: str, env: dict[str, str], terminal: bool) -> str:
+    """What `python -c code` writes on its stderr: a pseudo-terminal of 100 x 24 (`terminal`), else a pipe."""
+    env = {**{k: v for k, v in os.environ.items() if k not in SWITCHES}, **env}
+    argv = [sys.executable, "-c", code]
+    if not terminal:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              env=env, timeout=300, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+    import fcntl
+    import pty
+    import termios
+
+    master, child_end = pty.openpty()
+    fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=child_end, env=env)
+    finally:
+        os.close(child_end)
+    chunks: list[bytes] = []
+    try:
+        while select.select([master], [], [], 300)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child's end closed
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(master)
+        if proc.poll() is None and not chunks:
+            proc.kill()
+        rc = proc.wait(timeout=60)
+    out = b"".join(chunks).decode(errors="replace")
+    assert rc == 0, out
+    return out
+
+
+def _segments(out: str) -> dict[str, str]:
+    """{marker: what was written after it, up to the next}: the script marks each load with `@@ name`."""
+    parts = out.split("@@ ")[1:]
+    return {p.split(None, 1)[0]: p.split(None, 1)[1] if len(p.split(None, 1)) > 1 else "" for p in parts}
+
+
+def _script(llama: Path, *steps: str) -> str:
+    head = ("import os, sys, streamload\nfrom streamload.cli import main\n"
+            f"folder = {str(llama)!r}\nfile = os.path.join(folder, 'model.safetensors')\n"
+            "def mark(name): print('@@', name, file=sys.stderr, flush=True)\n")  # fmt: skip
+    return head + "\n".join(steps) + "\nmark('end')\n"
+
+
+LOAD = "mark('load'); streamload.load(file, device='cpu')"
+PRETRAINED = "mark('pretrained'); streamload.from_pretrained(folder, device='cpu')"
+
+
+def test_a_load_on_a_terminal_draws_a_bar(llama: Path) -> None:
+    """`load`, `from_pretrained` and the CLI's `load` on a terminal each draw one bar that ends at 100%;
+    the threshold lowered to 0 s (a small checkpoint loads faster than the default 1 s)."""
+    cli = "mark('cli'); main(['load', file, '--device', 'cpu'])"
+    out = _segments(_stderr(_script(llama, LOAD, PRETRAINED, cli), {"STREAMLOAD_PROGRESS_AFTER": "0"}, True))
+    for name in ("load", "pretrained"):
+        assert BAR in out[name] and "100%" in out[name], (name, out[name])
+    assert "loading" in out["cli"] and "100%" in out["cli"], out["cli"]
+    from streamload.progress import size
+
+    total = size(sum(t.nbytes for t in streamload.inspect(llama).tensors.values()))
+    assert total.endswith(" KB")  # a small checkpoint: its bar counts kB, not "0.00 GB"
+    assert "kB/" in out["load"] and "0.00GB" not in out["load"]
+
+
+def test_nothing_is_drawn_into_a_pipe(llama: Path) -> None:
+    out = _stderr(_script(llama, LOAD, PRETRAINED), {"STREAMLOAD_PROGRESS_AFTER": "0"}, False)
+    assert set(_segments(out)) == {"load", "pretrained", "end"}
+    assert BAR not in out and "%|" not in out
+
+
+def test_hf_hub_disable_progress_bars_turns_it_off_on_a_terminal(llama: Path) -> None:
+    env = {"STREAMLOAD_PROGRESS_AFTER": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    out = _stderr(_script(llama, LOAD, PRETRAINED), env, True)
+    assert set(_segments(out)) == {"load", "pretrained", "end"}
+    assert BAR not in out and "%|" not in out
+
+
+def test_transformers_and_hub_switches_and_the_threshold_turn_it_off(llama: Path) -> None:
+    """transformers' `logging.disable_progress_bar()`, huggingface_hub's `disable_progress_bars()`, and a
+    load shorter than the threshold draw nothing; switched back on, the bar is back."""
+    steps = (
+        "import transformers, huggingface_hub.utils as hub",
+        "transformers.logging.disable_progress_bar()",
+        LOAD.replace("'load'", "'off_transformers'"),
+        PRETRAINED.replace("'pretrained'", "'off_transformers_pretrained'"),
+        "transformers.logging.enable_progress_bar()",
+        "hub.disable_progress_bars()",
+        LOAD.replace("'load'", "'off_hub'"),
+        "hub.enable_progress_bars()",
+        "os.environ['STREAMLOAD_PROGRESS_AFTER'] = '600'",
+        LOAD.replace("'load'", "'below_threshold'"),
+        "os.environ['STREAMLOAD_PROGRESS_AFTER'] = '0'",
+        LOAD.replace("'load'", "'on_again'"),
+    )
+    out = _segments(_stderr(_script(llama, *steps), {}, True))
+    for name in ("off_transformers", "off_transformers_pretrained", "off_hub", "below_threshold"):
+        assert BAR not in out[name], (name, out[name])
+    assert BAR in out["on_again"] and "100%" in out["on_again"]
+
+
+def test_sizes_are_shown_in_units_that_suit_them(llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["load", str(llama / "model.safetensors"), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "%" in line]
+    assert lines and all(" KB " in line for line in lines), out  # the CLI's lines on a small model
+    assert "0.00 GB" not in out and " KB to cpu via " in out
+    from streamload.progress import size
+
+    assert [size(n) for n in (0, 999, 1000, 1536, 999_400, 999_999, 12_345_678, 1_234_567_890, 5e12)] == [
+        "0 B", "999 B", "1.0 KB", "1.5 KB", "999.4 KB", "1.0 MB", "12.3 MB", "1.23 GB", "5.00 TB"]  # fmt: skip
+
+
+# -- device_map ----------------------------------------------------------------------------------------
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    one, two = a.state_dict(), b.state_dict()
+    assert one.keys() == two.keys()
+    for name in one:
+        assert one[name].dtype == two[name].dtype and one[name].device == two[name].device, name
+        assert torch.equal(one[name], two[name]), name
+
+
+@pytest.mark.parametrize(
+    ("device_map", "device"),
+    [("cpu", "cpu"), ({"": "cpu"}, "cpu"), (torch.device("cpu"), "cpu"), ("auto", None), ("sequential", None)],
+    ids=["cpu", "dict", "torch.device", "auto", "sequential"],
+)
+def test_device_map_naming_one_device_loads_as_device_does(llama: Path, device_map: object, device: str | None) -> None:
+    """device_map="auto" on a machine with at most one GPU: where `device` defaults (its GPU, else its CPU)."""
+    if torch.cuda.device_count() > 1 and device is None:
+        pytest.skip("several GPUs: device_map='auto' is refused")
+    reference = streamload.from_pretrained(llama, device=device)
+    _same(streamload.from_pretrained(llama, device_map=device_map), reference)  # type: ignore[arg-type]
+    _same(streamload.from_pretrained(llama, device=reference.device, device_map=device_map), reference)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("device_map", "says"),
+    [
+        ({"model.embed_tokens": "cpu", "model.layers": 0, "model.norm": "cpu", "lm_head": "cpu"}, "cpu, cuda:0"),
+        ({"": "disk"}, "offloads to disk"),
+        ("disk", "offloads to disk"),
+        ({"model": "cpu", "lm_head": "auto"}, "'auto' for a part"),
+        ({}, "no device"),
+    ],
+    ids=["two-devices", "dict-disk", "disk", "auto-inside", "empty"],
+)
+def test_a_device_map_spreading_or_offloading_the_model_is_refused_naming_it(
+    llama: Path, device_map: object, says: str
+) -> None:
+    with pytest.raises(ValueError, match="device_map=") as info:
+        streamload.from_pretrained(llama, device_map=device_map)  # type: ignore[arg-type]
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+def test_device_and_device_map_must_agree_and_name_devices(llama: Path) -> None:
+    with pytest.raises(ValueError, match="name different devices"):
+        streamload.from_pretrained(llama, device="cpu", device_map="cuda:0")
+    with pytest.raises(TypeError, match=r"1\.5 is not a device"):
+        streamload.from_pretrained(llama, device_map={"": 1.5})  # type: ignore[dict-item]
+
+
+# -- trust_remote_code ---------------------------------------------------------------------------------
+
+CONFIGURATION = """
+open({marker!r}, "a").close()  # proves the folder's code ran
+from transformers import LlamaConfig
+
+
+class TinyConfig(LlamaConfig):
+    model_type = "tiny-custom"
+"""
+
+MODELING = """
+import torch
+from transformers import LlamaForCausalLM
+
+from .configuration_tiny import TinyConfig
+
+
+class TinyForCausalLM(LlamaForCausalLM):
+    config_class = TinyConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.logit_scale = torch.nn.Parameter(torch.ones(config.vocab_size))
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * self.logit_scale
+        return out
+"""
+
+
+@pytest.fixture
+def custom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A folder whose config's `auto_map` names its own config and model classes (a Llama with a scale on
+    its logits), their files beside the weights. transformers copies such code into its modules cache and
+    imports it from there: that cache is one under tmp_path, and the imports are forgotten after."""
+    import transformers.dynamic_module_utils as dynamic
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "tiny_custom"
+    folder.mkdir()
+    marker = tmp_path / "ran"
+    (folder / "configuration_tiny.py").write_text(CONFIGURATION.format(marker=str(marker)))
+    (folder / "modeling_tiny.py").write_text(MODELING)
+    settings = transformers.LlamaConfig(**SMALL, tie_word_embeddings=False).to_dict()
+    settings |= {"model_type": "tiny-custom", "architectures": ["TinyForCausalLM"], "dtype": "float32",
+                 "auto_map": {"AutoConfig": "configuration_tiny.TinyConfig",
+                              "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"}}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(settings))
+    torch.manual_seed(0)
+    weights = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=False)).state_dict()
+    weights["logit_scale"] = torch.rand(SMALL["vocab_size"]) + 0.5
+    save_file({k: v.contiguous() for k, v in weights.items()}, folder / "model.safetensors", {"format": "pt"})
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    mapping = transformers.AutoModelForCausalLM._model_mapping
+    monkeypatch.setattr(mapping, "_extra_content", dict(mapping._extra_content))
+    before = set(sys.modules)
+    yield folder
+    for name in set(sys.modules) - before:
+        if name.startswith("transformers_modules"):
+            del sys.modules[name]
+
+
+def test_trust_remote_code_loads_the_folders_model_as_transformers_does(custom: Path) -> None:
+    reference = transformers.AutoModelForCausalLM.from_pretrained(custom, trust_remote_code=True).eval()
+    ours = streamload.from_pretrained(custom, device="cpu", trust_remote_code=True)
+    assert type(ours).__name__ == type(reference).__name__ == "TinyForCausalLM"
+    assert type(ours.config).__name__ == "TinyConfig" and not ours.training
+    _same(ours, reference)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_without_trust_remote_code_the_folders_code_never_runs(custom: Path) -> None:
+    with pytest.raises(streamload.UnsupportedError, match="trust_remote_code=True") as info:
+        streamload.from_pretrained(custom, device="cpu")
+    assert "config.json" in str(info.value) and "\n" not in str(info.value)
+    assert not (custom.parent / "ran").exists()
+    assert not (custom.parent / "modules").exists()
