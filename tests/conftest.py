@@ -3,6 +3,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import multiprocessing.util
 import os
 import platform
 import shutil
@@ -222,6 +223,9 @@ def pytest_configure(config: pytest.Config) -> None:
     vLLM; the user's caches noted as they are."""
     SUITE["roots"] = roots = users_roots()
     SUITE["home"] = entries(roots)
+    # This process's multiprocessing folder made where it would have been: its exit handler removes it
+    # after the session's folder is gone (one made inside that folder is then missing, and it says so)
+    multiprocessing.util.get_temp_dir()
     folder = Path(tempfile.mkdtemp(prefix="streamload-suite-")).resolve()
     environment = suite_environment(folder)
     # pytest's own tmp_path folders stay where they were (kept for a failed test, beyond the session)
@@ -340,7 +344,11 @@ class EngineResults(dict[str, Any]):
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """Where the engines' time went (each part's slowest steps, and all of it), beside pytest's own
-    durations: the suite's time on 2 cores is the engines' and the rest's, sharing the cores."""
+    durations: the suite's time on 2 cores is the engines' and the rest's, sharing the cores; and the CPU
+    it ran on, which `-q` leaves out of the header."""
+    if terminalreporter.config.get_verbosity() < 0:
+        for line in pytest_report_header(terminalreporter.config):
+            terminalreporter.write_line(line)
     seconds = ENGINES.get("seconds")  # (their folder is gone by now)
     if not seconds:
         return
