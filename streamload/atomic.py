@@ -107,17 +107,29 @@ def folder(root: Path, *names: str) -> int:
         for name in names:
             if name in ("", ".", "..") or "/" in name:
                 raise ValueError(f"{root}: {name!r} is not a folder's name")
-            try:
-                os.mkdir(name, 0o777, dir_fd=fd)
-            except FileExistsError:
-                pass
-            inner = os.open(name, FOLDER, dir_fd=fd)
+            inner = subfolder(fd, name)
             os.close(fd)
             fd = inner
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def subfolder(parent: int, name: str, create: bool = True) -> int:
+    """The folder `name` in the open folder `parent`, made first where `create` and absent, opened
+    without following a link: a link there raises OSError (ELOOP or ENOTDIR), and nothing is ever made
+    or written through it. FileNotFoundError where it is absent and not `create`."""
+    try:
+        return os.open(name, FOLDER, dir_fd=parent)
+    except FileNotFoundError:
+        if not create:
+            raise
+    try:
+        os.mkdir(name, 0o777, dir_fd=parent)
+    except FileExistsError:  # made meanwhile (by another process), or a link: opened as any other
+        pass
+    return os.open(name, FOLDER, dir_fd=parent)
 
 
 def unpack(data: bytes, root: Path, pick: Callable[[Path], Iterable[Path]], what: str = "an archive") -> list[Path]:

@@ -65,7 +65,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePath
 
 from .. import atomic
-from ..atomic import NEW, PARTIAL, writer_tag
+from ..atomic import FOLDER, NEW, PARTIAL, writer_tag
 from ..format import FileHeader
 
 RECORD = ".streamload.json"
@@ -99,9 +99,6 @@ class Linked(OSError):
         super().__init__(errno.ELOOP, "a symbolic link where the cache keeps a folder or file of its own", str(path))
 
 
-_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
 def _refused(parent: int, name: str, path: Path, exc: OSError) -> OSError:
     """What opening `name` in `parent` without following it failed with: `Linked` where it is a link."""
     try:
@@ -112,25 +109,12 @@ def _refused(parent: int, name: str, path: Path, exc: OSError) -> OSError:
 
 
 def _subfolder(parent: int, name: str, path: Path, create: bool) -> int:
-    """The folder `name` in `parent`, opened (made first where `create` and absent) without following a
-    link: one there raises `Linked`, so nothing is ever made or written through it."""
+    """The folder `name` in `parent` (`atomic.subfolder`: made where `create` and absent, never through a
+    link): a link there raises `Linked`."""
     if name in ("", ".", "..") or "/" in name:
         raise OSError(errno.EINVAL, "not a name the cache keeps a folder under", str(path))
     try:
-        return _opened(parent, name, path)
-    except FileNotFoundError:
-        if not create:
-            raise
-    try:
-        os.mkdir(name, 0o777, dir_fd=parent)
-    except FileExistsError:  # made meanwhile (by another load), or a link: opened as any other
-        pass
-    return _opened(parent, name, path)
-
-
-def _opened(parent: int, name: str, path: Path) -> int:
-    try:
-        return os.open(name, _FOLDER, dir_fd=parent)
+        return atomic.subfolder(parent, name, create)
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -168,7 +152,7 @@ class Place:
         """The suffixes of the files in the folder named `<name><start>...`."""
         head = self.name + start
         try:  # the folder opened anew: a listing's position is its descriptor's, and threads list at once
-            fd = os.open(".", _FOLDER, dir_fd=self.folder)
+            fd = os.open(".", FOLDER, dir_fd=self.folder)
         except OSError:
             return []
         try:
