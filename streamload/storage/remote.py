@@ -41,6 +41,7 @@ environment.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
 import concurrent.futures
 import logging
@@ -275,6 +276,9 @@ class ObjectStorage:
         if stopped is not None and stopped.is_set():
             work.close()
             raise ReadError(_closed(path))
+        if _EXITING.is_set():
+            work.close()
+            raise ReadError(_exiting(path))
         future = asyncio.run_coroutine_threadsafe(work, _loop())
         if pending is not None:
             pending.add(future)
@@ -492,6 +496,9 @@ def _pread(fd: int, path: PurePath, offset: int, length: int) -> memoryview:
 # -- the loop thread and the requests -----------------------------------------------------------------
 _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_LOCK = threading.Lock()
+_EXITING = threading.Event()  # set at interpreter exit: no request is made after it
+_EXIT_WAIT = 5.0  # seconds the exit waits for the requests in flight to be dropped
+_EXIT_GRACE = 0.1  # then, seconds for each dropped request's Rust task to let go of the GIL
 
 
 def _loop() -> asyncio.AbstractEventLoop:
@@ -500,8 +507,55 @@ def _loop() -> asyncio.AbstractEventLoop:
         if _LOOP is None or _LOOP.is_closed():
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="streamload-objects", daemon=True).start()
+            if _LOOP is None:
+                atexit.register(_wind_down)
             _LOOP = loop
         return _LOOP
+
+
+def _wind_down() -> None:
+    """At interpreter exit (atexit, before finalization): drop every request in flight and make no more.
+
+    A request is a task on obstore's Rust runtime that takes the GIL once more when it ends or is dropped.
+    A thread that takes the GIL while the interpreter finalizes is ended by `pthread_exit`, which cannot
+    unwind through Rust frames: the process aborts (SIGABRT, "terminate called without an active
+    exception"; Python < 3.14). A program that exits while a load runs in another thread (a daemon
+    thread, a Ctrl-C, `sys.exit` from a callback) would abort so; after this, its reads fail at once
+    ("the process is exiting") and the tasks have let go before finalization starts."""
+    _EXITING.set()
+    loop = _LOOP
+    if loop is None or loop.is_closed() or not loop.is_running():
+        return
+
+    async def drop_all() -> None:
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()  # each awaited obstore future's cancellation tells its Rust task to drop the request
+        if tasks:
+            await asyncio.wait(tasks, timeout=_EXIT_WAIT)
+
+    try:
+        asyncio.run_coroutine_threadsafe(drop_all(), loop).result(_EXIT_WAIT + 1)
+    except Exception:  # nosec B110 # the loop stopped meanwhile: nothing is in flight on it
+        pass
+    time.sleep(_EXIT_GRACE)  # the GIL free meanwhile: each dropped task takes it once and ends
+
+
+def _exiting(path: PurePath) -> str:
+    return f"{path}: not read: the process is exiting"
+
+
+def _obstore() -> Any:
+    """obstore, for a request about to be made; none is once the process is exiting (`_wind_down`)."""
+    if _EXITING.is_set():
+        raise _Exiting
+    import obstore
+
+    return obstore
+
+
+class _Exiting(Exception):
+    """A request not made: the process is exiting."""
 
 
 def _timeout() -> float:
@@ -547,8 +601,7 @@ async def _get(
     identity: tuple[object, ...] | None,
     paced: tuple[Pace, tuple[int, int]] | None = None,  # the store's pace and the request's ticket, to learn
 ) -> Any:
-    import obstore
-
+    obstore = _obstore()
     options: dict[str, Any] = {}
     if span is not None:
         options["range"] = span
@@ -566,15 +619,11 @@ async def _get(
 
 
 async def _list(store: Any, prefix: str | None) -> Any:
-    import obstore
-
-    return await obstore.list_with_delimiter_async(store, prefix=prefix)
+    return await _obstore().list_with_delimiter_async(store, prefix=prefix)
 
 
 async def _head(store: Any, key: str) -> Any:
-    import obstore
-
-    return await obstore.head_async(store, key)
+    return await _obstore().head_async(store, key)
 
 
 def _identity(meta: Any) -> tuple[object, ...]:
@@ -637,8 +686,9 @@ def _connection_refused(exc: BaseException) -> bool:
 def _transient(exc: BaseException) -> bool:
     import obstore.exceptions as ox
 
-    if isinstance(exc, (ox.NotFoundError, ox.PreconditionError, ox.NotSupportedError, ox.PermissionDeniedError,
-                        ox.UnauthenticatedError, ox.InvalidPathError, FileNotFoundError)):  # fmt: skip
+    final = (ox.NotFoundError, ox.PreconditionError, ox.NotSupportedError, ox.PermissionDeniedError,
+             ox.UnauthenticatedError, ox.InvalidPathError, FileNotFoundError, _Exiting)  # fmt: skip
+    if isinstance(exc, final):
         return False
     text = str(exc)
     if _no_credentials(exc) or _wrong_range(exc):
@@ -669,6 +719,8 @@ def _wrong_range(exc: BaseException) -> re.Match[str] | None:
 def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> BaseException:
     import obstore.exceptions as ox
 
+    if isinstance(exc, _Exiting):
+        return ReadError(_exiting(path))
     if wrong := _wrong_range(exc):
         asked, got = (int(wrong[1]), int(wrong[2]) - 1), (int(wrong[3]), int(wrong[4]) - 1)
         return ReadError(
