@@ -1,9 +1,14 @@
 """A mixture of experts through `from_pretrained`, converted while it streams: streamload against
-transformers' own loader, side by side, each run in a fresh process, warm and cold (page cache).
+transformers' own loader, side by side, each run in a fresh process, in each state the page cache may be in.
 
     python bench/convert.py /tmp/qwen3-moe-tiny --make                    # Qwen3-30B-A3B layout, tiny dims
     python bench/convert.py /tmp/qwen3-moe-1g --make --hidden 256 --moe 128  # the same layout, ~1.2 GB
-    python bench/convert.py /tmp/qwen3-moe-tiny --runs 3 --modes warm cold
+    python bench/convert.py /tmp/qwen3-moe-tiny --runs 3 --modes warm evicted cold written
+
+The states (each run is given its own): warm, the files read just before (their pages cached, clean);
+evicted, the files' pages dropped (fsync, POSIX_FADV_DONTNEED); cold, the whole page cache dropped
+(/proc/sys/vm/drop_caches, as root; skipped where it cannot be written); written, a copy of the
+checkpoint written just before the run and loaded from there (pages cached and dirty, never read).
 
 The checkpoint is transformers' own save of a Qwen3-MoE built from a config with the hub model's
 layer and expert counts (48 layers x 128 experts: 18,867 tensors, experts one by one as on the hub).
@@ -16,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,13 +70,44 @@ def make(folder: Path, hidden: int, moe: int, layers: int, experts: int) -> None
     print(f"wrote {folder}: {len(checkpoint.tensors)} tensors, {checkpoint.nbytes / 1e9:.2f} GB")
 
 
-def run(how: str, folder: Path, cold: bool, reader: str = "auto", ring: str = "") -> dict[str, float]:
-    if cold:
+MODES = ("warm", "evicted", "cold", "written")
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def can_drop_caches() -> bool:
+    return os.access(DROP_CACHES, os.W_OK)
+
+
+def prepare(mode: str, folder: Path, scratch: Path) -> Path:
+    """The checkpoint's folder for one run in `mode` (see the module's docstring)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if mode == "warm":
+        for f in files:
+            with open(f, "rb") as fh:
+                while fh.read(64 << 20):
+                    pass
+    elif mode == "evicted":
         from streamload.bench import evict
 
-        evict([str(f) for f in folder.glob("*.safetensors")])
-    cmd = [sys.executable, "-c", RUN, how, str(folder), reader, ring]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        evict([str(f) for f in files])
+    elif mode == "cold":
+        os.sync()
+        DROP_CACHES.write_text("3\n")
+    elif mode == "written":
+        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.copytree(folder, scratch)  # written, not flushed: the copy's pages are in the cache, dirty
+        return scratch
+    return folder
+
+
+def run(how: str, folder: Path, mode: str = "warm", reader: str = "auto", ring: str = "") -> dict[str, float]:
+    scratch = folder.with_name(folder.name + ".written")
+    try:
+        where = prepare(mode, folder, scratch)
+        cmd = [sys.executable, "-c", RUN, how, str(where), reader, ring]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -84,7 +122,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--reader", default="auto", help="streamload's reader (posix: a bounded ring, no file mapping)")
     ap.add_argument("--ring-bytes", default="", help="streamload's ring (default: from the machine)")
-    ap.add_argument("--modes", nargs="+", default=["warm", "cold"], choices=["warm", "cold"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     args = ap.parse_args()
     if args.make:
         make(args.folder, args.hidden, args.moe, args.layers, args.experts)
@@ -96,12 +134,15 @@ def main() -> None:
     print("| mode | streamload s | transformers s | ratio | streamload peak extra | transformers peak extra | "
           "streamload / checkpoint bytes |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
+    run("streamload", args.folder, "warm", args.reader, args.ring_bytes)  # imports' files in the page cache
     for mode in args.modes:
+        if mode == "cold" and not can_drop_caches():
+            print(f"| cold | not measured: {DROP_CACHES} cannot be written here (needs root) | | | | | |")
+            continue
         got: dict[str, list[dict[str, float]]] = {"streamload": [], "transformers": []}
-        run("streamload", args.folder, False, args.reader, args.ring_bytes)  # the page cache and imports warm
         for _ in range(args.runs):
             for how in got:
-                got[how].append(run(how, args.folder, mode == "cold", args.reader, args.ring_bytes))
+                got[how].append(run(how, args.folder, mode, args.reader, args.ring_bytes))
         s = statistics.median(r["seconds"] for r in got["streamload"])
         t = statistics.median(r["seconds"] for r in got["transformers"])
         sm = statistics.median(r["peak_extra"] for r in got["streamload"])
