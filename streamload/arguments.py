@@ -131,4 +131,17 @@ def verify(value: T, name: str = "verify") -> T:
     raise TypeError(f"{name} must be True, False or {{file name: SHA-256 hex}}, not {_kind(value)}")
 
 
-__all__ = ["count", "into", "parse_size", "path", "patterns", "shard", "size", "source", "verify"]
+def peers(value: T, name: str = "peers") -> T:
+    """None, a peer's URL (or several, with commas: `storage/peers.py`), or a list of them; an entry that
+    names no peer is left out at the load, with a warning (peers can only make a load faster)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)):
+        bad = next((v for v in value if not isinstance(v, str)), None)
+        if bad is None:
+            return value
+        raise TypeError(f"{name} must be URLs or host names (text), not {_kind(bad)}")
+    raise TypeError(f"{name} must be a URL, a host name or a list of them, not {_kind(value)}")
+
+
+__all__ = ["count", "into", "parse_size", "path", "patterns", "peers", "shard", "size", "source", "verify"]

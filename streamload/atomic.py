@@ -3,30 +3,23 @@
 `write` writes a file under a name of the writer's own beside it (`<name>.partial.<host>.<pid>.<random>`:
 created new, never through a symlink, so that two writers never mix their bytes) and renames it into
 place (or links it, where an existing file is never replaced); `folder` opens a folder under a root
-without following links, for `write`'s `dir_fd`; `unpack` writes an archive's files and folders one by
-one, as data (never `extractall`: no links, devices, or names leaving the folder), into a folder of this
-process's own inside a root (`owned.py`) and renames into place what the root lacks. What fails leaves
-nothing of it behind. No torch here: the fetch started before vLLM's import writes and unpacks too.
+without following links, for `write`'s `dir_fd`. What fails leaves nothing of it behind. No torch here:
+the fetch started before vLLM's import writes too. (Archives are unpacked where they are installed:
+integrations/vllm/startup/unpack.py.)
 """
 
 from __future__ import annotations
 
 import errno
-import io
 import os
 import secrets
-import shutil
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
-
-if TYPE_CHECKING:
-    import tarfile
+from typing import BinaryIO
 
 PARTIAL = ".partial."  # a file being written: `<name>.partial.<writer_tag()>`
 NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC  # a file of this writer's own
-INSTALLING = ".streamload-installing-"  # an archive being unpacked into a root (owned.py)
 FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # a folder, never through a link
 _NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK}  # a file system without hard links
 
@@ -130,145 +123,3 @@ def subfolder(parent: int, name: str, create: bool = True) -> int:
     except FileExistsError:  # made meanwhile (by another process), or a link: opened as any other
         pass
     return os.open(name, FOLDER, dir_fd=parent)
-
-
-def unpack(data: bytes, root: Path, pick: Callable[[Path], Iterable[Path]], what: str = "an archive") -> list[Path]:
-    """Write the tar archive `data` (uncompressed), member by member, into a folder of this process's
-    own inside `root` (what an unpack killed midway left is removed first), then rename each path
-    `pick` names in that folder (it is given the folder) to the same place in `root`, where `root`
-    lacks it: each whole, or not at all (another process may have put it there first). The paths put
-    in place; the rest is removed. Only files (mode 0644, or 0755 where executable) and folders (0755)
-    are written, never through a link; an archive (`what`, in the error) holding anything else (a link,
-    a device, a FIFO), a name that is absolute, holds `..` or an empty part, or names a path twice, is
-    refused whole (ValueError) before a byte of it is written: it is not what `publish` packs."""
-    import tarfile  # only where an archive is unpacked: the fetch process starts in milliseconds
-
-    from . import owned  # (owned.py writes its records through `write`)
-
-    try:
-        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:")  # uncompressed only: no gzip bomb
-        members = _checked(tar.getmembers(), what)
-    except tarfile.TarError as exc:
-        raise ValueError(f"{what}: not an uncompressed tar archive ({exc}); nothing of it was installed") from None
-    root.mkdir(parents=True, exist_ok=True)
-    owned.sweep(INSTALLING, root)
-    staging = owned.make(INSTALLING, root)
-    added: list[Path] = []
-    try:
-        with tar:
-            _write_members(tar, members, staging)
-        for staged in pick(staging):
-            if _moved(staged, root, staged.relative_to(staging).parts):
-                added.append(root / staged.relative_to(staging))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return added
-
-
-def _moved(staged: Path, root: Path, parts: tuple[str, ...]) -> bool:
-    """`staged` renamed to `root/<parts...>` where that is absent (the root's own is never replaced),
-    each folder on the way opened without following a link (`folder`): a link planted there by another
-    user of a shared root makes nothing move. Whether it moved."""
-    try:
-        into = folder(root, *parts[:-1])
-    except (OSError, ValueError):
-        return False
-    try:
-        os.stat(parts[-1], dir_fd=into, follow_symlinks=False)
-        return False  # there already
-    except FileNotFoundError:
-        pass
-    except OSError:
-        return False
-    try:
-        os.rename(staged, parts[-1], dst_dir_fd=into)
-    except OSError:  # another process put it there first
-        return False
-    finally:
-        os.close(into)
-    return True
-
-
-def _checked(members: list[tarfile.TarInfo], what: str) -> list[tuple[tarfile.TarInfo, tuple[str, ...]]]:
-    """Each member with its name's parts, where all are files and folders under plain relative names,
-    none named twice nor both a file and a folder; else ValueError naming `what` and the member."""
-    out: list[tuple[tarfile.TarInfo, tuple[str, ...]]] = []
-    files: set[tuple[str, ...]] = set()
-    folders: set[tuple[str, ...]] = set()
-    for member in members:
-        parts = _parts(member.name)
-        refused = _refusal(member, parts, files, folders)
-        if refused:
-            raise ValueError(
-                f"{what}: member {member.name!r} {refused}: only files and folders are unpacked; "
-                "nothing of it was installed"
-            )
-        assert parts is not None
-        (files if member.isreg() else folders).add(parts)
-        folders.update(parts[:k] for k in range(1, len(parts)))
-        out.append((member, parts))
-    return out
-
-
-def _refusal(
-    member: tarfile.TarInfo, parts: tuple[str, ...] | None, files: set[tuple[str, ...]], folders: set[tuple[str, ...]]
-) -> str:
-    """Why `member` (its name's `parts`; `files` and `folders` those of the members before it) is
-    refused, or "" where it is not."""
-    if not (member.isreg() or member.isdir()):
-        return "is " + _kind(member)
-    if parts is None or (member.isreg() and not parts):
-        return "is not a plain relative name (absolute, `..` or an empty part)"
-    if parts in files or (member.isreg() and parts in folders) or any(parts[:k] in files for k in range(1, len(parts))):
-        return "names a path twice, or a file as a folder"
-    return ""
-
-
-def _parts(name: str) -> tuple[str, ...] | None:
-    """A member's name as its parts (`.` parts dropped, one trailing `/` allowed), or None where it is
-    absolute or holds `..` or an empty part (`a//b`)."""
-    parts = [part for part in name.removesuffix("/").split("/") if part != "."]
-    if name.startswith("/") or any(part in ("", "..") for part in parts):
-        return None
-    return tuple(parts)
-
-
-def _kind(member: tarfile.TarInfo) -> str:
-    if member.issym():
-        return f"a symbolic link (to {member.linkname!r})"
-    if member.islnk():
-        return f"a hard link (to {member.linkname!r})"
-    if member.ischr() or member.isblk():
-        return "a device"
-    if member.isfifo():
-        return "a FIFO"
-    return f"of tar type {member.type!r}"
-
-
-def _write_members(tar: tarfile.TarFile, members: list[tuple[tarfile.TarInfo, tuple[str, ...]]], into: Path) -> None:
-    """The checked members' folders made and files written under `into`, a folder this process made
-    (no link in it: none is written), each file created new, never through a link."""
-    for member, parts in members:
-        if member.isdir():
-            _folders(into, parts)
-            continue
-        mode = 0o755 if member.mode & 0o100 else 0o644
-        fd = os.open(_folders(into, parts[:-1]) / parts[-1], NEW, mode)
-        with open(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)  # readable by every user of the node, whatever this umask
-            source = tar.extractfile(member)
-            assert source is not None  # (a regular file's)
-            shutil.copyfileobj(source, f)
-
-
-def _folders(into: Path, parts: tuple[str, ...]) -> Path:
-    """`into/<parts...>`, each folder made (0755) where absent."""
-    path = into
-    for part in parts:
-        path = path / part
-        try:
-            os.mkdir(path)
-        except FileExistsError:
-            continue
-        os.chmod(path, 0o755)  # nosec B103 # compiled folders: every user of the node reads them, none writes
-    return path

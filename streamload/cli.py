@@ -1,4 +1,4 @@
-"""The `streamload` command: demo, inspect, digest, load, bench, serve, vllm-check."""
+"""The `streamload` command: demo, inspect, digest, load, bench, serve, seed, vllm-check."""
 
 from __future__ import annotations
 
@@ -63,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="keep a local copy of a remote checkpoint here, and read it next time (default: none)",
     )
+    load.add_argument("--peers", action="append", default=None, metavar="PEER",
+                      help="a node seeding the objects (http://HOST:PORT, HOST[:PORT] or a name whose addresses are "
+                      "the nodes; repeat, or commas, for several): read from first, each block checked against the "
+                      "source's digests (docs/peers.md)")  # fmt: skip
     load.add_argument("--verify", action="store_true", help="check the bytes against known digests as they are "
                       "read (a Hugging Face cache's, or streamload.digests.json from `streamload digest`)")  # fmt: skip
     load.add_argument("--threads", type=_positive, default=None, help="reader threads (default: from the machine)")
@@ -111,12 +115,31 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--compile-cache", action="append", default=None, metavar="sha256:HEX",
                        help="fetch, first, the compiled-artifact archive of this digest published beside the "
                        "weights (it runs as code: only a pinned one is installed; repeat for several)")  # fmt: skip
+    serve.add_argument("--peers", action="append", default=None, metavar="PEER",
+                       help="a node seeding the weights, fetched from first (as for `streamload load`; default: the "
+                       "command's \"peers\" option)")  # fmt: skip
+    serve.add_argument("--seed", default=None, metavar="[HOST:]PORT",
+                       help="serve the complete copies in --cache-dir to other nodes' peers at this address, once the "
+                       "fetch has ended, until the server exits (e.g. 8470; no authentication: keep the port inside "
+                       "the cluster)")  # fmt: skip
     serve.add_argument("server", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the server to run")
+    seed = sub.add_parser("seed", help="serve the complete copies in a cache directory to peers over HTTP ranges",
+                          description="Serve the complete copies a --cache-dir holds to other nodes' loads with "
+                          "peers= (docs/peers.md), until stopped (SIGTERM, Ctrl-C); the first line printed names "
+                          "the URL. Read-only; no authentication: keep the port inside the cluster.")  # fmt: skip
+    seed.add_argument("--cache-dir", type=Path, required=True, help="the cache directory loads keep copies in")
+    seed.add_argument("--host", default="0.0.0.0", help="the address to serve on (default: all)")  # nosec B104 # seeding serves other nodes
+    seed.add_argument("--port", type=int, default=None, help="the port (default: 8470; 0: any free one)")
+    seed.add_argument("--rate", type=_size, default=None, metavar="BYTES", help="the most bytes a second sent to "
+                      "all peers together, e.g. 50MB (default: no cap)")  # fmt: skip
+    seed.add_argument("--connections", type=_positive, default=32, help="connections at once (default: 32)")
     ahead = sub.add_parser("prefetch", help="read a checkpoint ahead of its load: local files into the page cache, "
                            "object storage into --cache-dir")  # fmt: skip
     ahead.add_argument("source", help="a checkpoint directory, file, s3:// or http(s):// prefix")
     ahead.add_argument("--cache-dir", type=Path, default=None, help="where objects go (loads with it read them there)")
     ahead.add_argument("--threads", type=_positive, default=None, help="reads at once (default: as a load)")
+    ahead.add_argument("--peers", action="append", default=None, metavar="PEER",
+                       help="a node seeding the objects, read from first (as for `streamload load`)")  # fmt: skip
     compiled = sub.add_parser(
         "compile-cache", help="publish vLLM's compiled artifacts beside a checkpoint, for nodes that start cold",
         description="Pack vLLM's torch.compile cache (VLLM_CACHE_ROOT, ~/.cache/vllm) into "
@@ -154,6 +177,11 @@ def _positive(text: str) -> int:
     return value
 
 
+def _peers(given: list[str] | None) -> list[str] | None:
+    """`--peers` given once or more, each one peer or several with commas: one list."""
+    return [p for arg in given for p in arg.split(",")] if given else None
+
+
 def _size(text: str) -> int:
     """A byte count: `4194304`, `4MiB`, `4M` (binary), `4MB` (decimal), `1.5GiB`."""
     try:
@@ -175,13 +203,18 @@ def main(argv: list[str] | None = None) -> int:
             _digest(args.path)
         elif args.command == "load":
             tuning = {k: v for k in ("threads", "chunk_bytes", "ring_bytes", "slots") if (v := getattr(args, k))}
-            _load(args.path, args.device, args.dtype, args.reader, tuning, args.cache_dir, args.verify)
+            peers = _peers(args.peers)
+            _load(args.path, args.device, args.dtype, args.reader, tuning, args.cache_dir, args.verify, peers)
         elif args.command == "bench":
             return _bench(args)
         elif args.command == "vllm-check":
             return _vllm_check(args)
+        elif args.command == "seed":
+            from .storage.seed import serve as seed
+
+            seed(args.cache_dir, args.host, args.port, args.rate, args.connections)
         elif args.command == "prefetch":
-            _prefetch(args.source, args.cache_dir, args.threads)
+            _prefetch(args.source, args.cache_dir, args.threads, _peers(args.peers))
         elif args.command == "compile-cache":
             if not args.checkpoint.is_dir():  # publish makes its folder: a mistyped path would get one, silently
                 raise StreamloadError(f"{args.checkpoint}: no such checkpoint directory (publish goes beside it)")
@@ -213,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             from .serve import serve
 
             command = args.server[1:] if args.server[:1] == ["--"] else args.server
-            return serve(command, args.source, args.cache_dir, args.compile_cache)
+            return serve(command, args.source, args.cache_dir, args.compile_cache, _peers(args.peers), args.seed)
     except (StreamloadError, ValueError) as exc:
         print(f"streamload: error: {exc}", file=sys.stderr)
         return 1
@@ -230,11 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _prefetch(source: str, cache_dir: Path | None, threads: int | None) -> None:
+def _prefetch(source: str, cache_dir: Path | None, threads: int | None, peers: list[str] | None = None) -> None:
     from .prefetch import fetch
 
     started = time.perf_counter()
-    report = fetch(source, cache_dir, None, threads)
+    report = fetch(source, cache_dir, None, threads, peers)
     if not report["ok"]:
         raise StreamloadError(f"{redacted(source)}: {redacted(report['error'])}")
     where = f"{redacted(source)} into {cache_dir}" if cache_dir is not None else redacted(source)
@@ -385,13 +418,14 @@ def _load(
     tuning: dict[str, int],
     cache_dir: str | None,
     verify: bool = False,
+    peers: list[str] | None = None,
 ) -> None:
     from . import progress
     from .api import iter as stream_iter
 
     # A dtype's name is resolved (and an unknown one refused) by the API, as for any caller.
     stream = stream_iter(path, device=device, dtype=dtype, reader=reader, cache_dir=cache_dir, verify=verify,
-                         **tuning)  # type: ignore[arg-type]  # fmt: skip
+                         peers=peers, **tuning)  # type: ignore[arg-type]  # fmt: skip
     s = stream.stats
     sizes = {i.name: i.nbytes for i in stream.plan.items}
     # The bar library loads draw, from the start (asked for); plain lines where none is drawn (a log, a pipe,

@@ -41,6 +41,14 @@ class IntegrityError(StreamloadError):
     def __str__(self) -> str:
         if not self.handed_out:
             return super().__str__()
-        shown = ", ".join(repr(n) for n in self.handed_out[:5])
-        more = f" and {len(self.handed_out) - 5} more" if len(self.handed_out) > 5 else ""
-        return f"{super().__str__()}; handed out already: {shown}{more}"
+        return f"{super().__str__()}; handed out already: {listed(self.handed_out, 5)}"
+
+
+def listed(names: list[str], most: int = 20) -> str:
+    """Names as an error lists them: the first `most`, quoted, and how many more.
+
+    >>> listed(["a", "b", "c"], 2)
+    "'a', 'b' and 1 more"
+    """
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")

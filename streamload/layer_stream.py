@@ -97,7 +97,7 @@ def layers(source: Source, *, key: Callable[[str], str] | None = None, **options
         A `LayerStream` of (key, {name: tensor}); groups spanning shard files arrive in layer order.
 
     Raises:
-        As `iter`.
+        StreamloadError: as `iter` raises them.
 
     Example:
         >>> for key, tensors in streamload.layers("model/", device="cpu"):  # doctest: +SKIP

@@ -15,11 +15,11 @@ from torch import nn
 from . import progress
 from .convert import Conversion
 from .device import resolve
-from .errors import StreamloadError, UnsupportedError
+from .errors import StreamloadError, UnsupportedError, listed
 from .layer_keys import layer_of
 from .layer_stream import LayerStream, layers
+from .pages import Release
 from .plan import Item, cannot_convert, scaled
-from .read.mmap import Release
 from .source import Checkpoint, Source, open_checkpoint
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class LoadResult:
     left_on_meta: list[str] = field(default_factory=list)
 
 
-class _Filler:
+class Filler:
     """Assigns arriving tensors to a module's parameters and buffers (the logic both faces share)."""
 
     def __init__(self, module: nn.Module) -> None:
@@ -72,7 +72,7 @@ class _Filler:
         if names is None:
             self.result.unexpected_keys.append(name)
             return
-        old = self._get(name)
+        old = self.held(name)
         placed = aligned(tensor)
         if placed is not tensor and tensor.untyped_storage().data_ptr() not in self.theirs:
             self._release(tensor)  # copied: the file pages it viewed (ours) need not stay with the process
@@ -99,7 +99,8 @@ class _Filler:
         path, _, attr = name.rpartition(".")
         return self.modules[path], attr
 
-    def _get(self, name: str) -> torch.Tensor:
+    def held(self, name: str) -> torch.Tensor:
+        """The parameter or buffer the module holds under `name` now."""
         owner, attr = self._owner(name)
         return owner._parameters[attr] if self.kind[name] == "parameter" else owner._buffers[attr]  # type: ignore[return-value]
 
@@ -151,7 +152,7 @@ class _Filler:
             target = self.target_of(name)
             if target not in self.group_of or not self._assigned_whole(target):
                 continue
-            declared = tuple(self._get(target).shape)
+            declared = tuple(self.held(target).shape)
             if shape != declared:
                 why = hint(target, shape, declared) if hint is not None else ""
                 wrong.append(f"{path}: tensor {name!r} is {list(shape)}, {self.kind[target]} {target!r} is "
@@ -182,7 +183,7 @@ class _Filler:
         for item in items:
             if item.into is not None or (target := target_of(item.name)) not in self.group_of:
                 continue  # written in place: the plan checked it; or not the module's
-            declared = self._get(target).dtype
+            declared = self.held(target).dtype
             kinds_differ = item.out.is_floating_point != declared.is_floating_point
             if item.out != declared and (scaled(item.out) or scaled(declared) or kinds_differ):
                 raise StreamloadError(
@@ -195,7 +196,7 @@ class _Filler:
         """Assign a group's tensors; the (key, submodule) for `on_layer` when the group is a layer
         and there is an `on_layer` (the sync and async faces only differ in how they call it)."""
         arriving = tensors.items() if self.dequantization is None else self.dequantization.apply(
-            tensors, lambda name: self._get(self.target_of(name)).dtype, self._release
+            tensors, lambda name: self.held(self.target_of(name)).dtype, self._release
         )  # fmt: skip
         for name, t in arriving:
             self.assign(name, t)  # (a computed weight is put away before the next is computed)
@@ -211,33 +212,33 @@ class _Filler:
         missing = sorted(n for n in self.expected if not any(a in present for a in self.group_of.get(n, [n])))
         unexpected = sorted(n for n in present if n not in self.group_of)
         if missing or unexpected:
-            parts = [f"missing keys: {_short(missing)}"] if missing else []
-            parts += [f"unexpected keys: {_short(unexpected)}"] if unexpected else []
+            parts = [f"missing keys: {listed(missing)}"] if missing else []
+            parts += [f"unexpected keys: {listed(unexpected)}"] if unexpected else []
             raise StreamloadError(
                 f"loading into {type(self.module).__name__}: {'; '.join(parts)}; nothing was read. Check that the "
-                f"checkpoint is this model's (it holds e.g. {_short(sorted(present)[:3])}), or {fix}"
+                f"checkpoint is this model's (it holds e.g. {listed(sorted(present)[:3])}), or {fix}"
             )
 
     def finish(self, strict: bool) -> LoadResult:
         r = self.result
         r.missing_keys = sorted(self.expected - self.filled)
         r.left_on_meta = sorted(
-            n for n in self.kind if n not in self.filled and (t := self._get(n)) is not None and t.is_meta
+            n for n in self.kind if n not in self.filled and (t := self.held(n)) is not None and t.is_meta
         )
         if strict and (r.missing_keys or r.unexpected_keys or r.left_on_meta):
             parts = []
             if r.missing_keys:
-                parts.append(f"missing keys: {_short(r.missing_keys)}")
+                parts.append(f"missing keys: {listed(r.missing_keys)}")
             if r.unexpected_keys:
-                parts.append(f"unexpected keys: {_short(r.unexpected_keys)}")
+                parts.append(f"unexpected keys: {listed(r.unexpected_keys)}")
             extra = [n for n in r.left_on_meta if n not in r.missing_keys]
             if extra:
-                parts.append(f"left on the meta device, not in the checkpoint: {_short(extra)}")
+                parts.append(f"left on the meta device, not in the checkpoint: {listed(extra)}")
             raise StreamloadError(f"loading into {type(self.module).__name__}: " + "; ".join(parts))
         return r
 
 
-class _InPlaceFiller(_Filler):
+class _InPlaceFiller(Filler):
     """Writes arriving tensors into the module's existing parameters and buffers: every tensor keeps
     its storage (and address), so CUDA graphs and optimisers holding them stay valid. The stream
     writes the staged bytes straight into each destination (`iter(into=...)`), converting to its dtype."""
@@ -250,17 +251,17 @@ class _InPlaceFiller(_Filler):
         self.written(name)
 
 
-def _own_tensors(filler: _Filler, options: Options) -> dict[str, torch.Tensor]:
+def _own_tensors(filler: Filler, options: Options) -> dict[str, torch.Tensor]:
     """The module's tensors, to be written in place (none may be on meta, and no dtype= is given)."""
     if options.get("dtype") is not None:
         raise UnsupportedError(
             "load_into(in_place=True) converts each tensor to its parameter's own dtype: leave out dtype="
         )
-    tensors = {name: filler._get(name) for name in filler.kind}
+    tensors = {name: filler.held(name) for name in filler.kind}
     on_meta = [n for n, t in tensors.items() if t is not None and t.is_meta]
     if on_meta:
         raise UnsupportedError(
-            f"load_into(in_place=True) writes into the module's tensors, but {_short(on_meta, 5)} "
+            f"load_into(in_place=True) writes into the module's tensors, but {listed(on_meta, 5)} "
             "are on the meta device: load without in_place to assign new tensors"
         )
     return {n: t.detach() for n, t in tensors.items() if t is not None}
@@ -274,8 +275,8 @@ def _writing_into(options: Options, into: dict[str, torch.Tensor]) -> Options:
     return {**options, "into": into}
 
 
-class _ConvertingFiller(_Filler):
-    """Fills as `_Filler` (or, `in_place`, as `_InPlaceFiller`) does, through a `Conversion`: a renamed
+class _ConvertingFiller(Filler):
+    """Fills as `Filler` (or, `in_place`, as `_InPlaceFiller`) does, through a `Conversion`: a renamed
     tensor goes to its target's name; a target several tensors fill is allocated once (the
     parameter's dtype, on the stream's device) or, in place, is the module's own, and each source is
     read straight into its region (`into=`); the target counts as filled once all have come."""
@@ -330,7 +331,7 @@ class _ConvertingFiller(_Filler):
     def _dtype_of(self, target: str, sources: list[str]) -> torch.dtype:
         """A fused target's dtype: its parameter's, or the one its computed sources all come in."""
         computed = {self.dequantization.dtypes.get(s) for s in sources} if self.dequantization else {None}
-        return computed.pop() if len(computed) == 1 and None not in computed else self._get(target).dtype
+        return computed.pop() if len(computed) == 1 and None not in computed else self.held(target).dtype
 
     def assign(self, name: str, tensor: torch.Tensor) -> None:
         target = self.conversion.target_of(name)
@@ -433,17 +434,12 @@ def _skipping_meta(initialise: Callable[..., torch.Tensor]) -> Callable[..., tor
     return initialise_unless_meta
 
 
-def _short(names: list[str], most: int = 20) -> str:
-    shown = ", ".join(repr(n) for n in names[:most])
-    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def _filler(module: nn.Module, in_place: bool, caller: str, conversion: Conversion | None = None) -> _Filler:
+def _filler(module: nn.Module, in_place: bool, caller: str, conversion: Conversion | None = None) -> Filler:
     if not isinstance(module, nn.Module):
         raise TypeError(f"{caller} fills a torch.nn.Module, not {type(module).__name__}: build the model first")
     if conversion is not None and conversion.regions:
         return _ConvertingFiller(module, conversion, in_place)
-    return _InPlaceFiller(module) if in_place else _Filler(module)
+    return _InPlaceFiller(module) if in_place else Filler(module)
 
 
 @progress.shown  # a bar on a terminal, for a long load (progress.py)
@@ -508,7 +504,7 @@ def load_into(
                 on_layer(*layer)  # type: ignore[misc]
     if dequantize is not None and (left := dequantize.left()):
         what = f"loading into {type(module).__name__}"
-        raise StreamloadError(f"{what}: {_short(left)} came without its partner (values or scale)")
+        raise StreamloadError(f"{what}: {listed(left)} came without its partner (values or scale)")
     return filler.finish(strict)
 
 

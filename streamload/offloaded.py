@@ -23,7 +23,7 @@ from torch import nn
 from . import device as devices
 from .api import iter as stream_tensors
 from .convert import Conversion
-from .errors import StreamloadError, UnsupportedError
+from .errors import StreamloadError, UnsupportedError, listed
 from .format import TensorInfo
 from .layer_keys import group_of, layer_of, layer_rank
 from .limits import shared_limits
@@ -436,17 +436,17 @@ def offload(
             break
     streamed = layer_keys[len(resident) :]
     keep = fixed + [n for k in resident for n in by_key[k]]
-    from .module import _Filler, load_into
+    from .module import Filler, load_into
 
     # what the model needs and the checkpoint lacks (tied weights count as present), before any read
     if convert.regions:
         convert.check({n: t.shape for n, t in checkpoint.tensors.items() if n in convert.regions})
     names = convert.targets(checkpoint.tensors)
-    _Filler(model).check_names(names, fix="check that the checkpoint is this model's")
+    Filler(model).check_names(names, fix="check that the checkpoint is this model's")
     # buffers no checkpoint holds (rotary inv_freq) must come from the constructor, not stay on meta
     empty = [n for n, b in model.named_buffers() if b.is_meta and n not in names]
     if empty:
-        shown = ", ".join(repr(n) for n in empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        shown = listed(empty, 5)
         raise StreamloadError(
             f"offload: buffers {shown} are on the meta device and not in the checkpoint, so nothing would "
             "fill them (the model was built under torch.device('meta')?): build it under "

@@ -11,7 +11,7 @@ carries. The rest derive from it: `Options` (the `**options` that `load`, `layer
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict, TypeVar
 
@@ -65,6 +65,7 @@ TABLE: dict[str, Option] = {
         Option("order", _checked_where_used),
         Option("cooperative", _checked_where_used),  # a process group: vLLM's config has a switch of its own
         Option("cache_dir", _checked_where_used, str),
+        Option("peers", arguments.peers, (str, list)),  # nodes seeding the files (storage/peers.py)
     )
 }
 # The options a JSON config carries as `iter` takes them, and their types there (vLLM's loader passes
@@ -105,6 +106,7 @@ class Options(TypedDict, total=False):
     order: Order
     cooperative: bool | ProcessGroup | Fleet
     cache_dir: PathLike | None
+    peers: str | Sequence[str] | None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from .errors import UnsupportedError
 from .format import FileHeader, TensorInfo
 from .layer_keys import layer_rank
 from .source import Checkpoint
+from .torch_device import same
 
 if TYPE_CHECKING:
     from .shard import ShardSpec, Slice
@@ -340,11 +341,8 @@ def why_not_into(stored: torch.dtype, dest: torch.Tensor, device: torch.device |
     """Why `iter(into=...)` refuses to write bytes stored as `stored` into `dest`, whatever the shapes
     (`_into` checks those against the rank's part), or "". With `device`: also a `dest` elsewhere than
     the stream's device (as `api.iter` refuses it)."""
-    if device is not None:
-        from .device import same  # (device/ imports this module)
-
-        if not same(dest.device, device):
-            return f"cannot load in place into a tensor on {dest.device} from a stream into {device}"
+    if device is not None and not same(dest.device, device):
+        return f"cannot load in place into a tensor on {dest.device} from a stream into {device}"
     if not converts(stored, dest.dtype):
         return f"cannot load {stored} in place into a {dest.dtype} tensor: {cannot_convert(stored, dest.dtype)}"
     if dest.is_meta:

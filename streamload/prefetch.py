@@ -83,6 +83,7 @@ def start(
     compile_caches: Path | None = None,
     pinned: frozenset[str] = frozenset(),
     work: Path | None = None,
+    peers: Sequence[str] = (),
 ) -> Prefetch:
     """Start fetching `source` in a process of its own; it ends when this process does (or `stop`).
     `work`: a directory this process made (`owned.make`) for the fetch to write in, which the fetch
@@ -101,6 +102,7 @@ def start(
         argv += ["--compile-caches", str(compile_caches), *(f"--pin={pin}" for pin in sorted(pinned))]
     if work is not None:
         argv += ["--work", str(work)]
+    argv += [f"--peers={peer}" for peer in peers]
     starter = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # nosec B603 # argv built here
     assert starter.stdout is not None
     with starter.stdout:
@@ -113,7 +115,12 @@ def start(
     return prefetch
 
 
-def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None, compile_cache: Any = None) -> dict[str, Any]:
+def ahead(
+    source: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    compile_cache: Any = None,
+    peers: str | Sequence[str] | None = None,
+) -> dict[str, Any]:
     """Start fetching `source` for a server this process is about to start, and publish the fetch in
     the environment (`ENV`), where streamload's vLLM load format, in this process or any it starts,
     adopts it instead of starting another. Call it first, before importing vLLM (seconds of imports
@@ -127,8 +134,9 @@ def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None, compile_
     this process exits). The fetch ends with this process. Returns what the loader needs to find the
     weights (also the value of `ENV`). `compile_cache`: the digests of the compiled-artifact archives
     published beside the weights that this node trusts (`pins.py`), fetched before the weights; none
-    is fetched without."""
+    is fetched without. `peers`: nodes seeding the weights, read from first (storage/peers.py)."""
     from .pins import pins
+    from .storage.peers import names
 
     pinned = pins(compile_cache)
     remote = "://" in source
@@ -141,7 +149,7 @@ def ahead(source: str, cache_dir: str | os.PathLike[str] | None = None, compile_
             staging.mkdir(parents=True, exist_ok=True)
         compiled = work / "compiled" if remote and pinned else None  # a local archive is read where it lies
         fetching = start(source, work / "done.json", staging, model_infos=True, compile_caches=compiled, pinned=pinned,
-                         work=work)  # fmt: skip
+                         work=work, peers=names(peers))  # fmt: skip
         owned.share(work, fetching.pid)  # it writes there until it sees this process gone
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -411,20 +419,27 @@ def _alive(pid: int) -> bool:
 
 
 def fetch(
-    source: str, cache_dir: Path | None = None, budget: int | None = None, threads: int | None = None
+    source: str,
+    cache_dir: Path | None = None,
+    budget: int | None = None,
+    threads: int | None = None,
+    peers: str | Sequence[str] | None = None,
 ) -> dict[str, object]:
     """Read `source` once, keeping nothing (the page cache, or `cache_dir` for object storage, keeps
     the bytes); the report `wait` returns. No torch is imported: the first request is out within
-    milliseconds of the process's start."""
+    milliseconds of the process's start. `peers`: nodes seeding the objects, read from first
+    (storage/peers.py)."""
     if "://" not in source:
         return _fetch_local(Path(source), budget)
-    return _fetch_objects(source, cache_dir, budget, threads)
+    return _fetch_objects(source, cache_dir, budget, threads, peers)
 
 
 FETCH_BYTES = 8 << 20  # one read of an object's bytes (the store's pace cuts it into its own requests)
 
 
-def _fetch_objects(source: str, cache_dir: Path | None, budget: int | None, threads: int | None) -> dict[str, object]:
+def _fetch_objects(
+    source: str, cache_dir: Path | None, budget: int | None, threads: int | None, peers: str | Sequence[str] | None
+) -> dict[str, object]:
     """Every file of `source` into `cache_dir`, file after file (each complete, and usable by a load
     waiting for it, as early as it can be), by as many reads at once as a load makes."""
     import shutil
@@ -432,6 +447,7 @@ def _fetch_objects(source: str, cache_dir: Path | None, budget: int | None, thre
 
     from .defaults import reader_threads
     from .source import open_checkpoint
+    from .storage.peers import with_peers
 
     checkpoint = open_checkpoint(source, cache_dir)
     if checkpoint.storage.kind == "local":  # every file is in the cache already
@@ -442,7 +458,7 @@ def _fetch_objects(source: str, cache_dir: Path | None, budget: int | None, thre
         budget = shutil.disk_usage(cache_dir).free
     if budget is not None and checkpoint.nbytes > budget:
         return _over(checkpoint.nbytes, budget)
-    files = checkpoint.storage.open({h.path: h for h in checkpoint.files})
+    files = with_peers(checkpoint.storage, peers).open({h.path: h for h in checkpoint.files})
     reads = [(h.path, at, min(FETCH_BYTES, h.size - at)) for h in checkpoint.files
              for at in range(h.data_start, h.size, FETCH_BYTES)]  # fmt: skip
     pool = ThreadPoolExecutor(threads or reader_threads(), thread_name_prefix="streamload-fetch")
@@ -546,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
                         "published beside the weights that may be this node's into this folder")  # fmt: skip
     parser.add_argument("--pin", action="append", default=[], help="a digest of a compiled-artifact archive "
                         "to fetch (sha256:HEX; pins.py): others are not kept")  # fmt: skip
+    parser.add_argument("--peers", action="append", default=[], help="a node seeding the objects (a URL, or a "
+                        "name whose addresses are the nodes; repeat for several): read from first")  # fmt: skip
     parser.add_argument("--watch", type=int, help="end when the process of this id ends (`start`)")
     parser.add_argument("--work", type=Path, help="the folder the watched process made for this fetch "
                         "(owned.make): removed when it ends")  # fmt: skip
@@ -564,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(Exception):  # an optimisation only: the worker fetches its archive itself
             stage_compile_caches(args.source, args.compile_caches, frozenset(args.pin))
     try:
-        report = fetch(args.source, args.cache_dir, args.budget, args.threads)
+        report = fetch(args.source, args.cache_dir, args.budget, args.threads, args.peers)
     except Exception as exc:  # reported, not raised: the load that follows goes on without it
         report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     atomic.write(args.done, json.dumps(report).encode())

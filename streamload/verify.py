@@ -40,26 +40,12 @@ from .read.base import writable_bytes
 from .source import Checkpoint
 from .stats import Stats
 from .storage import Digest, Files, is_hex
+from .storage.digests import BLOCK_BYTES, DIGEST_FILE, FORMAT, block_digest, block_hasher, parse
 
-DIGEST_FILE = "streamload.digests.json"
-FORMAT = "streamload-digests/1"
-BLOCK_BYTES = 1 << 20  # a rank's slice is verified block by block, the blocks it cuts completed from the file
 Verify = bool | Mapping[str, str]
 if TYPE_CHECKING:
     from .pipeline import Waitable
 log = logging.getLogger("streamload")
-
-
-def block_digest(data: memoryview | bytes) -> str:
-    import xxhash  # imported by loads that verify only
-
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-def block_hasher() -> Any:
-    import xxhash
-
-    return xxhash.xxh3_64()
 
 
 class Known(NamedTuple):
@@ -111,17 +97,7 @@ def _digest_file(checkpoint: Checkpoint, near: PurePath) -> dict[str, Any] | Non
     raw = checkpoint.storage.sidecar(near, DIGEST_FILE)
     if raw is None:
         return None
-    where = f"{near.parent}/{DIGEST_FILE}"
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise IntegrityError(f"{where}: not a digest file (invalid JSON: {exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("files"), dict):
-        raise IntegrityError(f"{where}: not a digest file of format {FORMAT!r}; write it anew with `streamload digest`")
-    block = doc.setdefault("block_bytes", BLOCK_BYTES)
-    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-        raise IntegrityError(f"{where}: block_bytes must be a positive integer, not {block!r}")
-    return doc
+    return parse(raw, f"{near.parent}/{DIGEST_FILE}")
 
 
 def choose(checkpoint: Checkpoint, verify: Verify) -> dict[PurePath, Known]:

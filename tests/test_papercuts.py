@@ -520,10 +520,11 @@ def test_prefetch_is_a_subcommand_as_the_readme_shows(tmp_path: Path) -> None:
 
 def test_the_readmes_engine_snippets_run_as_scripts() -> None:
     """vLLM starts its workers by spawning, which imports the script again: an `LLM(...)` at a script's
-    top level starts engines without end (or fails); every README snippet that builds one guards it."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    top level starts engines without end (or fails); every snippet of the README and docs/ that builds one guards it."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    blocks = [b for page in pages for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
     engines = [b for b in blocks if "= LLM(" in b]
-    assert len(engines) >= 3
+    assert len(engines) >= 5
     for block in engines:
         guard = block.index('if __name__ == "__main__":')
         assert all(guard < m.start() for m in re.finditer(r"= LLM\(", block)), block

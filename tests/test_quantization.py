@@ -286,7 +286,7 @@ def test_released_tensors_file_pages_leave_the_process_and_nothing_else_does(tmp
     its pages leave the process (the mapped reader's views kept the whole checkpoint's pages resident to
     the end: 1.59x of the model's bytes, docs/benchmarks.md); a page it shares with a neighbour goes once
     the neighbour is released too, never while the neighbour is in use; memory no file maps stays."""
-    from streamload.read.mmap import Release
+    from streamload.pages import Release
 
     data = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB
     (tmp_path / "f").write_bytes(data.numpy().tobytes())

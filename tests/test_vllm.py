@@ -329,7 +329,7 @@ def test_the_check_from_the_command_line(engines: dict[str, Any]) -> None:
 
 
 def test_the_readmes_cpu_server_recipe_answers_with_vllms_own_tokens(engines: dict[str, Any]) -> None:
-    """vLLM's OpenAI server module with `--load-format streamload` on 127.0.0.1, as the README gives it:
+    """vLLM's OpenAI server module with `--load-format streamload` on 127.0.0.1, as docs/vllm.md gives it:
     started, asked for a completion of each prompt, stopped."""
     run = engines["server"]
     assert "error" not in run, run.get("error")

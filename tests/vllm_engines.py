@@ -506,7 +506,7 @@ def weight_sync(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
 
 
 class Server:
-    """The README's vLLM CPU server recipe, as written: vLLM's OpenAI server module with
+    """The vLLM CPU server recipe of docs/vllm.md, as written: vLLM's OpenAI server module with
     `--load-format streamload`, on 127.0.0.1, in its own process group (it starts an engine process)."""
 
     def __init__(self, model: Path, log: Path) -> None:
@@ -517,7 +517,7 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.model = str(model)
-        # only what the README sets (and the suite's own cache roots: tests/conftest.py's suite_environment)
+        # only what docs/vllm.md sets (and the suite's own cache roots: tests/conftest.py's suite_environment)
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") or k in SUITE_ROOTS}
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
@@ -666,6 +666,68 @@ def http_ahead(root: Path, paths: dict[str, Path], out: dict[str, Any]) -> None:
         server.close()
 
 
+def _answers(url: str) -> bool:
+    """Whether anything accepts connections at `url` (http://HOST:PORT)."""
+    import socket
+
+    host, port = url.split("://")[1].rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def from_peers(root: Path, paths: dict[str, Path], out: dict[str, Any]) -> None:
+    """A node that starts while another serves and seeds (docs/peers.md): engine 1 loads llama from an HTTP
+    store (in one file, its digest file published beside it) into cache_dir node-1 and seeds it ("seed");
+    engine 2, started while engine 1 serves, loads with cache_dir node-2 and peers=[engine 1's seeder]."""
+    from safetensors.torch import load_file, save_file
+
+    from streamload import prefetch
+    from streamload.verify import write_digests
+    from tests.servers import RangeServer
+
+    one = root / "store" / "llama"  # one file: the store's share of a peer's load is its header read alone
+    one.mkdir(parents=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(paths["llama"].glob("*.safetensors")):
+        tensors.update(load_file(f))
+    save_file(tensors, one / "model.safetensors", metadata={"format": "pt"})
+    write_digests(streamload.inspect(one))  # `streamload digest`: what a peer's blocks are checked against
+    server = RangeServer(root / "store")
+    source = f"{server.url}/llama/"
+    try:
+        extra = {"source": source, "cache_dir": str(root / "node-1"), "seed": {"host": "127.0.0.1", "port": 0}}
+        first = engine(paths["llama"], "streamload", model_loader_extra_config=extra)
+        seeding = _report_of(first)["seeding"]
+        # Engine 2 stands for another node: the fetch engine 1 started, named in this process's environment
+        # for the engines it starts to adopt (startup/ahead.py), is not its own.
+        os.environ.pop(prefetch.ENV, None)
+        before, asked, began = server.sent, len(server.requests), time.perf_counter()
+        extra = {"source": source, "cache_dir": str(root / "node-2"), "peers": [seeding]}
+        second = engine(paths["llama"], "streamload", model_loader_extra_config=extra)
+        joined = round(time.perf_counter() - began, 2)
+        run = {"seeding": seeding, "store_sent": server.sent - before, "seconds": joined,
+               "store_requests": server.requests[asked:], "node_2": str(root / "node-2"),
+               "joiner": {"tokens": tokens(second), "state": state(second)},
+               "seeder": {"tokens": tokens(first), "state": state(first)},  # still serving, and seeding
+               "seeding_meanwhile": _answers(seeding)}  # fmt: skip
+        close(second)
+        close(first)
+        run["seeding_after_close"] = _answers(seeding)  # it stops with the engine's model
+        out["llama/peers"] = run
+    finally:
+        os.environ.pop(prefetch.ENV, None)  # engine 2's, likewise: no later engine's
+        server.close()
+
+
+def _report_of(llm: Any) -> dict[str, Any]:
+    import streamload.integrations.vllm
+
+    return llm.collective_rpc(lambda worker: vars(streamload.integrations.vllm.last_load).copy())[0]
+
+
 def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
     out = Timed()
     for name in ("llama", "qwen2-tied", "qwen2-moe"):
@@ -715,6 +777,8 @@ def in_process(root: Path, paths: dict[str, Path]) -> dict[str, Any]:
         close(llm)
     with recording(out, "llama/streamload-http-ahead"):
         http_ahead(root, paths, out)
+    with recording(out, "llama/peers"):
+        from_peers(root, paths, out)
     out["bad-key"] = error_of(lambda: engine(paths["llama"], "streamload", model_loader_extra_config={"thread": 4}))
     out["bad-value"] = error_of(lambda: engine(paths["llama"], "streamload", model_loader_extra_config={"slots": "2"}))
     broken = root / "llama-missing-shard"

@@ -7,8 +7,8 @@ import torch
 
 from ..dtypes import torch_shape
 from ..format import TensorInfo
+from ..pages import Release
 from ..plan import Batch, Item
-from ..read.mmap import Release
 from ..storage import Files, LocalFiles
 from .base import Assembler, Delivered, HostRing, convert
 

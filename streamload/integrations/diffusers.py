@@ -260,13 +260,13 @@ def _build(cls: type, folder: Path, dtype: torch.dtype | None) -> tuple[nn.Modul
         return model, _diffusers_dtypes(cls, dtype)
     import transformers
 
-    from .transformers import default_dtype, skipped_init, tied
+    from . import transformers_internals as internals
 
     config = cls.config_class.from_pretrained(folder)  # type: ignore[attr-defined]
-    dtype = dtype or default_dtype(transformers, config)
-    with skipped_init(transformers), empty_weights():  # transformers' switch first, as in .transformers
+    dtype = dtype or internals.default_dtype(transformers, config)
+    with internals.no_init_weights(), empty_weights():  # transformers' switch first, as in .transformers
         model = cls._from_config(config, **({} if dtype is None else {"dtype": dtype}))  # type: ignore[attr-defined]
-    tied(model)
+    internals.tied(model)
     return model, dtype
 
 

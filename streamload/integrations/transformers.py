@@ -22,8 +22,8 @@ from streamload.api import inspect
 from streamload.convert import Conversion, Region, Step
 from streamload.dequantize import FORMATS, Dequantization, Format
 from streamload.dtypes import as_torch_dtype
-from streamload.errors import UnsupportedError
-from streamload.module import OnLayer, _Filler, empty_weights, load_into
+from streamload.errors import StreamloadError, UnsupportedError, listed
+from streamload.module import Filler, OnLayer, empty_weights, load_into
 from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
 
@@ -87,11 +87,11 @@ def from_pretrained(
         )
     dev = devices.resolve(device)
     config = _config(transformers, source, trust_remote_code)
-    dtype = default_dtype(transformers, config) if dtype is None else as_torch_dtype(dtype)
+    dtype = internals.default_dtype(transformers, config) if dtype is None else as_torch_dtype(dtype)
     kwargs = {} if dtype is None else {"dtype": dtype}
     quantizer = placing_quantizer(config)
     # transformers' switch first: its module, imported on first use, copies torch's initialisers
-    with skipped_init(transformers), empty_weights():
+    with internals.no_init_weights(), empty_weights():
         if model_class is not None:
             model = (
                 model_class._from_config(config, **kwargs)
@@ -103,7 +103,7 @@ def from_pretrained(
         if quantizer is not None:  # its modules, laid out for the stored bytes, as transformers' loader does
             with _default_dtype(dtype):  # (theirs in the model's dtype: a quantized layer's bias is built so)
                 internals.prepare(quantizer, model, dtype)
-    tied(model)
+    internals.tied(model)
     checkpoint = inspect(source, options.get("cache_dir"))
     stored = checkpoint.tensors
     computed, placed = dequantization(config, stored), None
@@ -112,7 +112,7 @@ def from_pretrained(
     shapes = computed.shapes(stored) if computed else {n: tuple(t.shape) for n, t in stored.items()}
     if placed is None:
         placed = conversion(model, shapes, None if computed else quantizer)
-    filler = _Filler(model)
+    filler = Filler(model)
     fits(filler, config, placed.targets(shapes), strict)
     shapes_fit(filler, config, placed, shapes, stored, computed)
     if dtype is not None:  # each tensor as its parameter was built (transformers keeps some in float32)
@@ -237,15 +237,12 @@ _QUANTIZED = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale", ".wei
               ".SCB", ".weight_format")  # fmt: skip
 
 
-def fits(filler: _Filler, config: Any, names: Iterable[str], strict: bool) -> None:
+def fits(filler: Filler, config: Any, names: Iterable[str], strict: bool) -> None:
     """Before any weight is read: the checkpoint's `names` (as placed in the model) against what the
     model needs, each mismatch named with the remedy that really applies. strict=False only drops
     unexpected keys and keeps a missing buffer's initial value: the parameters are built on meta, so
     one the checkpoint lacks would have no values at all, and a quantized checkpoint's weights are
     not the unquantized model's (loading what matches would give wrong values)."""
-    from streamload.errors import StreamloadError
-    from streamload.module import _short
-
     model = filler.module
     present = set(names)
     missing = sorted(n for n in filler.expected if not any(a in present for a in filler.group_of.get(n, [n])))
@@ -253,29 +250,29 @@ def fits(filler: _Filler, config: Any, names: Iterable[str], strict: bool) -> No
     if not (missing or unexpected):
         return
     what = type(model).__name__
-    parts = [f"missing keys: {_short(missing, 10)}"] if missing else []
-    parts += [f"unexpected keys: {_short(unexpected, 10)}"] if unexpected else []
+    parts = [f"missing keys: {listed(missing, 10)}"] if missing else []
+    parts += [f"unexpected keys: {listed(unexpected, 10)}"] if unexpected else []
     marked = [n for n in unexpected if n.endswith(_QUANTIZED)]
     if getattr(config, "quantization_config", None) is not None or marked:
         method = _quantization(config, "quant_method")
-        how = f"its config's quant_method is {str(method)!r}" if method else f"it holds {_short(marked, 3)}"
+        how = f"its config's quant_method is {str(method)!r}" if method else f"it holds {listed(marked, 3)}"
         raise UnsupportedError(
             f"loading into {what}: the checkpoint is quantized ({how}); streamload.from_pretrained builds the "
             "unquantized model and cannot fill it from quantized weights (with strict=False it would load wrong "
             "values or none): load it with transformers' own from_pretrained, or serve it with vLLM; nothing "
             f"was read ({'; '.join(parts)})"
         )
-    empty = [n for n in missing if filler._get(n).is_meta]
+    empty = [n for n in missing if filler.held(n).is_meta]
     if not (strict or empty):
         return
     if empty:
-        fix = (f"; strict=False does not help: the model's {_short(empty, 5)} would have no values (no checkpoint "
+        fix = (f"; strict=False does not help: the model's {listed(empty, 5)} would have no values (no checkpoint "
                "tensor lands there)")  # fmt: skip
     else:
         fix = ", or pass strict=False to load the keys that match: the unexpected keys are ignored" + (
             ", the missing buffers keep their initial values" if missing else ""
         )
-    shown = _short(sorted(present)[:3])
+    shown = listed(sorted(present)[:3])
     raise StreamloadError(
         f"loading into {what}: {'; '.join(parts)}; nothing was read. Check that the checkpoint is this model's "
         f"(it holds e.g. {shown}){fix}"
@@ -283,7 +280,7 @@ def fits(filler: _Filler, config: Any, names: Iterable[str], strict: bool) -> No
 
 
 def shapes_fit(
-    filler: _Filler, config: Any, placed: Conversion, shapes: Mapping[str, tuple[int, ...]],
+    filler: Filler, config: Any, placed: Conversion, shapes: Mapping[str, tuple[int, ...]],
     stored: Mapping[str, Any], computed: Dequantization | None,
 ) -> None:  # fmt: skip
     """Before any weight is read: each tensor the model gets whole has its parameter's shape (what
@@ -440,13 +437,6 @@ def _placed(
     return node
 
 
-def skipped_init(transformers: Any) -> contextlib.AbstractContextManager[Any]:
-    """transformers' own switch that skips `init_weights` (its initialisers keep references to torch's
-    that `empty_weights` cannot patch; on meta tensors they cost ~1.5 ms a tensor for nothing). It
-    skips the weight tying too: `tied` the model after."""
-    return internals.no_init_weights()
-
-
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
     """torch's default dtype `dtype` inside (None: left as it is), and as it was after."""
@@ -457,23 +447,6 @@ def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(before)
-
-
-def tied(model: nn.Module) -> nn.Module:
-    """`model` with its tied weights tied, which `init_weights` does and `skipped_init` skips."""
-    tie = getattr(model, "tie_weights", None)
-    if tie is not None:
-        tie()
-    return model
-
-
-def default_dtype(transformers: Any, config: Any) -> torch.dtype | None:
-    """The dtype transformers' `from_pretrained` gives a model when none is asked for: from version 5
-    on ("auto") the config's `dtype`; None (as stored) where that is unset or before version 5."""
-    if int(transformers.__version__.split(".")[0]) < 5:
-        return None
-    dtype = getattr(config, "dtype", None)
-    return None if dtype is None else as_torch_dtype(dtype)
 
 
 def _config(transformers: Any, source: str | Path, trust_remote_code: bool = False) -> Any:

@@ -1,8 +1,9 @@
 """transformers' internals streamload uses, in one room: its quantizers, its conversion rules and their
-operations, its loader's helpers. These are not transformers' public API and change between releases
-(5.21 made compressed-tensors' expert decompression read the fused parameter's dtype from the model:
-`KeyError: 'model'` where it was called as 5.19 calls it), so `integrations/transformers.py` reaches
-them only through here, and here knows each release's way.
+operations, its loader's helpers (also for the transformers models in diffusers' pipelines). These are
+not transformers' public API and change between releases (5.21 made compressed-tensors' expert
+decompression read the fused parameter's dtype from the model: `KeyError: 'model'` where it was called
+as 5.19 calls it), so `integrations/transformers.py` and `diffusers.py` reach them only through here,
+and here knows each release's way.
 
 Tested on transformers 5.19 (vLLM 0.32's pin) and 5.24; a release of another major version, or one
 before 5.19 (no conversion rules, or none for compressed-tensors' experts), is refused in one line
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from streamload.dtypes import as_torch_dtype
 from streamload.errors import UnsupportedError
 
 LOWEST = (5, 19)  # the oldest release tested
@@ -61,11 +63,30 @@ def mxfp4_in_parameter_dtype() -> bool:
 
 
 def no_init_weights() -> contextlib.AbstractContextManager[Any]:
-    """transformers' own switch that skips `init_weights` (a no-op context where it has none)."""
+    """transformers' own switch that skips `init_weights` (a no-op context where it has none): its
+    initialisers keep references to torch's that `empty_weights` cannot patch; on meta tensors they
+    cost ~1.5 ms a tensor for nothing. It skips the weight tying too: `tied` the model after."""
     try:
         return importlib.import_module("transformers.initialization").no_init_weights()
     except (ImportError, AttributeError):
         return contextlib.nullcontext()
+
+
+def tied(model: nn.Module) -> nn.Module:
+    """`model` with its tied weights tied, which `init_weights` does and `no_init_weights` skips."""
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
+    return model
+
+
+def default_dtype(transformers: Any, config: Any) -> torch.dtype | None:
+    """The dtype transformers' `from_pretrained` gives a model when none is asked for: from version 5
+    on ("auto") the config's `dtype`; None (as stored) where that is unset or before version 5."""
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return None
+    dtype = getattr(config, "dtype", None)
+    return None if dtype is None else as_torch_dtype(dtype)
 
 
 # -- quantizers ----------------------------------------------------------------------------------------

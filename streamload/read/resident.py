@@ -7,9 +7,9 @@ deliver (cold): cold ranges get readahead and larger requests, or O_DIRECT.
 from __future__ import annotations
 
 import ctypes
-import os
 
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+from ..pages import PAGE
+
 _SYS_CACHESTAT = 451  # the same number on every architecture
 _SAMPLE_PAGES = 16  # pages looked at in each of three places of a range
 try:

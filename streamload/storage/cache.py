@@ -246,6 +246,25 @@ def _vouched(place: Place, st: os.stat_result, header: FileHeader) -> bool:
     return record == {**_record(header), **_file(st)} and st.st_size == header.size
 
 
+def record_of(place: Place, st: os.stat_result) -> dict[str, object] | None:
+    """The record at `place` where it vouches for the file `st` describes as a whole copy (its inode,
+    modification time and size), whatever version it names (a seeder's question); else None."""
+    try:
+        fd = place.open(RECORD, os.O_RDONLY)
+        with open(fd, "rb") as f:
+            record = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or set(record) != {"size", "version", *_file(st)}:
+        return None
+    return record if {k: record[k] for k in _file(st)} == _file(st) and record["size"] == st.st_size else None
+
+
+def version_of(header: FileHeader) -> dict[str, object]:
+    """The version a record names for the object whose header was read (its size, ETag or Last-Modified)."""
+    return _record(header)
+
+
 def lookup(cache_dir: Path, headers: Sequence[FileHeader]) -> list[Path] | None:
     """The local copies of every file, if the cache holds all of them complete at the versions whose
     headers were just read; else None (never waits: files being written are the load's to wait for; a

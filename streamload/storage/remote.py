@@ -201,13 +201,19 @@ class ObjectStorage:
 
         return header_from(path, size, bytes(head), read_at)._replace(identity=identity)
 
-    def open(self, headers: dict[PurePath, FileHeader], partly: Partly = None) -> ObjectFiles:
+    def open(
+        self,
+        headers: dict[PurePath, FileHeader],
+        partly: Partly = None,
+        files: Callable[..., ObjectFiles] | None = None,
+    ) -> ObjectFiles:
         """The objects of a load; refused, before any byte is read, where the server gives one no
-        strong ETag and the caller has not allowed that (see the module's docstring)."""
+        strong ETag and the caller has not allowed that (see the module's docstring). `files`: what
+        reads them (default `ObjectFiles`; peers.py passes one that reads from peers first)."""
         weak = _unvalidated(tuple(headers.values()))
         if weak:
             _refuse_or_warn(weak)
-        return ObjectFiles(self, headers, partly)
+        return (files or ObjectFiles)(self, headers, partly)
 
     def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:
         from .cache import lookup
@@ -425,6 +431,16 @@ class ObjectFiles:
         fd = None if copies is None else copies.local(path)
         if fd is not None:  # a complete copy in the cache (or one another writer just completed)
             return [_pread(fd, path, offset, length)]
+        views = self.fetch(path, offset, length)
+        if copies is not None:  # here, not on the loop thread, which serves every request
+            at = offset
+            for view in views:
+                copies.write(path, at, view)
+                at += len(view)
+        return views
+
+    def fetch(self, path: ObjectPath, offset: int, length: int) -> list[memoryview]:
+        """`length` bytes at `offset` from the store (a subclass may get them elsewhere: peers.py)."""
         size = self.storage.pace.request_bytes()
         spans = [(at, min(size, offset + length - at)) for at in range(offset, offset + length, size)]
 
@@ -438,11 +454,7 @@ class ObjectFiles:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
 
-        views = self.storage.wait(every(), path, self._pending, self._stopped)
-        if copies is not None:  # here, not on the loop thread, which serves every request
-            for (at, _), view in zip(spans, views, strict=True):
-                copies.write(path, at, view)
-        return views
+        return self.storage.wait(every(), path, self._pending, self._stopped)
 
     async def _range(self, path: ObjectPath, span: tuple[int, int]) -> memoryview:
         want = self._identity[path]

@@ -20,7 +20,8 @@ Where each job is done:
 - `options.py`: the `model_loader_extra_config` keys and their checks;
 - `config_hook.py`: the `create_load_config` patch (options checked, the fetch started, in the
   process that starts the engine);
-- `loader.py`: the loader class vLLM calls (dispatch only);
+- `loader.py`: the loader class vLLM calls (dispatch only); `state.py`: its state across loads (the
+  options, the files, what the last load read), which the loads and reloads below it share;
 - `files.py`: which files vLLM's default loader would read (the model path, `secondary_weights`);
 - `feed.py`: the stream of (name, tensor) handed to the model's `load_weights`;
 - `direct.py`: the first load: dry run, placement, reads straight into the parameters;
@@ -30,7 +31,7 @@ Where each job is done:
 - `report.py`: what the last load did (`last_load`);
 - `startup/`: work done while the engine starts: the fetch (`ahead.py`), compiling while the
   weights arrive (`overlap.py`), installing the compiled artifacts published beside the weights
-  (`install_compiled.py`; the artifacts themselves: `startup/compiled.py`);
+  (`install_compiled.py`; the artifacts themselves: `startup/compiled.py`, unpacked by `unpack.py`);
 - `placement/`: the dry run (`dryrun.py` and its parts) and layers that load alike (`twins.py`);
 - `sync.py`: the "streamload" weight-transfer engine; `check.py`: `streamload vllm-check`.
 
@@ -52,16 +53,16 @@ from streamload.errors import StreamloadError
 
 if TYPE_CHECKING:
     from .loader import StreamloadModelLoader
-    from .options import OPTIONS, check_options
+    from .options import FORMAT, OPTIONS, check_options
     from .report import Report, last_load
 
 TESTED_VLLM = ("0.32.0",)  # the releases the integration (its hook, loaders and reloads) is tested on
-FORMAT = "streamload"
 
 log = logging.getLogger("vllm.streamload")  # under vLLM's logger: shown with vLLM's own lines
 
 # name -> the module that defines it, imported when the name is first asked for
 _EXPORTS = {
+    "FORMAT": ".options",
     "OPTIONS": ".options",
     "check_options": ".options",
     "Report": ".report",
@@ -88,7 +89,7 @@ def register() -> None:
         else:
             _register_refusal(version)
     except Exception as exc:  # vLLM starts as if streamload were not installed
-        log.warning("streamload: the %r load format is not available (%s: %s)", FORMAT, type(exc).__name__, exc)
+        log.warning("streamload: the 'streamload' load format is not available (%s: %s)", type(exc).__name__, exc)
 
 
 def _register_tested() -> None:
@@ -97,6 +98,7 @@ def _register_tested() -> None:
 
     from . import check, config_hook
     from .loader import StreamloadModelLoader
+    from .options import FORMAT
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(FORMAT) is not StreamloadModelLoader:
         register_model_loader(FORMAT)(StreamloadModelLoader)
@@ -123,6 +125,8 @@ def _register_refusal(version: str) -> None:
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     from streamload.errors import UnsupportedError
+
+    from .options import FORMAT
 
     class Untested(BaseModelLoader):
         def __init__(self, load_config: object) -> None:

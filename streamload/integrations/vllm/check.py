@@ -216,9 +216,9 @@ def _run(model: str, fmt: str, tp: int, loader: dict[str, Any], engine: dict[str
         kwargs.setdefault("distributed_executor_backend", "mp")
     llm = LLM(model=model, load_format=fmt, tensor_parallel_size=tp, **loader, **kwargs)
     try:
-        import streamload.integrations.vllm
+        from .report import last_load
 
-        return dict(vars(streamload.integrations.vllm.last_load)) if tp == 1 else {}
+        return dict(vars(last_load)) if tp == 1 else {}
     finally:
         shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
         if shutdown is not None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import FORMAT
-from .options import check_options
+from .options import FORMAT, check_options
 from .startup import ahead
 
 

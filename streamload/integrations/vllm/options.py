@@ -8,7 +8,9 @@ from typing import Any
 from streamload import options, pins
 from streamload.storage.remote import is_url
 
-from . import FORMAT
+from .seeding import seed_options
+
+FORMAT = "streamload"  # the load format's name: `load_format="streamload"`
 
 # model_loader_extra_config keys: streamload.iter's, as it declares those a JSON config carries
 # (`streamload.options.CONFIG`: the tuning, cache_dir, verify), where the weights are, and the switches.
@@ -25,6 +27,10 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     # or a list of them (default off: they run as code; startup/compiled.py, pins.py)
     "compile_cache": (bool, str, list),
     "overlap": bool,  # compile and warm up while the weights arrive, then load them in place (startup/overlap.py)
+    "peers": options.CONFIG["peers"],  # nodes seeding the weights, read from first (storage/peers.py)
+    # once loaded, serve cache_dir's complete copies to other nodes' peers= (seeding.py): true, "[HOST:]PORT"
+    # or {"host", "port", "rate", "connections"}
+    "seed": (bool, str, dict),
 }
 assert OPTIONS.keys() >= options.CONFIG.keys()  # every option a config carries to iter (in the order users know)
 STREAM = tuple(options.CONFIG)  # handed to iter as they are
@@ -57,8 +63,13 @@ def check_options(extra: Any) -> dict[str, Any]:
                 checked[key] = options.check(key, value)
             elif key == "compile_cache":
                 pins.pins(value)
+            elif key == "seed":
+                checked[key] = seed_options(value)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"model_loader_extra_config: {exc}") from None
+    if checked.get("seed") is not None and not checked.get("cache_dir"):
+        raise ValueError("model_loader_extra_config['seed'] serves the complete copies a load keeps in cache_dir: "
+                         "give cache_dir too")  # fmt: skip
     source = extra.get("source")
     if source is not None and not is_url(source) and not Path(source).exists():  # not a minute later, in a worker
         raise ValueError(f"model_loader_extra_config['source']: {source}: no such file or directory")

@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator
 from copy import copy as shallow_copy
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -51,9 +50,7 @@ from .feed import feed
 from .files import Part, checkpoints, shapes
 from .ranks import Decision, Ranks, tp_group, tp_rank_world
 from .report import record
-
-if TYPE_CHECKING:
-    from .loader import StreamloadModelLoader
+from .state import LoadState
 
 log = logging.getLogger("vllm.streamload")
 
@@ -63,9 +60,7 @@ log = logging.getLogger("vllm.streamload")
 STOPPED = "its model's load_weights raised (its own error, raised by that rank) or stopped reading"
 
 
-def guarded(
-    loader: StreamloadModelLoader, model_config: ModelConfig, model: nn.Module
-) -> Generator[tuple[str, torch.Tensor]]:
+def guarded(state: LoadState, model_config: ModelConfig, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
     """The reload's stream (`stream`), then the vote of every rank, on every way out: the stream's end,
     its error, or the stream closed early (its consumer, the model's `load_weights`, raised: vLLM's
     `reload_weights` lets go of the stream with the error, which closes it). Where any rank failed,
@@ -74,7 +69,7 @@ def guarded(
     failure: Exception | None = None
     stopped = False
     touched = False
-    weights = stream(loader, model_config, model, world, bool(loader.options.get("cooperative")))
+    weights = stream(state, model_config, model, world, bool(state.options.get("cooperative")))
     try:  # vLLM's reload has emptied the layers: from here every rank votes, whatever happens
         for pair in weights:
             touched = True
@@ -85,7 +80,7 @@ def guarded(
         stopped = True
     finally:
         failure = _closed(weights, failure)
-    _decide(loader, model_config, model, failure, stopped, touched)
+    _decide(state, model_config, model, failure, stopped, touched)
 
 
 def _closed(weights: Generator[tuple[str, torch.Tensor]], failure: Exception | None) -> Exception | None:
@@ -99,7 +94,7 @@ def _closed(weights: Generator[tuple[str, torch.Tensor]], failure: Exception | N
 
 
 def _decide(
-    loader: StreamloadModelLoader,
+    state: LoadState,
     model_config: ModelConfig,
     model: nn.Module,
     failure: Exception | None,
@@ -112,12 +107,12 @@ def _decide(
     why_mine = STOPPED if stopped else None if failure is None else str(failure)
     decided = ranks.decide(why_mine, touched)  # never raises
     if decided.ok:
-        restore.SERVED[model] = loader._served(model_config, loader._reloaded)
+        restore.SERVED[model] = state.served(model_config, state.reloaded)
         return
     previous = restore.SERVED.get(model)
     why = failure or StreamloadError(decided.lost or (STOPPED if stopped else "another rank of the engine failed"))
-    wanted = getattr(loader, "_where", None) or model_config.model
-    _restore(loader, previous, decided.touched, model_config, model, f"reloading from {wanted} failed ({why})")
+    wanted = state.where or model_config.model
+    _restore(state, previous, decided.touched, model_config, model, f"reloading from {wanted} failed ({why})")
     served = previous.where if previous is not None else "the weights it had"
     message = f"reloading from {wanted} failed; serving {served} again: {_because(ranks, decided, why)}"
     model_raised = STOPPED in decided.reasons  # that rank raises the model's own error: none other is raised
@@ -128,7 +123,7 @@ def _decide(
 
 
 def stream(
-    loader: StreamloadModelLoader,
+    state: LoadState,
     model_config: ModelConfig,
     model: nn.Module,
     world: int,
@@ -138,9 +133,9 @@ def stream(
     """(name, tensor) in layer order, as vLLM's `reload_weights` feeds `load_weights`: where the first
     load's prediction (`direct.PREDICTED`) holds for these tensors, each rank's part only, full-shaped;
     otherwise whole tensors."""
-    parts = parts if parts is not None else loader._parts(model_config, model, first=False)
-    loader._reloaded, loader._stats = parts, []
-    options = loader._stream_options(model)
+    parts = parts if parts is not None else state.parts(model_config, model, first=False)
+    state.reloaded, state.stats = parts, []
+    options = state.stream_options(model)
     predicted = PREDICTED.get(model)
     learned = predicted.learned(shapes(parts)) if predicted is not None else None
     if cooperative and world > 1:
@@ -148,19 +143,17 @@ def stream(
             learned = None
         options["cooperative"] = tp_group(options["device"])
     weights = (
-        feed(parts, options, loader._stats, learned, full_shaped=True)
-        if learned
-        else feed(parts, options, loader._stats)
+        feed(parts, options, state.stats, learned, full_shaped=True) if learned else feed(parts, options, state.stats)
     )
     try:
         yield from weights
     finally:
         weights.close()
-    record(parts, loader._stats, learned, world)
+    record(parts, state.stats, learned, world)
 
 
 def _restore(
-    loader: StreamloadModelLoader,
+    state: LoadState,
     previous: restore.Served | None,
     touched: bool,
     model_config: ModelConfig,
@@ -174,7 +167,7 @@ def _restore(
         if touched:  # new weights reached some layer on some rank: the previous ones are read again
             if previous is None:
                 raise StreamloadError("no earlier load of this model by streamload is known to read again")
-            _read_again(loader, previous, model_config, model)
+            _read_again(state, previous, model_config, model)
     except Exception as again:
         raise StreamloadError(
             f"{failed}, and so did restoring {previous.where if previous else 'the weights served before'} "
@@ -185,19 +178,16 @@ def _restore(
             previous.put_back(model_config)
 
 
-def _read_again(
-    loader: StreamloadModelLoader, previous: restore.Served, model_config: ModelConfig, model: nn.Module
-) -> None:
+def _read_again(state: LoadState, previous: restore.Served, model_config: ModelConfig, model: nn.Module) -> None:
     """The weights `previous` names, read over the model in place (each rank alone, unchecked: they
     were checked when they were first read), from the very files read then: where any changed since
     (restore.py: `Loaded`), nothing is read and the error names each file and what changed."""
-    again = type(loader)(loader.load_config)
-    again.options = {k: v for k, v in loader.options.items() if k not in ("cooperative", "verify")}
+    again = state.again()
     config = shallow_copy(model_config)
     config.model, config.revision = previous.where, None
     if hasattr(config, "model_weights"):
         config.model_weights = ""
-    parts = again._parts(config, model, first=False)  # headers only: no tensor byte read yet
+    parts = again.parts(config, model, first=False)  # headers only: no tensor byte read yet
     changed = previous.changes(checkpoints(parts))
     if changed:
         raise StreamloadError(

@@ -87,8 +87,8 @@ class StreamloadWeightTransferEngine(WeightTransferEngine[StreamloadInitInfo, St
         self._reload(update_info.path, update_info.verify)
 
     def _reload(self, path: str, verify: bool | dict[str, str]) -> None:
-        from . import FORMAT
         from .loader import StreamloadModelLoader
+        from .options import FORMAT
 
         options = {**self.options, **({"verify": verify} if verify else {})}
         loader = StreamloadModelLoader(LoadConfig(load_format=FORMAT, model_loader_extra_config=options))

@@ -1,20 +1,33 @@
 """Stand-ins (`StandIn`): meta tensors of a checkpoint tensor's shape that record the `narrow`s and
 reshapes applied to them and the `copy_` that consumes them (to the run's `Recorder`), copying
 nothing; and the watch (`WriteWatch`) that sees every other torch call of a run, to catch writes into
-the regions copies land in. `watching` installs both for one run."""
+the regions copies land in. `watching` installs both for one run. Both report to a `Watcher`
+(recorder.py's `Recorder` is the one)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from .learned import Diverged, Unpredictable
+from .learned import Diverged, Learned, Unpredictable
 
-if TYPE_CHECKING:
-    from .recorder import Recorder
+
+class Watcher(Protocol):
+    """What a run's stand-ins and write watch report to (recorder.py's `Recorder`)."""
+
+    expected: Learned | None  # None in a dry run; in a replay, the dry run's prediction
+    touched: set[str]  # the checkpoint tensors the run's calls touched
+    tainted: dict[str, str]  # name -> the first call that made it unpredictable
+
+    def copied(self, name: str, dest: torch.Tensor, src: StandIn) -> None: ...
+
+    def written(self, target: torch.Tensor) -> None: ...
+
+    def escape(self, target: torch.Tensor) -> None: ...
+
 
 # Calls that only describe a tensor (no data, no new tensor): answered by the meta tensor as they are.
 _SAME = ("to", "contiguous", "detach", "clone", "data")  # same values: the stand-in goes on as it is
@@ -52,7 +65,7 @@ class WriteWatch(torch.overrides.TorchFunctionMode):
     """Sees every torch call of a run, stand-ins or not, to catch writes into the regions copies land
     in. Not called while the stream (not the loader) works in this thread (`Replay.paused`)."""
 
-    def __init__(self, rec: Recorder) -> None:
+    def __init__(self, rec: Watcher) -> None:
         super().__init__()
         self.rec = rec
 
@@ -75,7 +88,7 @@ class WriteWatch(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_recorder: Recorder | None = None
+_recorder: Watcher | None = None
 
 
 class StandIn(torch.Tensor):
@@ -222,7 +235,7 @@ def stand_in(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> StandIn:
 
 
 @contextmanager
-def watching(rec: Recorder) -> Iterator[WriteWatch]:
+def watching(rec: Watcher) -> Iterator[WriteWatch]:
     """One run (a dry run or a replay) recorded by `rec`: the stand-ins report to it, and the write
     watch sees every other torch call. Runs do not nest."""
     global _recorder

@@ -38,7 +38,7 @@ from ..ranks import Ranks
 from ..report import last_load
 
 if TYPE_CHECKING:
-    from ..loader import StreamloadModelLoader
+    from ..state import LoadState
 
 log = logging.getLogger("vllm.streamload")
 
@@ -61,7 +61,7 @@ def start_fetch(model: str, options: dict[str, Any]) -> dict[str, Any] | None:
         log.info("streamload: the weights have been fetched since the process started (%s)", redacted(source))
         return adopted
     try:
-        return prefetch.ahead(source, options.get("cache_dir"), options.get("compile_cache"))
+        return prefetch.ahead(source, options.get("cache_dir"), options.get("compile_cache"), options.get("peers"))
     except Exception as exc:  # an optimisation only: the loader reads the weights itself
         log.warning("streamload: could not start fetching %s while the engine starts: %s", source, exc)
         return None
@@ -95,21 +95,21 @@ def remove_staging_after_load(ahead: dict[str, Any] | None, rank: int, everyone:
         shutil.rmtree(ahead["cache_dir"], ignore_errors=True)
 
 
-def load_from_staging(loader: StreamloadModelLoader, started: Any, load: Callable[..., None], *args: Any) -> None:
+def load_from_staging(state: LoadState, started: Any, load: Callable[..., None], *args: Any) -> None:
     """`load(*args)` (the loader's first load) from the files the fetch `started` with the engine stages
     (the load config's "prefetch": a dict where one started), if any; then every rank of the engine
     joins `remove_staging_after_load` (also after a failed load, and where no fetch started here:
     another node's engine process may have started one)."""
     fetched = started if isinstance(started, dict) else None
     staged = staging_dir_for_load(fetched) if fetched is not None else None
-    options = loader.options
+    options = state.options
     last_load.staged = staged or ""
     if staged is not None:
-        loader.options = {**options, "cache_dir": staged}
+        state.options = {**options, "cache_dir": staged}
     try:
         load(*args)
     finally:
-        loader.options = options
+        state.options = options
         ranks = Ranks.of_engine()
         remove_staging_after_load(fetched, ranks.rank, ranks.barrier)
 

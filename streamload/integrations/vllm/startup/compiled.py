@@ -17,7 +17,7 @@ Installed artifacts run as code (vLLM imports generated Python and unpickles gra
 installed unless the user pinned the archive's digest, which `publish` prints; an archive whose bytes
 have another digest is refused before any of it is unpacked (`streamload/pins.py`). A pinned archive
 is still written member by member, never `extractall`-ed: one holding anything but files and folders
-under plain names (a link, a device, `..`) is refused whole (`atomic.unpack`).
+under plain names (a link, a device, `..`) is refused whole (`unpack.py`).
 
     streamload compile-cache publish path/to/model      # on a node that has compiled the model
     LLM(..., load_format="streamload", model_loader_extra_config={"compile_cache": "sha256:<hex>"})
@@ -40,11 +40,14 @@ from streamload import atomic, pins
 from streamload.prefetch import COMPILE_CACHE, MODEL_INFOS, STAGED_INDEX, beside
 from streamload.storage import redacted
 
+from .recorded import recorded
+from .unpack import unpack
+from .vllm_cache import CACHE, cache_root
+
 log = logging.getLogger("vllm.streamload")
 
 FOLDER = COMPILE_CACHE
 INDEX = "index.json"
-CACHE = "torch_compile_cache"
 
 
 def node_key() -> dict[str, str]:
@@ -62,12 +65,6 @@ def node_key() -> dict[str, str]:
 
 def key_name(key: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def cache_root() -> Path:
-    import vllm.envs as envs
-
-    return Path(envs.VLLM_CACHE_ROOT)
 
 
 def publish(checkpoint: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> Path:
@@ -161,8 +158,6 @@ def packed(root: str | os.PathLike[str] | None = None, checkpoint: str | os.Path
     """The compiled folders `publish` packs from `root` (default: vLLM's cache root), by name: those its
     engines recorded for `checkpoint` (recorded.py), else every one there, since vLLM names them by
     hashes that do not say which model they compiled."""
-    from .recorded import recorded  # (it names its folders as this module does)
-
     root = Path(root) if root is not None else cache_root()
     mine = recorded(checkpoint, root) if checkpoint is not None else []
     return mine or sorted(str(folder.relative_to(root / CACHE)) for folder in _compiled_folders(root / CACHE))
@@ -173,8 +168,8 @@ def _unpack(data: bytes, root: Path, what: str = "compiled artifacts") -> list[P
     <hash>`) that `root` lacks, unpacked beside it and renamed into place whole; the rest dropped.
     Written member by member, never `extractall`: an archive holding anything but files and folders
     under plain names (a link, a device, `..`, an absolute name) is refused whole, a ValueError naming
-    `what` and the member, before a byte of it is written (`atomic.unpack`): `publish` packs none."""
-    return atomic.unpack(data, root, lambda staging: _compiled_folders(staging / CACHE), what)
+    `what` and the member, before a byte of it is written (unpack.py): `publish` packs none."""
+    return unpack(data, root, lambda staging: _compiled_folders(staging / CACHE), what)
 
 
 def _compiled_folders(cache: Path) -> list[Path]:

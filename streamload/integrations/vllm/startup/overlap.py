@@ -25,7 +25,6 @@ of those is wrong: see `refusal`).
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -41,29 +40,16 @@ from ..feed import feed, load_weights_from
 from ..files import Part
 from ..ranks import tp_rank_world
 from ..report import last_load, record
+from .worker import METHOD, worker_loading
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
 
-    from ..loader import StreamloadModelLoader
+    from ..state import LoadState
 
 log = logging.getLogger("vllm.streamload")
 
 CHECKED_VLLM = ("0.32.0",)  # the versions whose worker order and layerwise reload this mode was checked on
-METHOD = "compile_or_warm_up_model"
-
-
-def worker_loading() -> Any:
-    """The vLLM worker whose `load_model` is on the stack (the loader is called from its model runner)."""
-    from vllm.v1.worker.gpu_worker import Worker  # the CPU worker is one too
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Worker):
-            return candidate
-        frame = frame.f_back
-    return None
 
 
 def refusal(model: nn.Module, model_config: Any, worker: Any) -> str:
@@ -125,23 +111,21 @@ def touch(model: nn.Module) -> None:
 
 
 @collector_paused
-def load_in_place(
-    loader: StreamloadModelLoader, model: nn.Module, model_config: ModelConfig, parts: list[Part] | None
-) -> None:
+def load_in_place(state: LoadState, model: nn.Module, model_config: ModelConfig, parts: list[Part] | None) -> None:
     """The first load's weights, after compilation (`defer`'s `finish`): through vLLM's in-place
     layerwise reload, whole tensors through the model's loaders, each layer processed as it completes
     and its results copied into the storage the compiled code holds."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     start = time.perf_counter()
-    options, loader._stats = loader._stream_options(model), []
-    parts = parts if parts is not None else loader._parts(model_config, model, first=True)
+    options, state.stats = state.stream_options(model), []
+    parts = parts if parts is not None else state.parts(model_config, model, first=True)
     last_load.plan_seconds = time.perf_counter() - start
     initialize_layerwise_reload(model)
-    result = load_weights_from(model, feed(parts, options, loader._stats))
+    result = load_weights_from(model, feed(parts, options, state.stats))
     finalize_layerwise_reload(model, model_config)
-    loader._track_weights(model, model_config, result)  # a weight the checkpoint lacks: vLLM's error
-    record(parts, loader._stats, None, tp_rank_world()[1])
+    state.track_weights(model, model_config, result)  # a weight the checkpoint lacks: vLLM's error
+    record(parts, state.stats, None, tp_rank_world()[1])
     last_load.seconds = time.perf_counter() - start
     log.info(
         "streamload: %.1f MB read by the %s reader into the compiled model in %.2f s",
@@ -149,4 +133,4 @@ def load_in_place(
         last_load.reader or "no",
         last_load.seconds,
     )
-    restore.SERVED[model] = loader._served(model_config, parts)
+    restore.SERVED[model] = state.served(model_config, parts)

@@ -22,8 +22,8 @@ from typing import Any
 
 from streamload import atomic
 
-from .compiled import CACHE, cache_root
-from .overlap import METHOD, worker_loading
+from .vllm_cache import CACHE, cache_root
+from .worker import METHOD, worker_loading
 
 log = logging.getLogger("vllm.streamload")
 

@@ -1,0 +1,85 @@
+"""Seeding while the engine serves (`"seed"` in `model_loader_extra_config`): once the engine's first load
+has its copies complete in `cache_dir`, the node serves them to other nodes' loads with `peers=`
+(storage/seed.py: HTTP ranges of the copies the cache's records vouch for, read-only).
+
+It runs in the process that loaded (vLLM's worker), on a daemon thread: it stops with that process, or
+when the model is freed (an engine closed in a process that goes on). One seeder a host: the first rank
+on each host seeds (the others load into the same cache directory). A port that cannot be bound costs
+the node its seeding, not its engine: one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+from streamload import arguments
+
+log = logging.getLogger("vllm.streamload")
+
+KEYS = ("host", "port", "rate", "connections")  # the Seeder's arguments a "seed" dict may give
+
+
+def seed_options(value: Any) -> dict[str, Any] | None:
+    """The "seed" option as the Seeder's arguments (None: off): `true` (port 8470 on every address),
+    `"[HOST:]PORT"`, or a dict of `KEYS` (`rate`: bytes a second, or with a unit: "50MB").
+    Raises ValueError naming what is wrong."""
+    from streamload.storage.seed import address
+
+    if value is False or value is None:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, str):
+        host, port = address(value)
+        return {"host": host, "port": port}
+    if not isinstance(value, dict):
+        raise ValueError(f"seed must be true, '[HOST:]PORT' or a dict of {', '.join(KEYS)}, not {value!r}")
+    unknown = sorted(set(value) - set(KEYS))
+    if unknown:
+        raise ValueError(f"seed: unknown keys {', '.join(unknown)}; known keys: {', '.join(KEYS)}")
+    out = dict(value)
+    if "host" in out and not isinstance(out["host"], str):
+        raise ValueError(f"seed['host'] must be an address (a str), not {out['host']!r}")
+    port = out.get("port", 0)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"seed['port'] must be a port number (0: any free one), not {port!r}")
+    if "rate" in out:
+        out["rate"] = arguments.size(out["rate"], "seed['rate']")
+    if "connections" in out:
+        out["connections"] = arguments.count(out["connections"], "seed['connections']")
+    return out
+
+
+def start(options: dict[str, Any], model: Any) -> str:
+    """After the first load: seed `options["cache_dir"]` if the options ask (`seed`) and this is the first
+    rank on its host; the URL it serves at ("" where it does not seed)."""
+    spec = seed_options(options.get("seed"))
+    if spec is None or _local_rank() != 0:
+        return ""
+    from streamload.storage.seed import Seeder
+
+    folder = options["cache_dir"]  # checked with the options: seeding needs one
+    try:
+        seeder = Seeder(folder, **spec).start()
+    except OSError as exc:
+        where = f"{spec.get('host', '0.0.0.0')}:{spec.get('port', 'the default port')}"  # nosec B104 # a message
+        log.warning("streamload: cannot seed %s on %s (%s): this node serves its engine but does not seed",
+                    folder, where, exc.strerror or exc)  # fmt: skip
+        return ""
+    weakref.finalize(model, seeder.close)  # holds the seeder while the model lives
+    log.info("streamload: seeding the complete copies in %s at %s (no authentication: keep the port inside the "
+             "cluster)", folder, seeder.url)  # fmt: skip
+    return seeder.url
+
+
+def _local_rank() -> int:
+    """This rank's place on its host (0 outside an engine)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 0
+    from vllm.distributed import get_world_group
+
+    return int(get_world_group().local_rank)

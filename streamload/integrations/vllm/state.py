@@ -1,0 +1,80 @@
+"""A loader's state across its model's loads (`LoadState`), and what every kind of load asks of it:
+the first load (loader.py, direct.py), a load after compiling (startup/overlap.py), a load from the
+files fetched ahead (startup/ahead.py) and reloads (reload.py) all work on it; the loader only
+dispatches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from streamload.stats import Stats
+from streamload.torch_device import resolve
+
+from . import restore
+from .files import Files, Part, checkpoints
+from .options import STREAM
+
+
+class LoadState:
+    """One loader's: its checked `options` (`model_loader_extra_config`), the `files` vLLM's default
+    loader would read, the last load's streams' `stats` (not the streams: they hold the parameters),
+    `where` the weights last came from (what a failed reload restores from) and the parts the last
+    reload read (`reloaded`)."""
+
+    def __init__(self, load_config: LoadConfig, options: dict[str, Any]) -> None:
+        self.load_config = load_config
+        self.options = options
+        self.files = Files(load_config)
+        self.stats: list[Stats] = []
+        self.where = ""
+        self.reloaded: list[Part] = []
+
+    def again(self) -> LoadState:
+        """A state of its own for reading the weights served before over a model (reload.py): these
+        options, each rank alone and unchecked (they were checked when they were first read)."""
+        options = {k: v for k, v in self.options.items() if k not in ("cooperative", "verify")}
+        return LoadState(self.load_config, options)
+
+    def source(self, model_config: ModelConfig, first: bool = False) -> str:
+        """Where the weights are, resolved the way vLLM's default loader resolves a model. The `source`
+        option applies to the `first` load only, not to a reload from a new path."""
+        return self.files.resolve(model_config, self.options.get("source") if first else None)
+
+    def parts(self, model_config: ModelConfig, model: nn.Module, first: bool) -> list[Part]:
+        """Every place the model's weights come from (files.py), their headers read."""
+        sources = self.files.sources(self.source(model_config, first), model_config, model)
+        self.where = str(sources[0].model_or_path)
+        cache_dir = self.options.get("cache_dir")
+        return [self.files.part(source, k == 0, cache_dir) for k, source in enumerate(sources)]
+
+    def stream_options(self, model: nn.Module) -> dict[str, Any]:
+        """`iter`'s options for a stream into `model`: the streaming ones given, on the model's device."""
+        options: dict[str, Any] = {k: self.options[k] for k in STREAM if k in self.options}
+        return {"device": _device_of(model), **options}
+
+    def served(self, model_config: ModelConfig, parts: list[Part]) -> restore.Served:
+        """What a load read (every file's identity and checked digests), for a failed reload to
+        restore from (restore.py)."""
+        return restore.Served.of(self.where, model_config, checkpoints(parts), self.options.get("verify", False))
+
+    @staticmethod
+    def track_weights(model: nn.Module, model_config: ModelConfig, result: Any) -> None:
+        """vLLM's check that every weight was loaded (None: the model does not track)."""
+        if model_config.quantization is None and result is not None:
+            # vLLM's method reads nothing of its loader: no DefaultModelLoader is made for it
+            DefaultModelLoader.track_weights_loading(None, model, set(result))  # type: ignore[arg-type]
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    device = next((p.device for p in model.parameters() if not p.is_meta), None)
+    if device is None:  # an in-place reload puts layers on meta until their weights are in
+        from vllm.platforms import current_platform
+
+        device = torch.device(current_platform.device_type)
+    return resolve(device)

@@ -1,0 +1,190 @@
+"""Peers and seeding from the command line (`streamload load/prefetch --peers`, `streamload serve --peers
+--seed`) in processes of their own, and the vLLM load format's "seed" option: its checks, and the seeding
+its worker starts once loaded (seeding.py, run here outside an engine; in engines: tests/test_vllm_peers.py).
+The store is tests/servers.py's RangeServer, the peers are seeders, all on 127.0.0.1."""
+
+from __future__ import annotations
+
+import gc
+import http.client
+import logging
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import streamload
+from streamload.storage.peers import url_path
+from streamload.storage.remote import ObjectPath
+
+from .test_peers import Store, assert_same, seeders, sent, store, warnings_of
+
+__all__ = ["store"]  # the module's fixture, shared: one store and seeded cache for this module
+
+pytest.importorskip("obstore")
+pytest.importorskip("xxhash")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMLOAD_PEER_TIMEOUT", "1")
+    monkeypatch.setenv("STREAMLOAD_RETRIES", "2")
+    monkeypatch.delenv("STREAMLOAD_PEERS_UNVERIFIED", raising=False)
+
+
+def streamload_command(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "streamload", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, check=False)  # fmt: skip
+
+
+def assert_copies_exact(store: Store, cache: Path) -> None:
+    """`cache` holds a complete copy of every file of the model, byte for byte the store's."""
+    host = store.server.url.split("://")[1].replace(":", "_")
+    originals = sorted((store.www / "model").glob("*.safetensors"))
+    for original in originals:
+        assert (cache / "http" / host / "model" / original.name).read_bytes() == original.read_bytes()
+    assert_same(streamload.load(store.url, device="cpu", cache_dir=cache), store.www / "model")
+
+
+def test_load_command_reads_from_peers(store: Store, tmp_path: Path) -> None:
+    before = sent(store)
+    with seeders(store.seeded) as (peer,):
+        done = streamload_command("load", store.url, "--device", "cpu", "--cache-dir", str(tmp_path / "c"),
+                                  "--peers", peer.url)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert sent(store) == before and peer.sent > 0  # no tensor byte from the store
+    assert "tensors" in done.stdout and "WARNING" not in done.stderr, done.stderr
+    assert_copies_exact(store, tmp_path / "c")
+
+
+def test_prefetch_command_reads_from_peers_named_several_ways(store: Store, tmp_path: Path) -> None:
+    refused = socket.create_server(("127.0.0.1", 0))
+    down = f"http://127.0.0.1:{refused.getsockname()[1]}"
+    refused.close()  # nothing listens there: one warning, and the others serve
+    before = sent(store)
+    with seeders(store.seeded, 2) as (a, b):
+        done = streamload_command("prefetch", store.url, "--cache-dir", str(tmp_path / "c"), "--peers",
+                                  f"{a.url},{down}", "--peers", b.url)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert sent(store) == before and a.sent + b.sent > 0
+    assert "3 file(s) complete there" in done.stdout, done.stdout
+    assert done.stderr.count(down) == 1 and "dropped" in done.stderr, done.stderr
+    assert_copies_exact(store, tmp_path / "c")
+
+
+WAIT_FOR = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n"
+
+
+def _head(url: str, path: str) -> int | None:
+    host, port = url.split("://")[1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=2)
+    try:
+        conn.request("HEAD", path)
+        return conn.getresponse().status
+    except OSError:
+        return None
+    finally:
+        conn.close()
+
+
+def test_serve_fetches_from_peers_then_seeds_until_its_server_exits(store: Store, tmp_path: Path) -> None:
+    """`streamload serve --peers A --seed HOST:0 --cache-dir C`: its fetch reads from A (the store serves no
+    tensor byte); once fetched, C's copies are served to a late joiner (the store serves it none either);
+    seeding stops with the server."""
+    cache, stop = tmp_path / "c", tmp_path / "stop"
+    before = sent(store)
+    with seeders(store.seeded) as (a,):
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "streamload", "serve", "--source", store.url, "--cache-dir", str(cache), "--peers",
+             a.url, "--seed", "127.0.0.1:0", "--", sys.executable, "-c", WAIT_FOR, str(stop)],
+            cwd=ROOT, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert serve.stderr is not None
+            line = serve.stderr.readline()
+            assert "streamload serve: seeding the complete copies in" in line, line
+            url = next(w for w in line.split() if w.startswith("http://"))
+            last = url_path(ObjectPath(f"{store.url}model-00003-of-00003.safetensors"))
+            deadline = time.monotonic() + 60
+            while _head(url, last) != 200:  # serving once the fetch has ended, every copy complete
+                assert serve.poll() is None and time.monotonic() < deadline, serve.stderr.read()
+                time.sleep(0.1)
+            assert sent(store) == before and a.sent > 0  # the fetch read from the peer
+        except BaseException:
+            serve.kill()
+            raise
+    got = streamload.load(store.url, device="cpu", peers=url)  # A is gone: the serve's seeder serves it
+    assert_same(got, store.www / "model")
+    assert sent(store) == before
+    stop.touch()
+    assert serve.wait(30) == 0, serve.stderr.read() if serve.stderr else ""
+    assert _head(url, last) is None  # stopped with it
+    assert_copies_exact(store, cache)
+
+
+def test_serve_seed_is_checked_before_the_server_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from streamload.cli import main
+
+    ran = tmp_path / "ran"
+    touch = ["--", sys.executable, "-c", f"open({str(ran)!r}, 'w')"]
+    assert main(["serve", "--seed", "8470", *touch]) == 1
+    assert "--seed serves the complete copies kept in --cache-dir" in capsys.readouterr().err
+    assert main(["serve", "--seed", "host:port", "--cache-dir", str(tmp_path / "c"), *touch]) == 1
+    assert "'host:port' is not [HOST:]PORT" in capsys.readouterr().err
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--seed", f"127.0.0.1:{port}", "--cache-dir", str(tmp_path / "c"), *touch]) == 1
+        assert f"cannot seed on 127.0.0.1:{port}" in capsys.readouterr().err
+    finally:
+        taken.close()
+    assert not ran.exists()
+
+
+# -- the vLLM load format's "seed" ---------------------------------------------------------------------
+def test_the_seed_option_is_checked() -> None:
+    from streamload.integrations.vllm.options import check_options
+
+    assert check_options({"seed": True, "cache_dir": "/c"})["seed"] == {}
+    assert check_options({"seed": False})["seed"] is None
+    assert check_options({"seed": "[::1]:0", "cache_dir": "/c"})["seed"] == {"host": "::1", "port": 0}
+    assert check_options({"seed": {"port": 9000, "rate": "50MB", "connections": 4}, "cache_dir": "/c"})["seed"] == {
+        "port": 9000, "rate": 50_000_000, "connections": 4}  # fmt: skip
+    for bad, said in [({"seed": True}, "give cache_dir too"), ({"seed": 8470, "cache_dir": "/c"}, "must be a bool"),
+                      ({"seed": {"prot": 1}, "cache_dir": "/c"}, "unknown keys prot"),
+                      ({"seed": {"port": 70000}, "cache_dir": "/c"}, "must be a port number"),
+                      ({"seed": {"rate": "fast"}, "cache_dir": "/c"}, "seed['rate']: 'fast' is not a size"),
+                      ({"seed": "x:y", "cache_dir": "/c"}, "is not [HOST:]PORT")]:  # fmt: skip
+        with pytest.raises(ValueError, match=r".*") as caught:
+            check_options(bad)
+        assert said in str(caught.value), (bad, str(caught.value))
+
+
+def test_a_loaded_worker_seeds_until_its_model_is_freed(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What the loader runs once its first load has its copies complete (outside an engine: the only rank on
+    its host): serving `cache_dir`, recorded by URL, until the model goes; a port in use: a warning, no seeding."""
+    from streamload.integrations.vllm.seeding import start
+
+    model = torch.nn.Linear(2, 2)
+    caplog.set_level(logging.INFO, "vllm.streamload")
+    url = start({"seed": {"host": "127.0.0.1", "port": 0}, "cache_dir": str(store.seeded)}, model)
+    assert url.startswith("http://127.0.0.1:") and any(url in r.getMessage() for r in caplog.records)
+    before = sent(store)
+    assert_same(streamload.load(store.url, device="cpu", peers=url), store.www / "model")
+    assert sent(store) == before
+    port = int(url.rsplit(":", 1)[1])
+    assert start({"seed": {"host": "127.0.0.1", "port": port}, "cache_dir": str(store.seeded)}, model) == ""
+    assert [w for w in warnings_of(caplog) if f"127.0.0.1:{port}" in w and "does not seed" in w], warnings_of(caplog)
+    assert start({"cache_dir": str(store.seeded)}, model) == ""  # not asked
+    path = url_path(ObjectPath(f"{store.url}model-00001-of-00003.safetensors"))
+    assert _head(url, path) == 200
+    del model
+    gc.collect()
+    assert _head(url, path) is None
