@@ -111,6 +111,26 @@ def seeders(cache: Path, n: int = 1, **options: object) -> Iterator[list[Seeder]
             s.close()
 
 
+def _asked(requests: list[tuple[str, str, str | None]]) -> dict[str, list[tuple[int, int]]]:
+    """{file name: [(first byte, end)]} of the GETs with a Range among `requests`."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for method, path, wanted in requests:
+        if method == "GET" and wanted and wanted.startswith("bytes="):
+            a, b = wanted[6:].split("-")
+            out.setdefault(path.rsplit("/", 1)[-1], []).append((int(a), int(b) + 1))
+    return out
+
+
+def _covered(spans: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether `spans` together cover bytes [start, end)."""
+    at = start
+    for a, b in sorted(spans):
+        if a > at:
+            return False
+        at = max(at, b)
+    return at >= end
+
+
 def sent(store: Store) -> int:
     return store.server.sent
 
@@ -157,16 +177,17 @@ def test_what_no_peer_holds_comes_from_the_store(
         if "00002" not in copy.name:
             copy.unlink()  # this peer holds the second shard only
     shard = next(p for p in store.copies() if "00002" in p.name)
-    before = sent(store)
+    other = next(p for p in store.copies() if "00002" not in p.name)
+    first = len(store.server.requests)
     with seeders(cache) as (peer,):
         got = streamload.load(store.url, device="cpu", peers=peer.url)
     assert_same(got, store.www / "model")
     data = shard.stat().st_size - streamload.inspect(shard).files[0].data_start
     assert peer.sent == data  # every tensor byte of its shard, and nothing more
-    others = sum(p.stat().st_size - streamload.inspect(p).files[0].data_start for p in store.copies()) - data
-    assert (
-        others - 2 * (256 << 10) <= sent(store) - before <= others
-    )  # (its count leaves out each file's first 256 KiB)
+    asked = _asked(store.server.requests[first:])
+    assert all(start == 0 for start, _ in asked.get(shard.name, [])), asked  # its header alone, from the store
+    start = streamload.inspect(other).files[0].data_start
+    assert _covered(asked[other.name], start, other.stat().st_size), asked  # the rest, every byte, from the store
     assert [w for w in warnings_of(caplog) if "does not hold" in w and peer.url in w]
 
 

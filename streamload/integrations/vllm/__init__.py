@@ -29,6 +29,7 @@ Where each job is done:
   `restore.py`: what a load read, for a failed reload to read again;
 - `ranks.py`: the engine's ranks and the collectives the integration makes over vLLM's groups;
 - `report.py`: what the last load did (`last_load`);
+- `seeding.py`: the node seeding its `cache_dir` copies to other nodes once loaded (`"seed"`);
 - `startup/`: work done while the engine starts: the fetch (`ahead.py`), compiling while the
   weights arrive (`overlap.py`), installing the compiled artifacts published beside the weights
   (`install_compiled.py`; the artifacts themselves: `startup/compiled.py`, unpacked by `unpack.py`);
