@@ -16,6 +16,16 @@ creation to its first token:
 
 `--in-process` runs the engine in the script's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
 
+`--peers`: a second node (links `--node-mbit`, default 1000) runs an engine that loaded the weights
+from the store into its `cache_dir` and seeds them (`{"seed": ...}`) while it serves; then, on the
+first node, `streamload` (from the store) against `streamload, peers` (the same with `{"peers": [that
+node], "cache_dir": ...}`): the second engine's start-up at the peer's rate, the store serving it ~nothing:
+
+    python bench/vllm_startup.py /tmp/llama-300m --storage-mbit 200 --peers \\
+        --cases dummy download streamload "streamload, peers"
+
+(peers need the digest file beside the weights: written by `streamload digest` where absent)
+
 `--compile-cache` (compiled, the fetch started first): a node whose compile cache is empty, without
 and with the artifacts a warm node published beside the weights (`streamload compile-cache
 publish`), against the warm node:
@@ -43,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +62,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent)]
 
 CASES = ("dummy", "download", "streamload, prefetch off", "streamload", "streamload, ahead", "streamload, overlap")
+PEER_CASES = ("streamload, peers",)
+SEED_PORT = 8470
 COMPILE_CASES = ("empty cache", "empty cache, published", "warm cache")
 
 
@@ -82,6 +95,13 @@ def one(case: str, model: str, url: str, tp: int, compiled: bool) -> None:
         kwargs["model_loader_extra_config"] = {"source": url, "prefetch": case != "streamload, prefetch off"}
         if case == "streamload, overlap":
             kwargs["model_loader_extra_config"]["overlap"] = True
+        if case == "streamload, peers":
+            kwargs["model_loader_extra_config"] |= {"cache_dir": os.environ["STREAMLOAD_BENCH_CACHE"],
+                                                    "peers": os.environ["STREAMLOAD_BENCH_PEERS"]}  # fmt: skip
+    elif case == "seeding":  # the node already serving: loaded from the store into its cache, seeding it
+        kwargs["load_format"] = "streamload"
+        kwargs["model_loader_extra_config"] = {"source": url, "cache_dir": os.environ["STREAMLOAD_BENCH_CACHE"],
+                                               "seed": os.environ["STREAMLOAD_BENCH_SEED"]}  # fmt: skip
     elif case in COMPILE_CASES:
         kwargs["load_format"] = "streamload"
         kwargs["model_loader_extra_config"] = {"source": url, "compile_cache": _pinned(case)}
@@ -93,6 +113,8 @@ def one(case: str, model: str, url: str, tp: int, compiled: bool) -> None:
                        use_tqdm=False)  # fmt: skip
     first = since_start()
     print("RESULT " + json.dumps({"first_token": first, "tokens": list(out[0].outputs[0].token_ids)}), flush=True)
+    if case == "seeding":
+        time.sleep(900)  # serving (and seeding) until the bench ends it
 
 
 def _pinned(case: str) -> str | None:
@@ -111,7 +133,9 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="without enforce_eager: vLLM compiles")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--in-process", action="store_true", help="the engine in the script's process")
-    parser.add_argument("--cases", nargs="+", default=None, choices=CASES + COMPILE_CASES)
+    parser.add_argument("--cases", nargs="+", default=None, choices=CASES + COMPILE_CASES + PEER_CASES)
+    parser.add_argument("--peers", action="store_true", help="a second node serves and seeds (see above)")
+    parser.add_argument("--node-mbit", type=float, default=1000, help="the nodes' links, with --peers")
     parser.add_argument("--logs", type=Path, help="keep each run's output here (<run>-<case>.log)")
     parser.add_argument("--compile-cache", action="store_true", help="cold compile caches, with and without "
                         "the artifacts published beside the weights (implies --compiled)")  # fmt: skip
@@ -150,7 +174,16 @@ def main() -> None:
         env["STREAMLOAD_BENCH_PIN"] = pins.digest(archive.read_bytes())  # the runs trust this archive only
         print(f"published {archive} ({env['STREAMLOAD_BENCH_PIN']})", flush=True)
     results: dict[str, list[dict[str, Any]]] = {case: [] for case in args.cases}
-    with Net(model, nodes=1, storage_mbit=args.storage_mbit, first_byte_ms=args.first_byte_ms) as net:
+    nodes = 2 if args.peers else 1
+    node_mbit = args.node_mbit if args.peers else None
+    with Net(model, nodes=nodes, storage_mbit=args.storage_mbit, first_byte_ms=args.first_byte_ms,
+             node_mbit=node_mbit) as net:  # fmt: skip
+        if args.peers:
+            if not (model / "streamload.digests.json").exists():
+                subprocess.run([sys.executable, "-m", "streamload", "digest", str(model)], check=True, env=env)
+            seeding = _seeding(net, model, flags, env, caches)
+            env = {**env, "STREAMLOAD_BENCH_PEERS": f"http://{net.node_ips[1]}:{SEED_PORT}"}
+            print(f"node 1 serves and seeds: up {seeding:.1f} s after its start", flush=True)
         for i in range(args.runs):
             for case in args.cases:
                 root = (
@@ -159,7 +192,11 @@ def main() -> None:
                     else caches / f"empty-{i}-{COMPILE_CASES.index(case) if case in COMPILE_CASES else 0}"
                 )  # no spaces: compilers take the path
                 cache = {"VLLM_CACHE_ROOT": str(root)} if args.compile_cache else {}
+                if case in PEER_CASES:  # a cache of its own each run: what a new node has
+                    cache["STREAMLOAD_BENCH_CACHE"] = str(caches / f"joiner-{i}")
+                before = net.served()
                 done = _run(["--one", case, str(model), net.url], flags, {**net.env(), **env, **cache}, net)
+                done["served"] = net.served() - before  # bytes the store sent this run
                 results[case].append(done)
                 if args.logs:
                     args.logs.mkdir(parents=True, exist_ok=True)
@@ -178,13 +215,38 @@ def main() -> None:
     }
     bound = median.get("warm cache") or max(median.get("dummy", 0.0), median.get("download", 0.0))
     against = "x the warm cache" if args.compile_cache else "x max(dummy, download)"
-    print(f"| case | first token (s) | {against} | tokens as vLLM's loader's |\n|---|---|---|---|")
+    print(
+        f"| case | first token (s) | {against} | tokens as vLLM's loader's | the store served |\n|---|---|---|---|---|"
+    )
     for case, runs in results.items():
         if case not in median:
-            print(f"| {case} | did not run: {runs[0].get('error', '')[:100]} | | |")
+            print(f"| {case} | did not run: {runs[0].get('error', '')[:100]} | | | |")
             continue
         same = "" if case in ("dummy", "download") else str(all(r["tokens"] == local.get("tokens") for r in runs))
-        print(f"| {case} | {median[case]:.1f} | {median[case] / bound:.2f}x | {same} |")
+        served = statistics.median(r["served"] for r in runs) / size
+        print(f"| {case} | {median[case]:.1f} | {median[case] / bound:.2f}x | {same} | {served:.1%} |")
+
+
+def _seeding(net: Any, model: Path, flags: list[str], env: dict[str, str], caches: Path) -> float:
+    """Node 1's engine, loaded from the store into its cache and seeding it, serving until the bench ends;
+    the seconds it took to its first token."""
+    cache = {
+        "STREAMLOAD_BENCH_CACHE": str(caches / "seeder"),
+        "STREAMLOAD_BENCH_SEED": f"{net.node_ips[1]}:{SEED_PORT}",
+    }
+    command = [sys.executable, __file__, "--one", "seeding", str(model), net.url, *flags]
+    proc = net.start(1, command, env={**net.env(), **env, **cache}, cwd=ROOT, stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + 600
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("RESULT "):
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # its log, drained
+            time.sleep(2)  # its seeder starts once the load is complete
+            return float(json.loads(line[7:])["first_token"])
+        if time.monotonic() > deadline:
+            break
+    raise RuntimeError("the seeding engine did not come up")
 
 
 def _run(argv: list[str], flags: list[str], env: dict[str, str], net: Any) -> dict[str, Any]:
