@@ -237,24 +237,23 @@ def complete(place: Place, header: FileHeader) -> bool:
 
 def _vouched(place: Place, st: os.stat_result, header: FileHeader) -> bool:
     """Whether the record at `place` vouches for the file `st` describes as a whole copy of `header`'s version."""
+    return _read_record(place) == {**_record(header), **_file(st)} and st.st_size == header.size
+
+
+def _read_record(place: Place) -> object:
+    """The record at `place` as written (JSON), or None where there is none or it cannot be read."""
     try:
         fd = place.open(RECORD, os.O_RDONLY)
         with open(fd, "rb") as f:
-            record = json.loads(f.read())
+            return json.loads(f.read())
     except (OSError, ValueError):
-        return False
-    return record == {**_record(header), **_file(st)} and st.st_size == header.size
+        return None
 
 
 def record_of(place: Place, st: os.stat_result) -> dict[str, object] | None:
     """The record at `place` where it vouches for the file `st` describes as a whole copy (its inode,
     modification time and size), whatever version it names (a seeder's question); else None."""
-    try:
-        fd = place.open(RECORD, os.O_RDONLY)
-        with open(fd, "rb") as f:
-            record = json.loads(f.read())
-    except (OSError, ValueError):
-        return None
+    record = _read_record(place)
     if not isinstance(record, dict) or set(record) != {"size", "version", *_file(st)}:
         return None
     return record if {k: record[k] for k in _file(st)} == _file(st) and record["size"] == st.st_size else None
