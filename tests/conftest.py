@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 
+from . import beside as children
+
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
@@ -117,11 +119,11 @@ def have_vllm() -> bool:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that read the engines' results run last (in their order): the rest of the suite runs
-    while the engines do, not waiting behind one of them; after them, those that check what the whole run
-    left in the user's caches (`users_caches`)."""
+    """The tests that read the engines' results, or a child run beside the suite (`beside`), run last (in
+    their order): the rest of the suite runs while they do, not waiting behind one of them; after them,
+    those that check what the whole run left in the user's caches (`users_caches`)."""
     items.sort(key=lambda item: ("users_caches" in getattr(item, "fixturenames", ()),
-                                 "engines" in getattr(item, "fixturenames", ())))  # fmt: skip
+                                 bool({"engines", "beside"} & set(getattr(item, "fixturenames", ())))))  # fmt: skip
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -260,6 +262,14 @@ PARTS = ("--engines", "--quantized", "--fresh")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    """The engines started, if their tests were collected, and the children run beside the suite
+    (`tests/beside.py`) that collected tests read."""
+    start_engines(session)
+    children.begin(item.module.__name__ for item in session.items
+                   if "beside" in getattr(item, "fixturenames", ()) and getattr(item, "module", None))  # fmt: skip
+
+
+def start_engines(session: pytest.Session) -> None:
     if not any("engines" in getattr(item, "fixturenames", ()) for item in session.items):
         return
     if importlib.util.find_spec("vllm") is None:
@@ -268,10 +278,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     ENGINES.update(folder=folder, began=time.monotonic(), logs={}, processes={})
     for part in PARTS:
         log = ENGINES["logs"][part] = (folder / f"{part[2:]}.log").open("w")
-        ENGINES["processes"][part] = subprocess.Popen(
+        process = ENGINES["processes"][part] = subprocess.Popen(
             [sys.executable, "-m", "tests.vllm_engines", str(folder / f"{part[2:]}.json"), part],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+        children.yield_cores(process.pid)  # the suite's own tests first (tests/beside.py)
 
 
 def engines_started() -> dict[str, Any] | None:
@@ -358,6 +369,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     end_engines()
+    children.end_all()
     changed = users_caches_changed() if "home" in SUITE else []
     if changed:  # after the last test (test_suite_hygiene.py's, which fails for what it finds): said here
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -428,6 +440,13 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> EngineResults:
                 status = "killed after 900 s"
         results = recorded(out, status, log, "engines")
     return EngineResults(results)
+
+
+@pytest.fixture(scope="session")
+def beside() -> Any:
+    """`tests/beside.py`: a test reading a child run beside the suite names this fixture among its own,
+    so that it runs last and its module's child starts when collection ends."""
+    return children
 
 
 Mount = Callable[..., Path]

@@ -11,7 +11,9 @@ reaches the loader are tried: vLLM's `reload_weights` (which drops the stream wi
 is closed when the worker lets go of it) and the "streamload" weight-transfer engine (which closes it).
 
 One engine, in a child process (`python -m tests.test_reload_failure OUT.json`), that gives up on a
-reload after `HUNG` seconds and reports it: the test fails rather than wait for the group's timeout.
+reload after `HUNG` seconds and reports it: the test fails rather than wait for the group's timeout. The
+child starts beside the suite when its collection ends (`tests/beside.py`); the tests, among the last,
+read what it recorded.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from typing import Any
 import pytest
 import torch
 
+from . import beside as children
 from .conftest import have_vllm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,28 +43,27 @@ HUNG = 150  # seconds after which the child reports the reload hung and exits
 CUT = "model.layers.1.mlp.down_proj.weight"  # [128, 256]: cut to [128, 192], short of rank 1's columns
 WHY = "exceeds dimension size (192)"  # torch's error in vLLM's weight loader, on rank 1
 EMPTY = hashlib.sha256(b"").hexdigest()  # a parameter vLLM's CPU build emptied once it repacked it
+JOB = "reload-failure"
+
+
+@children.job(JOB, __name__)
+def _start(folder: Path) -> subprocess.Popen[bytes] | str:
+    """The child's engine, started beside the suite (`tests/beside.py`): its results in `folder`."""
+    if not have_vllm():
+        return "vLLM is not installed"
+    with (folder / "engine.log").open("w") as sink:
+        return subprocess.Popen([sys.executable, "-m", "tests.test_reload_failure", str(folder / "engine.json")],
+                                cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def failed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def failed(beside: object) -> dict[str, Any]:
     """What the child's engine recorded (before, after each failed reload, after a good one)."""
-    if not have_vllm():
-        pytest.skip("vLLM is not installed")
-    out = tmp_path_factory.mktemp("reload-failure") / "engine.json"
-    log = out.with_suffix(".log")
-    with log.open("w") as sink:
-        child = subprocess.Popen([sys.executable, "-m", "tests.test_reload_failure", str(out)], cwd=ROOT,
-                                 stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        try:
-            status = child.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            status = None
-        finally:  # the engine's workers and the forkserver are in the child's process group
-            try:
-                os.killpg(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            child.wait()
+    run = children.finished(JOB, 900)
+    status = None if run.timed_out else run.process.returncode  # type: ignore[union-attr]
+    children.kill(run)  # the engine's workers and the forkserver are in the child's process group
+    assert run.folder is not None
+    out, log = run.folder / "engine.json", run.folder / "engine.log"
     if status != 0 or not out.exists():
         pytest.fail(f"the engine's child failed (exit {status}):\n{log.read_text()[-6000:]}")
     return {**json.loads(out.read_text()), "log": log.read_text()}

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -90,13 +91,45 @@ def _script(llama: Path, *steps: str) -> str:
 
 LOAD = "mark('load'); streamload.load(file, device='cpu')"
 PRETRAINED = "mark('pretrained'); streamload.from_pretrained(folder, device='cpu')"
+CLI = "mark('cli'); main(['load', file, '--device', 'cpu'])"
+SWITCHED = (  # transformers' and the hub's own switches, then the threshold, each turned back on after
+    "import transformers, huggingface_hub.utils as hub",
+    "transformers.logging.disable_progress_bar()",
+    LOAD.replace("'load'", "'off_transformers'"),
+    PRETRAINED.replace("'pretrained'", "'off_transformers_pretrained'"),
+    "transformers.logging.enable_progress_bar()",
+    "hub.disable_progress_bars()",
+    LOAD.replace("'load'", "'off_hub'"),
+    "hub.enable_progress_bars()",
+    "os.environ['STREAMLOAD_PROGRESS_AFTER'] = '600'",
+    LOAD.replace("'load'", "'below_threshold'"),
+    "os.environ['STREAMLOAD_PROGRESS_AFTER'] = '0'",
+    LOAD.replace("'load'", "'on_again'"),
+)
+# The programs the tests read (their steps, their environment, on a terminal or a pipe), each in an
+# interpreter of its own (a switch read at import needs one) and all started at once by `runs`: each is
+# mostly imports, ~5 s of one core. On a terminal the bar is drawn, then the switches turn it off, in one
+# program: with the threshold at 0 s from its start, no bar after a switch is the switch's doing.
+PROGRAMS: dict[str, tuple[tuple[str, ...], dict[str, str], bool]] = {
+    "terminal": ((LOAD, PRETRAINED, CLI, *SWITCHED), {"STREAMLOAD_PROGRESS_AFTER": "0"}, True),
+    "pipe": ((LOAD, PRETRAINED), {"STREAMLOAD_PROGRESS_AFTER": "0"}, False),
+    "hub_switch": ((LOAD, PRETRAINED), {"STREAMLOAD_PROGRESS_AFTER": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}, True),
+}
 
 
-def test_a_load_on_a_terminal_draws_a_bar(llama: Path) -> None:
+@pytest.fixture(scope="module")
+def runs(llama: Path) -> Iterator[dict[str, Future[str]]]:
+    """Each of `PROGRAMS`' stderr, the programs run side by side (a test reads its own: a program that
+    fails fails its test alone)."""
+    with ThreadPoolExecutor(len(PROGRAMS)) as pool:
+        yield {name: pool.submit(_stderr, _script(llama, *steps), env, terminal)
+               for name, (steps, env, terminal) in PROGRAMS.items()}  # fmt: skip
+
+
+def test_a_load_on_a_terminal_draws_a_bar(llama: Path, runs: dict[str, Future[str]]) -> None:
     """`load`, `from_pretrained` and the CLI's `load` on a terminal each draw one bar that ends at 100%;
     the threshold lowered to 0 s (a small checkpoint loads faster than the default 1 s)."""
-    cli = "mark('cli'); main(['load', file, '--device', 'cpu'])"
-    out = _segments(_stderr(_script(llama, LOAD, PRETRAINED, cli), {"STREAMLOAD_PROGRESS_AFTER": "0"}, True))
+    out = _segments(runs["terminal"].result())
     for name in ("load", "pretrained"):
         assert BAR in out[name] and "100%" in out[name], (name, out[name])
     assert "loading" in out["cli"] and "100%" in out["cli"], out["cli"]
@@ -107,37 +140,22 @@ def test_a_load_on_a_terminal_draws_a_bar(llama: Path) -> None:
     assert "kB/" in out["load"] and "0.00GB" not in out["load"]
 
 
-def test_nothing_is_drawn_into_a_pipe(llama: Path) -> None:
-    out = _stderr(_script(llama, LOAD, PRETRAINED), {"STREAMLOAD_PROGRESS_AFTER": "0"}, False)
+def test_nothing_is_drawn_into_a_pipe(runs: dict[str, Future[str]]) -> None:
+    out = runs["pipe"].result()
     assert set(_segments(out)) == {"load", "pretrained", "end"}
     assert BAR not in out and "%|" not in out
 
 
-def test_hf_hub_disable_progress_bars_turns_it_off_on_a_terminal(llama: Path) -> None:
-    env = {"STREAMLOAD_PROGRESS_AFTER": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    out = _stderr(_script(llama, LOAD, PRETRAINED), env, True)
+def test_hf_hub_disable_progress_bars_turns_it_off_on_a_terminal(runs: dict[str, Future[str]]) -> None:
+    out = runs["hub_switch"].result()
     assert set(_segments(out)) == {"load", "pretrained", "end"}
     assert BAR not in out and "%|" not in out
 
 
-def test_transformers_and_hub_switches_and_the_threshold_turn_it_off(llama: Path) -> None:
+def test_transformers_and_hub_switches_and_the_threshold_turn_it_off(runs: dict[str, Future[str]]) -> None:
     """transformers' `logging.disable_progress_bar()`, huggingface_hub's `disable_progress_bars()`, and a
     load shorter than the threshold draw nothing; switched back on, the bar is back."""
-    steps = (
-        "import transformers, huggingface_hub.utils as hub",
-        "transformers.logging.disable_progress_bar()",
-        LOAD.replace("'load'", "'off_transformers'"),
-        PRETRAINED.replace("'pretrained'", "'off_transformers_pretrained'"),
-        "transformers.logging.enable_progress_bar()",
-        "hub.disable_progress_bars()",
-        LOAD.replace("'load'", "'off_hub'"),
-        "hub.enable_progress_bars()",
-        "os.environ['STREAMLOAD_PROGRESS_AFTER'] = '600'",
-        LOAD.replace("'load'", "'below_threshold'"),
-        "os.environ['STREAMLOAD_PROGRESS_AFTER'] = '0'",
-        LOAD.replace("'load'", "'on_again'"),
-    )
-    out = _segments(_stderr(_script(llama, *steps), {}, True))
+    out = _segments(runs["terminal"].result())
     for name in ("off_transformers", "off_transformers_pretrained", "off_hub", "below_threshold"):
         assert BAR not in out[name], (name, out[name])
     assert BAR in out["on_again"] and "100%" in out["on_again"]

@@ -2,7 +2,10 @@
 project declares (`integrations/transformers_internals.py`'s HIGHEST), beside the one vLLM pins: the
 README's test command installs it apart (`.venv/transformers-newest`, no dependencies: the suite's own
 serve it), and these tests run in a child process that imports it first. Both ends of the declared
-range are tested in every run."""
+range are tested in every run.
+
+The child, a pytest run of its own, starts beside the suite when its collection ends (`tests/beside.py`);
+the test, among the last, reads what it left."""
 
 from __future__ import annotations
 
@@ -13,10 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from . import beside as children
+
 ROOT = Path(__file__).resolve().parent.parent
 NEWEST = ROOT / ".venv" / "transformers-newest"  # pip install --no-deps --target (the README's test command)
 FILES = ["tests/test_transformers.py", "tests/test_quantization.py", "tests/test_fp8_scales.py",
          "tests/test_diffusers.py", "tests/test_store_trust.py"]  # fmt: skip
+JOB = "transformers-newest"
+TIMEOUT = 1200  # s, from the child's start
+ABSENT = f"{NEWEST} is absent: the README's test command installs the newest transformers there"
 
 
 def _version(env: dict[str, str]) -> str:
@@ -25,18 +33,34 @@ def _version(env: dict[str, str]) -> str:
                           timeout=120).stdout.strip()  # fmt: skip
 
 
-def test_the_transformers_tests_pass_on_the_newest_release(tmp_path: Path) -> None:
+def _environment() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(NEWEST), str(ROOT)])}
+
+
+@children.job(JOB, __name__)
+def _start(folder: Path) -> subprocess.Popen[bytes] | str:
+    """The child pytest over `FILES`."""
     if not NEWEST.is_dir():
-        pytest.skip(f"{NEWEST} is absent: the README's test command installs the newest transformers there")
+        return ABSENT
+    # its own temporary root: pytest removes all but the newest 3 of the shared one's, this run's among them
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={folder / 'child'}", *FILES]
+    with (folder / "stdout").open("wb") as out, (folder / "stderr").open("wb") as err:
+        return subprocess.Popen(argv, cwd=ROOT, env=_environment(), stdout=out, stderr=err, start_new_session=True)
+
+
+@pytest.mark.usefixtures("beside")
+def test_the_transformers_tests_pass_on_the_newest_release() -> None:
     from streamload.integrations.transformers_internals import HIGHEST
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(NEWEST), str(ROOT)])}
-    got = _version(env)
+    if not NEWEST.is_dir():
+        pytest.skip(ABSENT)
+    got = _version(_environment())  # (while the child runs)
     assert tuple(int(p) for p in got.split(".")[:2]) == HIGHEST, f"{NEWEST} holds transformers {got}"
     assert got != _version(dict(os.environ)), "the child would run the suite's own transformers"
-    # its own temporary root: pytest removes all but the newest 3 of the shared one's, this run's among them
-    basetemp = f"--basetemp={tmp_path / 'child'}"
-    ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", basetemp, *FILES], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=1200, check=False)  # fmt: skip
-    assert ran.returncode == 0, f"on transformers {got}:\n{ran.stdout[-6000:]}{ran.stderr[-2000:]}"
-    assert " passed" in ran.stdout.splitlines()[-1], ran.stdout[-2000:]
+    run = children.finished(JOB, TIMEOUT)
+    assert run.folder is not None and run.process is not None
+    stdout = (run.folder / "stdout").read_text(errors="replace")
+    stderr = (run.folder / "stderr").read_text(errors="replace")
+    status = f"killed after {TIMEOUT} s" if run.timed_out else f"exit {run.process.returncode}"
+    assert run.process.returncode == 0, f"on transformers {got} ({status}):\n{stdout[-6000:]}{stderr[-2000:]}"
+    assert " passed" in stdout.splitlines()[-1], stdout[-2000:]
