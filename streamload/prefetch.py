@@ -601,19 +601,5 @@ def _end_with(pid: int, work: Path | None = None) -> None:
     os._exit(1)
 
 
-def _exit(code: int) -> None:
-    """End the process without the interpreter's finalization, once its report is written. obstore's
-    (tokio) threads may still be returning a request's last result into Python; one that takes the GIL
-    while the interpreter finalizes is ended by `pthread_exit`, which cannot unwind through Rust frames:
-    glibc then aborts the process (SIGABRT, no message; Python < 3.14). `os._exit` ends every thread as is."""
-    import logging
-
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _exit(main())
+    sys.exit(main())  # requests still in flight are dropped at exit (storage/remote.py: _wind_down)
