@@ -49,6 +49,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -181,7 +182,7 @@ def main() -> None:
         if args.peers:
             if not (model / "streamload.digests.json").exists():
                 subprocess.run([sys.executable, "-m", "streamload", "digest", str(model)], check=True, env=env)
-            seeding = _seeding(net, model, flags, env, caches)
+            seeding, seeder = _seeding(net, model, flags, env, caches)
             env = {**env, "STREAMLOAD_BENCH_PEERS": f"http://{net.node_ips[1]}:{SEED_PORT}"}
             print(f"node 1 serves and seeds: up {seeding:.1f} s after its start", flush=True)
         for i in range(args.runs):
@@ -203,6 +204,9 @@ def main() -> None:
                     (args.logs / f"{i + 1}-{case.replace(', ', '-').replace(' ', '-')}.log").write_text(done["output"])
                 shown = done.get("error") or f"{done['first_token']:.1f} s"
                 print(f"run {i + 1} {case:25} {shown}", flush=True)
+        if args.peers:  # a Ctrl-C, not the network's SIGTERM: its exit handlers remove what its fetch staged
+            seeder.send_signal(signal.SIGINT)
+            seeder.wait(60)
     shutil.rmtree(caches, ignore_errors=True)
     size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     how = ("compiled" if args.compiled else "eager") + (", in-process" if args.in_process else "")
@@ -227,9 +231,11 @@ def main() -> None:
         print(f"| {case} | {median[case]:.1f} | {median[case] / bound:.2f}x | {same} | {served:.1%} |")
 
 
-def _seeding(net: Any, model: Path, flags: list[str], env: dict[str, str], caches: Path) -> float:
+def _seeding(
+    net: Any, model: Path, flags: list[str], env: dict[str, str], caches: Path
+) -> tuple[float, subprocess.Popen[str]]:
     """Node 1's engine, loaded from the store into its cache and seeding it, serving until the bench ends;
-    the seconds it took to its first token."""
+    the seconds it took to its first token, and its process."""
     cache = {
         "STREAMLOAD_BENCH_CACHE": str(caches / "seeder"),
         "STREAMLOAD_BENCH_SEED": f"{net.node_ips[1]}:{SEED_PORT}",
@@ -243,7 +249,7 @@ def _seeding(net: Any, model: Path, flags: list[str], env: dict[str, str], cache
         if line.startswith("RESULT "):
             threading.Thread(target=proc.stdout.read, daemon=True).start()  # its log, drained
             time.sleep(2)  # its seeder starts once the load is complete
-            return float(json.loads(line[7:])["first_token"])
+            return float(json.loads(line[7:])["first_token"]), proc
         if time.monotonic() > deadline:
             break
     raise RuntimeError("the seeding engine did not come up")
