@@ -40,7 +40,7 @@ from .read.base import writable_bytes
 from .source import Checkpoint
 from .stats import Stats
 from .storage import Digest, Files, is_hex
-from .storage.digests import BLOCK_BYTES, DIGEST_FILE, FORMAT, block_digest, block_hasher, parse
+from .storage.digests import BLOCK_BYTES, DIGEST_FILE, FORMAT, block_digest, block_hasher, entry_of, parse
 
 Verify = bool | Mapping[str, str]
 if TYPE_CHECKING:
@@ -77,15 +77,11 @@ def known_digests(checkpoint: Checkpoint, strict: bool = True) -> dict[PurePath,
                     raise
                 sidecars[folder], broken[folder] = None, str(exc)
         doc = sidecars[folder] or {}
-        entry = doc.get("files", {}).get(header.path.name)
         own = checkpoint.storage.digest(header) if header.prefix else None
         origin = str(PurePath(folder) / DIGEST_FILE)
-        if not isinstance(entry, dict) or entry.get("size") != header.size:
-            stale = broken.get(folder) or (
-                None if not isinstance(entry, dict)
-                else f"{origin} was made for a file of {entry.get('size')} bytes, this one has {header.size}"
-            )  # fmt: skip
-            out[header.path] = Known(own, stale=stale)
+        entry, stale = entry_of(doc, header.path.name, header.size, origin)
+        if entry is None:
+            out[header.path] = Known(own, stale=broken.get(folder) or stale)
             continue
         mine = Digest("sha256", entry["sha256"], origin) if isinstance(entry.get("sha256"), str) else None
         out[header.path] = Known(mine or own, entry.get("tensors"), doc["block_bytes"], origin,

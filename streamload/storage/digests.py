@@ -5,6 +5,7 @@ read) and `peers.py` (each block a peer sends, checked before it is used)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import IntegrityError
@@ -38,3 +39,16 @@ def parse(raw: bytes, where: str) -> dict[str, Any]:
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise IntegrityError(f"{where}: block_bytes must be a positive integer, not {block!r}")
     return doc
+
+
+def entry_of(
+    doc: Mapping[str, Any] | None, name: str, size: int, origin: str
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The digest file's entry for the file `name` of `size` bytes; else (None, why it does not describe the
+    file), the why None where the digest file has no entry for it."""
+    entry = (doc or {}).get("files", {}).get(name)
+    if not isinstance(entry, dict):
+        return None, None
+    if entry.get("size") != size:
+        return None, f"{origin} was made for a file of {entry.get('size')} bytes, this one has {size}"
+    return entry, None

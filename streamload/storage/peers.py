@@ -51,7 +51,7 @@ from ..errors import IntegrityError
 from ..format import FileHeader
 from .base import Digest, Listing, Partly, Source, redacted
 from .cache import cache_path, version_of
-from .digests import DIGEST_FILE, block_digest, parse
+from .digests import DIGEST_FILE, block_digest, entry_of, parse
 from .remote import ObjectFiles, ObjectPath, ObjectStorage
 
 log = logging.getLogger("streamload")
@@ -193,15 +193,15 @@ class Units:
 
 def file_units(header: FileHeader, doc: Mapping[str, Any] | None, where: str) -> tuple[Units | None, str]:
     """The checked units of one file from the source's digest file (`doc`), or (None, why not)."""
-    entry = (doc or {}).get("files", {}).get(header.path.name) if doc else None
-    if not isinstance(entry, dict):
+    entry, stale = entry_of(doc, header.path.name, header.size, where)
+    if stale is not None:
+        return None, stale
+    if entry is None:
         if unverified_allowed():
             step = UNCHECKED_BLOCK
             return Units([Unit(a, min(a + step, header.size), None, f"bytes {a}..") for a in
                           range(header.data_start, header.size, step)]), ""  # fmt: skip
         return None, f"no digests of it ({where} {'has no entry for it' if doc else 'is absent'})"
-    if entry.get("size") != header.size:
-        return None, f"{where} was made for a file of {entry.get('size')} bytes, this one has {header.size}"
     head = entry.get("header_sha256")
     if head is not None and len(header.prefix) == header.data_start:
         if hashlib.sha256(header.prefix).hexdigest() != head:
