@@ -27,10 +27,15 @@ async def _load(pace: Pace, link: float, cap: float, latency: float, seconds: fl
             size = pace.request_bytes()
             active += 1
             left = float(size)
+            loop, last = asyncio.get_running_loop(), asyncio.get_running_loop().time()
             while left > 0:  # receive in steps, at the share the link gives now
-                step = 0.005
-                left -= min(cap, link / active) * step
-                await asyncio.sleep(step)
+                await asyncio.sleep(0.005)
+                # by the time that passed, not the time asked for: a busy machine's loop wakes late, and a
+                # step counted as 5 ms would make the simulated link slower than its rate (the count then
+                # settled elsewhere: the test depended on this machine's speed)
+                now = loop.time()
+                left -= min(cap, link / active) * (now - last)
+                last = now
             active -= 1
             pace.record(timer.sample(size, ticket))
         finally:
