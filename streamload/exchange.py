@@ -41,10 +41,15 @@ The ranks also agree that they read the same bytes, not only the same layout: se
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
 import logging
+import os
+import re
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -125,8 +130,11 @@ def wait(work: Work, deadline: float, abort: Any, given_up: Callable[[], bool] |
 # -- which bytes ---------------------------------------------------------------------------------
 # The ranks' plans agree on names, dtypes, shapes and offsets; each file must also be the same bytes on
 # every rank. A file's version, as the storage names it without reading data, settles most cases at no
-# cost: one inode, size and mtime (one file, on one host or on a file system every host mounts), or one
-# URL, size and ETag (one object version). Where ranks name different versions (a copy on each host's own
+# cost: one file on one host (its host's identity, device, inode, size and mtime), one file on a network
+# file system every host mounts (the file system's type, source and server, inode, size and mtime), or
+# one URL, size and ETag (one object version). A local version names its host: hosts made from one image
+# have files of equal device, inode, size and mtime that need not hold equal bytes (see `_host_identity`,
+# `_shared_file_system`). Where ranks name different versions (a copy on each host's own
 # disk, another URL), the versions prove nothing either way: the ranks compare what they read of each
 # file (its size, header, the first and last 64 KiB of its data and 4 KiB at 6 points between) and the
 # digests known of it (`streamload.digests.json`, a hub cache's blob name, an S3 MD5 ETag). Identical
@@ -137,14 +145,95 @@ ENDS = 64 << 10  # bytes of a file's data sampled at each end
 PROBES, PROBE = 6, 4 << 10  # and blocks of this size between them
 
 
-def version(header: FileHeader, checkpoint: Checkpoint) -> bytes:
+def version(header: FileHeader, checkpoint: Checkpoint, mounts: dict[int, tuple[str, ...]] | None = None) -> bytes:
     """32 bytes naming the version of a file as its storage identifies it, without reading data:
-    equal on two ranks means the same bytes; different proves nothing (copies)."""
-    if checkpoint.storage.kind == "local":  # (device, inode, size, mtime): a host's device number is its own
-        named: tuple[object, ...] = header.identity[1:]
-    else:  # an ETag names a version of one URL's object
-        named = (str(header.path), *header.identity)
+    equal on two ranks means the same bytes; different proves nothing (copies). `mounts`: this host's
+    network file systems (`_network_mounts`), read once for all files."""
+    if checkpoint.storage.kind == "local":
+        named = _local_version(header.identity, mounts)
+    else:  # an ETag names a version of one URL's object (a server on the loopback is each host's own)
+        named = (str(header.path), *header.identity, *_loopback_host(str(header.path)))
     return hashlib.sha256(repr((header.size, named)).encode()).digest()
+
+
+def _local_version(identity: tuple[object, ...], mounts: dict[int, tuple[str, ...]] | None) -> tuple[object, ...]:
+    """A local file's version: on a network file system, its server's inode number, size and mtime
+    (the same on every host that mounts it; the device number is each host's own); else its host's
+    identity with its device, inode, size and mtime. Without an identity, one no other rank names."""
+    if len(identity) != 4:
+        return ("unknown", secrets.token_hex(16))
+    device, inode, size, mtime = identity
+    shared = _shared_file_system(int(device), mounts)  # type: ignore[call-overload]
+    if shared is not None:
+        return ("shared", *shared, inode, size, mtime)
+    return ("host", _host_identity(), device, inode, size, mtime)
+
+
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+_PROCESS = secrets.token_hex(16)  # this process's own, where the host has no boot id to read
+
+
+@functools.lru_cache(maxsize=1)
+def _host_identity() -> str:
+    """Which host this is: the kernel's boot id (random at each boot, so hosts made from one image or
+    one disk snapshot still differ; containers on one host share it, as they share its files) and the
+    host name. Where there is no boot id (not Linux), this process's own token: every rank then
+    compares the bytes of each file, as for copies."""
+    try:
+        with open(_BOOT_ID, encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{boot}/{socket.gethostname()}" if boot else _PROCESS
+
+
+# File systems whose inode numbers and times are the server's, seen alike by every host that mounts them
+# (a FUSE file system's inode numbers are its daemon's, on each host; CIFS's may be the client's).
+NETWORK_FILE_SYSTEMS = frozenset({"nfs", "nfs4", "ceph", "lustre", "gpfs", "beegfs"})
+
+
+def _shared_file_system(device: int, mounts: dict[int, tuple[str, ...]] | None = None) -> tuple[str, ...] | None:
+    """The network file system of device number `device` (its type, source and server address), or
+    None where it is not one (a host's own)."""
+    return (_network_mounts() if mounts is None else mounts).get(device)
+
+
+_MOUNTINFO = "/proc/self/mountinfo"
+
+
+def _network_mounts() -> dict[int, tuple[str, ...]]:
+    """This host's network file systems by device number, from /proc/self/mountinfo: (type, source,
+    server address); none where it cannot be read. `addr=` (NFS) tells two servers exported under one
+    name apart."""
+    out: dict[int, tuple[str, ...]] = {}
+    try:
+        with open(_MOUNTINFO, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        mount, _, system = line.partition(" - ")
+        fields, about = mount.split(), system.split()
+        if len(fields) < 3 or len(about) < 2 or about[0] not in NETWORK_FILE_SYSTEMS:
+            continue
+        major, _, minor = fields[2].partition(":")
+        if not (major.isdigit() and minor.isdigit()):
+            continue
+        options = about[2].split(",") if len(about) > 2 else []
+        server = next((o[5:] for o in options if o.startswith("addr=")), "")
+        out[os.makedev(int(major), int(minor))] = (about[0], about[1], server)
+    return out
+
+
+_LOOPBACK = re.compile(r"(?i)^(localhost|127(\.\d{1,3}){3}|\[::1\]|0\.0\.0\.0)$")
+
+
+def _loopback_host(url: str) -> tuple[str, ...]:
+    """The host identity where `url`'s server is on the loopback (each host's own server: its ETags, often
+    mtime and size, prove nothing across hosts); nothing else."""
+    host = url.partition("://")[2].split("/", 1)[0].rpartition("@")[2]
+    host = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    return (_host_identity(),) if _LOOPBACK.match(host) else ()
 
 
 def known_claims(checkpoint: Checkpoint, headers: Sequence[FileHeader]) -> list[bytes]:
@@ -473,7 +562,9 @@ class Exchange:
         """Collective: refuses files that are not the same bytes on every rank (the rules: "Which bytes",
         above): the plan says which bytes of which file name each rank reads, not which file."""
         files = sorted(checkpoint.files, key=lambda h: h.path.name)
-        versions = torch.frombuffer(bytearray(b"".join(version(h, checkpoint) for h in files)), dtype=torch.uint8)
+        mounts = _network_mounts() if checkpoint.storage.kind == "local" else {}
+        named = b"".join(version(h, checkpoint, mounts) for h in files)
+        versions = torch.frombuffer(bytearray(named), dtype=torch.uint8)
         every = self._gather_small(versions).view(self.world, len(files), -1)
         unsure = [i for i in range(len(files)) if not bool((every[:, i] == every[0, i]).all())]
         if not unsure:

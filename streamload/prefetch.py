@@ -266,20 +266,25 @@ def install_model_infos(source: str) -> int:
     vLLM inspects a model's class in a subprocess before any load format runs (15 s here) unless its
     cache holds the answer, which it checks against the model file's hash: so this runs in the fetch
     started first. They are data, not code: vLLM reads one with `json.load` into its `_ModelInfo`
-    dataclass (`_LazyRegisteredModel._load_modelinfo_from_cache`). The archive is read member by
-    member as data, never unpacked (`_model_infos`): only files named `modelinfos/<name>.json`, small
-    and of that plain shape (`_plain_model_info`), are written, by their name, into the folder opened
-    without following a link (`atomic.folder`); the rest is skipped with one warning, and an archive
-    that is not an uncompressed tar installs nothing (one warning), never failing the load."""
+    dataclass (`_LazyRegisteredModel._load_modelinfo_from_cache`). But the archive is not pinned, and
+    what is installed is trusted by every later engine on the node, for whatever model it serves: so
+    only inspections of this checkpoint's own classes install, each of the class it is named for
+    (`_own_inspection`): the classes its config.json names in `architectures`, read beside the weights
+    through the same storage as the archive (none without one). The archive is read member by member
+    as data, never unpacked (`_model_infos`): only files named `modelinfos/<module>-<Class>.json`,
+    small and of that plain shape (`_plain_model_info`), are written, by their name, into the folder
+    opened without following a link (`atomic.folder`); the rest is skipped with one warning, and an
+    archive that is not an uncompressed tar installs nothing (one warning), never failing the load."""
     import logging
 
     from .storage import storage_for
 
-    data = storage_for(source).sidecar(beside(source), MODEL_INFOS)
+    storage = storage_for(source)
+    data = storage.sidecar(beside(source), MODEL_INFOS)
     if data is None:
         return 0
     what = f"{MODEL_INFOS} beside {redacted(source)}"
-    infos = _model_infos(data, what)
+    infos = _model_infos(data, what, _architectures(storage, source))
     if not infos:
         return 0
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -301,11 +306,24 @@ _MODEL_INFOS_MEMBERS = 256  # members of an archive read at most: those after ar
 _MODEL_INFOS_TOTAL = 4 << 20  # bytes of inspections read from an archive at most
 
 
-def _model_infos(data: bytes, what: str) -> dict[str, bytes]:
-    """The model inspections in the tar archive `data` (named `what` in the warning): file name ->
-    bytes, for each regular file `modelinfos/<name>.json` of the plain shape, read as bytes (never
-    extracted) within the caps above; anything else skipped, with one warning saying how many. An
-    archive that is not an uncompressed tar (a compressed one: no gzip bomb is inflated) gives none."""
+def _architectures(storage: Any, source: str) -> frozenset[str]:
+    """The model classes the config.json beside `source` names in `architectures`, read through
+    `storage`; none where there is no such config, or it cannot be read or names no list."""
+    try:
+        raw = storage.sidecar(beside(source), "config.json")
+        config = json.loads(raw) if raw is not None else None
+    except ValueError:  # unreadable (a SourceError), not JSON, not UTF-8
+        return frozenset()
+    names = config.get("architectures") if isinstance(config, dict) else None
+    return frozenset(n for n in names if isinstance(n, str)) if isinstance(names, list) else frozenset()
+
+
+def _model_infos(data: bytes, what: str, classes: frozenset[str]) -> dict[str, bytes]:
+    """The model inspections in the tar archive `data` (named `what` in the warning) of the model
+    `classes`: file name -> bytes, for each regular file `modelinfos/<module>-<Class>.json` of the plain
+    shape, of a class in `classes` and inspecting that class, read as bytes (never extracted) within
+    the caps above; anything else skipped, with one warning saying how many. An archive that is not
+    an uncompressed tar (a compressed one: no gzip bomb is inflated) gives none."""
     import io
     import logging
     import tarfile
@@ -326,7 +344,7 @@ def _model_infos(data: bytes, what: str) -> dict[str, bytes]:
                 size = min(member.size, _MODEL_INFO_SIZE + 1)
                 raw = source.read(size) if source is not None and total + size <= _MODEL_INFOS_TOTAL else b""
                 total += len(raw)
-                if len(raw) <= _MODEL_INFO_SIZE and _plain_model_info(raw):
+                if len(raw) <= _MODEL_INFO_SIZE and _plain_model_info(raw) and _own_inspection(name, raw, classes):
                     infos[name] = raw
                 else:
                     skipped += 1
@@ -335,11 +353,21 @@ def _model_infos(data: bytes, what: str) -> dict[str, bytes]:
         return {}
     if skipped or capped:
         after = f" and those after the first {_MODEL_INFOS_MEMBERS}" if capped else ""
+        named = ", ".join(sorted(classes)) or "none: no config.json beside it names them"
         log.warning(
-            "streamload: %s: %d member(s)%s skipped: only files modelinfos/<name>.json holding a model inspection "
-            "as vLLM writes it (at most %d bytes) are installed", what, skipped, after, _MODEL_INFO_SIZE
+            "streamload: %s: %d member(s)%s skipped: only files modelinfos/<module>-<Class>.json holding vLLM's "
+            "inspection of that class (at most %d bytes), for a class the checkpoint's config.json names in "
+            "`architectures` (%s), are installed", what, skipped, after, _MODEL_INFO_SIZE, named
         )  # fmt: skip
     return infos
+
+
+def _own_inspection(name: str, raw: bytes, classes: frozenset[str]) -> bool:
+    """Whether the inspection `raw`, in the file `name` (vLLM names it `<module>-<Class>.json`, the
+    module's dots as dashes: a class name holds neither), is of a class in `classes` and says it is of
+    that class: vLLM reads the file for that class, whatever it says inside."""
+    named = name.removesuffix(".json").rpartition("-")[2]
+    return named in classes and json.loads(raw)["modelinfo"].get("architecture") == named
 
 
 def _plain_model_info(raw: bytes) -> bool:

@@ -8,6 +8,7 @@ the plain members beside it still install."""
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ from streamload.integrations.vllm.startup import compiled
 LLAMA = "vllm-models-llama-LlamaForCausalLM.json"
 QWEN = "vllm-models-qwen2-Qwen2ForCausalLM.json"
 INFO = b'{"hash": "h", "modelinfo": {"architecture": "LlamaForCausalLM", "supports_pp": true}}'
+QWEN_INFO = b'{"hash": "h", "modelinfo": {"architecture": "Qwen2ForCausalLM", "supports_pp": true}}'
 PAYLOAD = b"import os; os.system('echo pwned')\n"
 BOMB = 64 << 20  # bytes a gzip bomb inflates to (from about 64 KiB)
 
@@ -137,7 +139,7 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home.mkdir()
     (home / ".bashrc").write_text("the user's own\n")
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (tmp_path / "model" / "config.json").write_text('{"architectures": ["LlamaForCausalLM", "Qwen2ForCausalLM"]}')
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / CACHE))
@@ -150,7 +152,7 @@ def _publish(model: Path, data: bytes) -> None:
 
 
 def _plain_around(members: list[Member]) -> bytes:
-    return _tar([_file(f"modelinfos/{LLAMA}", INFO), *members, _file(f"modelinfos/{QWEN}", INFO)])
+    return _tar([_file(f"modelinfos/{LLAMA}", INFO), *members, _file(f"modelinfos/{QWEN}", QWEN_INFO)])
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -172,7 +174,7 @@ def test_a_crafted_inspections_archive_installs_only_its_plain_inspections(
     after = _everything(tmp_path)
     assert set(after) - set(before) == INSTALLED
     assert {p: after.get(p) for p in before} == before  # nothing there changed (nor was linked to)
-    assert (node / "modelinfos" / LLAMA).read_bytes() == INFO == (node / "modelinfos" / QWEN).read_bytes()
+    assert (node / "modelinfos" / LLAMA).read_bytes() == INFO and (node / "modelinfos" / QWEN).read_bytes() == QWEN_INFO
     said = f"{prefetch.MODEL_INFOS} beside {tmp_path / 'model'}: {len(members)} member(s) skipped"
     assert len(_warnings(caplog)) == 1 and said in _warnings(caplog)[0], _warnings(caplog)
 
@@ -195,15 +197,17 @@ def test_inspections_are_capped_and_never_replace_nor_write_through_a_link(
     """An inspection over 64 KiB and the members after the first 256 are skipped (one warning); one
     the node has is kept; a `modelinfos` that is a link (another user's, in a shared cache) is not
     written through."""
-    big = b'{"hash": "h", "modelinfo": {"x": "' + b"y" * (1 << 16) + b'"}}'
-    many = [_file(f"modelinfos/m{k:03}.json", INFO) for k in range(300)]
-    _publish(tmp_path / "model", _tar([_file("modelinfos/big.json", big), *many]))
+    big = b'{"hash": "h", "modelinfo": {"architecture": "Big", "x": "' + b"y" * (1 << 16) + b'"}}'
+    classes = [f"M{k:03}" for k in range(300)]
+    many = [_file(f"modelinfos/x-{c}.json", INFO.replace(b"LlamaForCausalLM", c.encode())) for c in classes]
+    _publish(tmp_path / "model", _tar([_file("modelinfos/x-Big.json", big), *many]))
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"architectures": ["Big", *classes]}))
     (node / "modelinfos").mkdir(parents=True)
-    (node / "modelinfos" / "m001.json").write_text("its own")
+    (node / "modelinfos" / "x-M001.json").write_text("its own")
     with caplog.at_level(logging.WARNING, logger="streamload"):
-        assert prefetch.install_model_infos(str(tmp_path / "model")) == 254  # 256 read: big, m000..m254
-    assert sorted(p.name for p in (node / "modelinfos").iterdir()) == [f"m{k:03}.json" for k in range(255)]
-    assert (node / "modelinfos" / "m001.json").read_text() == "its own"
+        assert prefetch.install_model_infos(str(tmp_path / "model")) == 254  # 256 read: big, M000..M254
+    assert sorted(p.name for p in (node / "modelinfos").iterdir()) == [f"x-{c}.json" for c in classes[:255]]
+    assert (node / "modelinfos" / "x-M001.json").read_text() == "its own"
     said = "1 member(s) and those after the first 256 skipped"
     assert len(_warnings(caplog)) == 1 and said in _warnings(caplog)[0], _warnings(caplog)
 

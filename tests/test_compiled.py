@@ -168,7 +168,8 @@ def test_vllms_model_inspections_are_installed_by_the_fetch_started_first(
     node = tmp_path / "node-a"
     _cache(node)
     (node / "modelinfos").mkdir()
-    (node / "modelinfos" / "vllm-models-llama-LlamaForCausalLM.json").write_text('{"hash": "h", "modelinfo": {}}')
+    llama = '{"hash": "h", "modelinfo": {"architecture": "LlamaForCausalLM"}}'  # vLLM's inspection of that class
+    (node / "modelinfos" / "vllm-models-llama-LlamaForCausalLM.json").write_text(llama)
     (node / "modelinfos" / "vllm-models-qwen2-Qwen2ForCausalLM.json").write_text('{"hash": "q"}')
     (node / "modelinfos" / "vllm-models-bert-BertModel.json").write_text('{"hash": "b"}')  # another model's
     model = tmp_path / "model"
@@ -192,9 +193,7 @@ def test_vllms_model_inspections_are_installed_by_the_fetch_started_first(
     assert prefetch.wait(Path(started["done"]), started["pid"], timeout=60)["ok"]
     assert sorted(p.name for p in (cold / "modelinfos").iterdir()) == [
         "vllm-models-llama-LlamaForCausalLM.json", "vllm-models-qwen2-Qwen2ForCausalLM.json"]  # fmt: skip
-    assert (
-        cold / "modelinfos" / "vllm-models-llama-LlamaForCausalLM.json"
-    ).read_text() == '{"hash": "h", "modelinfo": {}}'
+    assert (cold / "modelinfos" / "vllm-models-llama-LlamaForCausalLM.json").read_text() == llama
     assert (cold / "modelinfos" / "vllm-models-qwen2-Qwen2ForCausalLM.json").read_text() == "its own"
     assert [p.name for p in cold.iterdir()] == ["modelinfos"]  # no staging left
 

@@ -84,10 +84,12 @@ def _rank(rank: int, world: int, out: str, job: dict[str, Any]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=world,
                             timeout=timedelta(seconds=job["timeout"]))  # fmt: skip
     stop = job.get("stop", {}).get(str(rank))
+    result: dict[str, Any] = {}
+    if "host" in job:
+        _as_host(job["host"][rank], result)
     options: dict[str, Any] = {"cooperative": True, "device": "cpu", **TINY, **job.get("options", {})}
     if stop == "bad argument":
         options["slots"] = -3  # this rank's iter() fails before its first read
-    result: dict[str, Any] = {}
     got: dict[str, torch.Tensor] = {}
     started = time.monotonic()
     try:
@@ -122,6 +124,33 @@ def _rank(rank: int, world: int, out: str, job: dict[str, Any]) -> None:
         while not all(p.exists() for p in others) and time.monotonic() < deadline:
             time.sleep(0.1)
     dist.destroy_process_group()
+
+
+# What an identically provisioned image's files look like on each host: one device, inode and mtime.
+CLONED = (2049, 1234567, 1_700_000_000_000_000_000)
+
+
+def _as_host(host: dict[str, Any], result: dict[str, Any]) -> None:
+    """This rank plays a host of its own: `host["boot"]` its identity (the boot id), every local file
+    of the one (device, inode, mtime) of an image provisioned alike on every host (`CLONED`), its file
+    system a network one (`host["mount"]`: type, source) where given; `result["fingerprinted"]` says
+    whether it had to compare the files' bytes with the others'."""
+    from streamload import exchange
+    from streamload.storage import local
+
+    device, inode, mtime = CLONED
+    local.file_identity = lambda st: (device, inode, st.st_size, mtime)  # type: ignore[assignment]
+    exchange._host_identity = lambda: host["boot"]  # type: ignore[attr-defined]
+    mount = tuple(host["mount"]) if host.get("mount") else None
+    exchange._shared_file_system = lambda dev, mounts=None: mount if dev == device else None  # type: ignore[attr-defined]
+    fingerprints = exchange.fingerprints
+    result["fingerprinted"] = False
+
+    def counted(*args: Any) -> Any:
+        result["fingerprinted"] = True
+        return fingerprints(*args)
+
+    exchange.fingerprints = counted  # type: ignore[assignment]
 
 
 def run_ranks(out: Path, job: dict[str, Any], world: int = 2) -> list[dict[str, Any]]:
@@ -196,6 +225,98 @@ def test_identical_copies_in_other_folders_load_together_exactly(
     total = versions["a"].stat().st_size
     assert sum(r["bytes_read"] for r in results) < total  # each read a share, not the whole file
     assert all(r["bytes_read"] < total * 0.7 for r in results), results
+
+
+def test_equal_file_identities_on_other_hosts_prove_nothing(versions: dict[str, Path], tmp_path: Path) -> None:
+    """Two hosts of one image: their files have the same device, inode, size and mtime, but their bytes
+    differ (a/ and b/). Equal local identities are no proof across hosts: the ranks compare the bytes
+    and refuse, naming both files."""
+    hosts = [{"boot": "host-a"}, {"boot": "host-b"}]
+    job = {"sources": sources(versions, ("a", "b"), None), "expect": [str(versions["a"]), str(versions["b"])],
+           "timeout": SHORT, "host": hosts}  # fmt: skip
+    for rank, r in enumerate(run_ranks(tmp_path, job)):
+        error = r.get("error", "")
+        assert "different" in error and "a/model.safetensors" in error and "b/model.safetensors" in error, (rank, r)
+        assert not r["got"] and r["fingerprinted"], (rank, r)
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        [{"boot": "host-a"}, {"boot": "host-a"}],  # two ranks on one host: one file
+        [{"boot": "host-a", "mount": ["nfs4", "nas:/models"]}, {"boot": "host-b", "mount": ["nfs4", "nas:/models"]}],
+    ],
+    ids=["one host", "one network file system"],
+)
+def test_one_file_agrees_at_no_cost_on_one_host_or_one_network_file_system(
+    versions: dict[str, Path], tmp_path: Path, hosts: list[dict[str, Any]]
+) -> None:
+    """Equal identities on one host, or on one network file system every host mounts (NFS: its
+    server's inode numbers and times, the same on every host), are one file: the ranks load together,
+    exactly, without comparing bytes."""
+    path = str(versions["a"])
+    job = {"sources": [path, path], "expect": [path, path], "timeout": SHORT, "host": hosts}
+    results = run_ranks(tmp_path, job)
+    for rank, r in enumerate(results):
+        assert r["exact"] and r["whole"] and not r["fingerprinted"], (rank, r)
+    assert sum(r["bytes_read"] for r in results) < versions["a"].stat().st_size  # each read a share
+
+
+def test_identical_copies_on_other_hosts_agree_by_their_bytes(versions: dict[str, Path], tmp_path: Path) -> None:
+    """Two hosts of one image whose copies hold the same bytes (a/ and c/): compared, they agree."""
+    hosts = [{"boot": "host-a"}, {"boot": "host-b"}]
+    job = {"sources": sources(versions, ("a", "c"), None), "expect": [str(versions["a"]), str(versions["c"])],
+           "timeout": SHORT, "host": hosts}  # fmt: skip
+    for rank, r in enumerate(run_ranks(tmp_path, job)):
+        assert r["exact"] and r["whole"] and r["fingerprinted"], (rank, r)
+
+
+def test_network_file_systems_are_told_from_a_hosts_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read from the mount table: NFS (its export and server address), CephFS and Lustre are network
+    file systems; a disk, an overlay, tmpfs and FUSE (its inode numbers are each host's daemon's) are
+    not, nor is a line that cannot be read."""
+    from streamload import exchange
+
+    table = tmp_path / "mountinfo"
+    table.write_text(
+        "29 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw\n"
+        "30 29 0:52 / /models rw,relatime shared:9 - nfs4 nas:/export/models rw,vers=4.2,addr=10.0.0.5,sec=sys\n"
+        "31 29 0:53 / /cephfs rw - ceph 10.0.0.7:6789:/ rw,name=admin\n"
+        "32 29 0:54 / /lustre rw - lustre 10.0.0.8@tcp:/fs rw,flock\n"
+        "33 29 0:55 / /merged rw - overlay overlay rw,lowerdir=/l\n"
+        "34 29 0:56 / /sshfs rw,nosuid - fuse.sshfs host:/x rw,user_id=0\n"
+        "35 29 0:57 / /tmp rw - tmpfs tmpfs rw\n"
+        "garbage - nfs4\n"
+    )
+    monkeypatch.setattr(exchange, "_MOUNTINFO", str(table))
+    assert exchange._network_mounts() == {
+        os.makedev(0, 52): ("nfs4", "nas:/export/models", "10.0.0.5"),
+        os.makedev(0, 53): ("ceph", "10.0.0.7:6789:/", ""),
+        os.makedev(0, 54): ("lustre", "10.0.0.8@tcp:/fs", ""),
+    }
+    monkeypatch.setattr(exchange, "_MOUNTINFO", str(tmp_path / "absent"))
+    assert exchange._network_mounts() == {}
+
+
+def test_an_object_on_a_loopback_server_is_each_hosts_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One URL, size and ETag name one object version, except on a loopback server (each host's own,
+    whose ETags are often its files' mtime and size): there the version names the host too."""
+    from types import SimpleNamespace
+
+    from streamload import exchange
+
+    objects = SimpleNamespace(storage=SimpleNamespace(kind="object"))
+
+    def on(host: str, url: str) -> bytes:
+        monkeypatch.setattr(exchange, "_host_identity", lambda: host)
+        header = SimpleNamespace(path=url, size=10, identity=(10, "etag", '"5f-a"'))
+        return exchange.version(header, objects)  # type: ignore[arg-type]
+
+    for url in ("http://127.0.0.1:8080/m/model.safetensors", "http://localhost/m/a.safetensors",
+                "http://user:pw@[::1]:9/a.safetensors"):  # fmt: skip
+        assert on("host-a", url) != on("host-b", url) and on("host-a", url) == on("host-a", url), url
+    for url in ("http://10.0.0.5/m/model.safetensors", "s3://bucket/m/model.safetensors"):
+        assert on("host-a", url) == on("host-b", url), url
 
 
 # -- item 5: a rank that leaves says so ------------------------------------------------------------

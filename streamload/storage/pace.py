@@ -202,6 +202,13 @@ class Timer:
 _PACES: dict[str, Pace] = {}
 
 
+def restart_all() -> None:
+    """Every store's `Pace` as new, in place (a forked child: what its parent had in flight is not its own;
+    a storage made before the fork holds the same object)."""
+    for pace in _PACES.values():
+        pace.__init__(pace.limit, pace.most)  # type: ignore[misc]
+
+
 def pace_of(root: str) -> Pace:
     """The process's `Pace` for the store at `root` (made on first use, on the loop thread or not)."""
     pace = _PACES.get(root)
