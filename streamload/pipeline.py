@@ -27,6 +27,7 @@ from .collector import collector_paused
 from .defaults import Tuning
 from .device import Delivered, Device
 from .errors import IntegrityError, ReadError, StreamloadError
+from .integrity.whole import WholeFileMismatch
 from .limits import Staging, shared_limits
 from .plan import Batch, Plan
 from .read import Reader
@@ -137,6 +138,9 @@ class Pipeline:
                 filling = self._filling.popleft()
                 try:
                     filling.reads.wait()
+                except WholeFileMismatch as exc:  # a storage's own verdict fails a read (a hub download's SHA-256)
+                    self._name_handed_out(exc)
+                    raise
                 except StreamloadError:
                     raise
                 except Exception as exc:  # a reader's error that does not say which file (a library's)
@@ -236,6 +240,13 @@ class Pipeline:
             self._verdict(self._hashing[0][0])
             self._hashing.popleft()
         assert self._files is not None
+        verdict = getattr(self._files, "verdict_at_end", None)  # a storage's own on what it served (storage/hub.py)
+        if verdict is not None:
+            try:
+                verdict()
+            except WholeFileMismatch as exc:
+                self._name_handed_out(exc)
+                raise
         self.check.finish(self.stats, self._files)
         self._ended = True
         self.stats.finish()
@@ -246,12 +257,14 @@ class Pipeline:
         try:
             hashing.wait()
         except IntegrityError as exc:
-            if exc.path is not None and not exc.handed_out:
-                done = self.plan.batches[: self._delivered]
-                exc.handed_out = [
-                    p.item.name for b in done for p in b.pieces if p.last and p.item.info.path == exc.path
-                ]
+            self._name_handed_out(exc)
             raise
+
+    def _name_handed_out(self, exc: IntegrityError) -> None:
+        """The error of a file names the tensors of it that were handed out before its verdict (see `_verdict`)."""
+        if exc.path is not None and not exc.handed_out:
+            done = self.plan.batches[: self._delivered]
+            exc.handed_out = [p.item.name for b in done for p in b.pieces if p.last and p.item.info.path == exc.path]
 
     def _instantiate(self, filling: _Filling) -> list[Delivered]:
         assert self._files is not None

@@ -10,8 +10,13 @@ the token of huggingface_hub's `get_token`), into that cache while the load read
   waits for its bytes there, so the load goes on while the files download;
 - resumable: a partial file is kept when its download fails or the process dies, and the next load
   resumes at its end (a `Range` request);
-- checked as it is written: hashed in order and compared with the etag (an LFS file's SHA-256, a git blob's
-  SHA-1) before it is renamed to `blobs/<etag>` and linked from the snapshot; a mismatch removes it;
+- checked as it is written: hashed in order (`integrity.whole`) and compared with the etag (an LFS file's
+  SHA-256, a git blob's SHA-1) before it is renamed to `blobs/<etag>` and linked from the snapshot; a mismatch
+  removes it, the part a resumed download kept included (the next load starts again from its first byte);
+- handed out only as its verdict allows: a range is read as soon as its bytes are in, but the range holding a
+  file's last byte only once the file has passed, and nothing of a file that failed (an IntegrityError naming
+  the repo, revision and file); a load ends only once every file it read from has passed (`HubFiles.verdict_at_end`),
+  and a load with `verify=` reads none of a file's bytes before its verdict (`HubStorage.held_until_checked`);
 - one writer per blob: the lock file huggingface_hub's own downloads take (`.locks/models--org--name/<etag>.lock`).
 `HF_HUB_OFFLINE=1`: the cache only; a repo it lacks is an error naming it. What the hub answers chooses no
 path: an etag and a commit must be hex digests, and shard names plain (`base.parse_index`).
@@ -21,7 +26,7 @@ A string is a hub id only where no local file or folder has its name, so a local
 
 from __future__ import annotations
 
-import hashlib
+import copy
 import os
 import re
 import threading
@@ -31,9 +36,10 @@ from pathlib import Path, PurePath
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from ..errors import IntegrityError, MissingFileError, ReadError, SourceError, UnsupportedError
+from ..errors import IntegrityError, MissingFileError, ReadError, SourceError, StreamloadError, UnsupportedError
 from ..format import FIRST_READ, FileHeader, header_from
-from .base import INDEX_NAME, Digest, Listing, Partly, Source, is_hex, parse_index
+from ..integrity.whole import WholeFile, WholeFileMismatch
+from .base import INDEX_NAME, Copied, Digest, Listing, Partly, Source, is_hex, parse_index
 from .local import LocalFiles, LocalStorage
 
 SINGLE_NAME = "model.safetensors"
@@ -128,6 +134,14 @@ class HubStorage:
         self.id: HubId | None = None
         self.commit: str | None = None
         self.downloads: dict[PurePath, Download] = {}
+        self.held = False  # a verified load's: no byte of a download before its file's verdict
+
+    def held_until_checked(self) -> HubStorage:
+        """This storage for a load that must hand out nothing unchecked (`verify=`): its downloads' bytes are
+        read only once their file has passed its SHA-256 (the downloads themselves are shared)."""
+        held = copy.copy(self)
+        held.held = True
+        return held
 
     # -- listing and headers ------------------------------------------------------------------------
     def locate(self, source: Source) -> Listing:
@@ -156,11 +170,13 @@ class HubStorage:
                 return None
             if not all(Path(p).is_file() for p in listing.files):
                 return None
+            _refuse_theirs(self.id.repo, [index, *map(Path, listing.files)])
             self.commit = index.parent.name
             return LocalStorage().locate(index)  # its checks: shards inside the snapshot or its blobs
         single = self._cached_file(SINGLE_NAME)
         if single is None:
             return None
+        _refuse_theirs(self.id.repo, [single])
         self.commit = single.parent.name
         return Listing([single])
 
@@ -195,7 +211,7 @@ class HubStorage:
         for remote in remotes:
             link = snapshot / remote.name
             if not link.is_file():
-                self.downloads[link] = Download(self.cache, found.repo, remote, link)
+                self.downloads[link] = Download(self.cache, found, remote, link)
             files.append(link)
         if index is None:
             return Listing(files)
@@ -228,7 +244,7 @@ class HubStorage:
         except Exception as exc:
             raise _named(self.id, exc, name) from None
         etag, commit, size = meta.etag or "", meta.commit_hash or "", meta.size
-        if size is None or _hash_of(etag, int(size)) is None:
+        if size is None or not (len(etag) in (40, 64) and is_hex(etag)):  # an LFS file's SHA-256, a git blob id
             raise SourceError(f"{self.id.repo}: {name}: the hub gave no usable etag ({etag!r}) or size ({size!r})")
         headers = dict(hf.utils.build_hf_headers())
         location = meta.location or url
@@ -246,13 +262,13 @@ class HubStorage:
         return header._replace(identity=(download.size, "hub", download.etag))
 
     def open(self, headers: dict[PurePath, FileHeader], partly: Partly = None) -> HubFiles:
-        return HubFiles(self, headers)
+        return HubFiles(self, headers, self.held)
 
-    def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:
+    def cached(self, headers: tuple[FileHeader, ...]) -> Copied | None:
         """The snapshot's files, once none is still downloading (a load then reads them as local files)."""
         if any(not self.downloads[h.path].complete() for h in headers if h.path in self.downloads):
             return None
-        return [Path(h.path) for h in headers]
+        return Copied([Path(h.path) for h in headers], {})  # this user's own (`_refuse_theirs`), or just checked
 
     def digest(self, header: FileHeader) -> Digest | None:
         download = self.downloads.get(header.path)
@@ -286,16 +302,26 @@ class HubStorage:
 class HubFiles:
     """The files of one load: local ones read as local files, those downloading as their bytes arrive."""
 
-    def __init__(self, storage: HubStorage, headers: dict[PurePath, FileHeader]) -> None:
+    def __init__(self, storage: HubStorage, headers: dict[PurePath, FileHeader], held: bool = False) -> None:
         self._downloads = storage.downloads
         self._local = LocalFiles({p: h for p, h in headers.items() if p not in storage.downloads})
         self._stopped = threading.Event()
+        self._held = held
+        self._read: set[PurePath] = set()  # the downloads this load read from: `verdict_at_end` waits for them
 
     def read(self, path: PurePath, offset: int, length: int) -> list[memoryview]:
         download = self._downloads.get(path)
         if download is None:
             return self._local.read(path, offset, length)
-        return [download.read(offset, length, self._stopped)]
+        self._read.add(path)
+        return [download.read(offset, length, self._stopped, self._held)]
+
+    def verdict_at_end(self) -> None:
+        """The load read its last byte: it ends only once every file it read from has passed its SHA-256
+        (a load of part of a file included); else the file's IntegrityError (or why it did not download).
+        Called by the pipeline at a stream's end (where a storage's files have it)."""
+        for path in sorted(self._read):
+            self._downloads[path].settled(self._stopped)
 
     def cancel(self) -> None:
         self._stopped.set()  # the downloads go on: the next load finds their files complete
@@ -308,10 +334,11 @@ class HubFiles:
 class Download:
     """One weight file downloading into the hub cache on a thread of its own (see the module's docstring)."""
 
-    def __init__(self, cache: Path, repo: str, remote: Remote, link: Path) -> None:
-        self.remote, self.link, self.repo = remote, link, repo
+    def __init__(self, cache: Path, found: HubId, remote: Remote, link: Path) -> None:
+        self.remote, self.link, self.repo = remote, link, found.repo
         self.etag, self.size = remote.etag, remote.size
-        folder = repo_folder(cache, repo)
+        self.what = f"{found.repo}@{found.revision}: {remote.name}"  # how an error names the file
+        folder = repo_folder(cache, found.repo)
         self.blob = folder / "blobs" / remote.etag
         self.partial = Path(f"{self.blob}.incomplete")
         self.lock = cache / ".locks" / folder.name / f"{remote.etag}.lock"
@@ -327,20 +354,32 @@ class Download:
             return self._finished and self._error is None
 
     def wait(self) -> None:
-        with self._changed:
-            while not self._finished:
-                self._changed.wait(0.25)
-        if self._error is not None:
-            raise ReadError(self._failure())
+        """The download ended and its file passed; else why not (IntegrityError: its SHA-256 failed)."""
+        never = threading.Event()
+        self.settled(never)
 
-    def read(self, offset: int, length: int, stopped: threading.Event) -> memoryview:
-        """`length` bytes at `offset`, once the download has them."""
-        end = offset + length
+    def settled(self, stopped: threading.Event) -> None:
+        """As `wait`, giving up (ReadError) once `stopped` is set."""
         with self._changed:
-            while self._have < end and not self._finished and not stopped.is_set():
+            while not self._finished and not stopped.is_set():
+                self._changed.wait(0.25)
+            if not self._finished:
+                raise ReadError(f"{self.link}: the stream was closed while the file downloaded")
+        if self._error is not None:
+            raise self._refusal()
+
+    def read(self, offset: int, length: int, stopped: threading.Event, held: bool = False) -> memoryview:
+        """`length` bytes at `offset`, once the download has them; the file's last byte (or with `held`, any
+        byte) only once the whole file has passed its SHA-256; nothing of a file that failed it."""
+        end = offset + length
+        verdict = held or end >= self.size  # what is read waits for the file's verdict
+        with self._changed:
+            while (verdict or self._have < end) and not self._finished and not stopped.is_set():
                 self._changed.wait(0.25)
             if stopped.is_set():
                 raise ReadError(f"{self.link}: the stream was closed while the file downloaded")
+            if isinstance(self._error, IntegrityError) or (verdict and self._error is not None):
+                raise self._refusal()
             if self._have < end or self._fd is None:
                 raise ReadError(self._failure())
             fd = self._fd
@@ -352,6 +391,12 @@ class Download:
                 raise ReadError(f"{self.link}: its downloaded bytes end at {offset + done} (removed meanwhile?)")
             done += n
         return out
+
+    def _refusal(self) -> StreamloadError:
+        """The download's error as a load raises it (one of its own per reader: each may add to it)."""
+        if isinstance(self._error, IntegrityError):
+            return WholeFileMismatch(str(self._error.args[0]), self.link)
+        return ReadError(self._failure())
 
     def _failure(self) -> str:
         reason = str(self._error).strip().splitlines()[0] if self._error and str(self._error).strip() else ""
@@ -367,6 +412,7 @@ class Download:
             self.blob.parent.mkdir(parents=True, exist_ok=True)
             with _file_lock(self.lock):  # one writer per blob, huggingface_hub's downloads included
                 if self.blob.is_file():
+                    _refuse_theirs(self.repo, [self.blob])
                     self._opened(self.blob, self.size)
                 else:
                     self._fetch()
@@ -393,19 +439,31 @@ class Download:
             if have > self.size:  # not this file's beginning: start again
                 f.truncate(0)
                 have = f.seek(0)
-            sink = _Sink(self, f)
+            sink = _Sink(self, f, self._whole())
             sink.rehash(have)
             self._opened(self.partial, have)
             hf.file_download.http_get(self.remote.url, sink, resume_size=have, headers=self.remote.headers,
                                       expected_size=self.size, displayed_filename=self.remote.name)  # fmt: skip
-            got = sink.hexdigest()
-        if got != self.etag:
+        try:
+            sink.whole.verdict()
+        except WholeFileMismatch as exc:
+            # Removed whole, a resumed download's kept part with it: a bad byte may be anywhere in it (a tail
+            # a crash left zeroed), so the next load starts again from the file's first byte.
             self.partial.unlink(missing_ok=True)
-            raise IntegrityError(
-                f"{self.repo}: {self.remote.name}: the downloaded bytes hash to {got}, not the hub's {self.etag}; "
-                "removed"
-            )
+            resumed = f"; the download had resumed after {have} bytes an earlier one left" if have else ""
+            raise WholeFileMismatch(
+                f"{exc.args[0]}{resumed}; removed from the hub cache (the next load downloads it anew)", self.link
+            ) from None
         os.replace(self.partial, self.blob)  # the same inode: reads in flight go on
+
+    def _whole(self) -> WholeFile:
+        """The check of this file's bytes against what the hub says of it (its etag)."""
+        origin = f"commit {self.remote.commit}"
+        if len(self.etag) == 64:  # an LFS file: its SHA-256 (the X-Linked-Etag)
+            return WholeFile("sha256", self.etag, self.what, origin=f"the hub (X-Linked-Etag, {origin})",
+                             path=self.link)  # fmt: skip
+        return WholeFile("sha1", self.etag, self.what, origin=f"the hub (its git blob id, {origin})",
+                         prefix=b"blob %d\0" % self.size, path=self.link)  # fmt: skip
 
     def _arrived(self, have: int) -> None:
         with self._changed:
@@ -416,26 +474,25 @@ class Download:
 class _Sink:
     """The file object `http_get` writes into: each chunk hashed in order and told to the readers."""
 
-    def __init__(self, download: Download, f: Any) -> None:
-        self._download, self._f = download, f
-        self._hash = _hash_of(download.etag, download.size)
+    def __init__(self, download: Download, f: Any, whole: WholeFile) -> None:
+        self._download, self._f, self.whole = download, f, whole
 
     def rehash(self, have: int) -> None:
         """The hash of the first `have` bytes already in the file (a download resumed)."""
-        self._hash = _hash_of(self._download.etag, self._download.size)
+        self.whole.reset()
         at = 0
         while at < have:
             chunk = os.pread(self._f.fileno(), min(16 << 20, have - at), at)
             if not chunk:
                 raise ReadError(f"{self._download.partial}: ends at {at}, not {have}")
-            self._hash.update(chunk)
+            self.whole.update(chunk)
             at += len(chunk)
 
     def write(self, chunk: bytes) -> int:
         view = memoryview(chunk)
         while view:
             view = view[self._f.write(view) :]
-        self._hash.update(chunk)
+        self.whole.update(chunk)
         self._download._arrived(self._f.tell())
         return len(chunk)
 
@@ -452,18 +509,22 @@ class _Sink:
         self._download._arrived(end)
         return end
 
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
 
-
-def _hash_of(etag: str, size: int) -> Any | None:
-    """The hash an etag is of: SHA-256 (an LFS file), or a git blob's SHA-1 (`blob <size>\\0`, then the
-    bytes); None for anything else."""
-    if len(etag) == 64 and is_hex(etag):
-        return hashlib.sha256()
-    if len(etag) == 40 and is_hex(etag):
-        return hashlib.sha1(b"blob %d\0" % size, usedforsecurity=False)  # git's object id
-    return None
+def _refuse_theirs(repo: object, paths: list[Path]) -> None:
+    """A hub cache is read as its owner's: a snapshot link or blob another user wrote could name any bytes by
+    any SHA-256 (a blob's name is what checks it), so it is refused, naming it (not hashed against itself)."""
+    for path in paths:
+        try:
+            theirs = os.lstat(path).st_uid != os.geteuid() or os.stat(path).st_uid != os.geteuid()
+        except OSError:
+            continue  # gone meanwhile: the load's own reads say so
+        if theirs:
+            shown = f"{path} (-> {os.path.realpath(path)})" if os.path.islink(path) else str(path)
+            raise SourceError(
+                f"{repo}: {shown} in the Hugging Face cache was written by another user: a hub cache is read only "
+                "as its owner's (its blobs are named by the digests that check them): use a cache of your own "
+                "(HF_HUB_CACHE)"
+            )
 
 
 def _commit(text: str, repo: str) -> str:
