@@ -36,13 +36,14 @@ def serve(
     compile_cache: str | Sequence[str] | None = None,
     peers: str | Sequence[str] | None = None,
     seed: str | None = None,
+    seeding: dict[str, Any] | None = None,
 ) -> int:
     """Run `command` with its weights (`source`, else found in its arguments) fetched from now on;
     its exit status (128 + the signal's number where a signal ended it). `compile_cache`: the pinned
     digests of compiled-artifact archives to fetch first (else the command's "compile_cache" option;
     `pins.py`). `peers`: nodes seeding the weights, read from first (else the command's "peers" option;
     storage/peers.py). `seed`: `[HOST:]PORT` to serve the cache directory's complete copies at, once
-    the fetch has ended, until the command exits."""
+    the fetch has ended, until the command exits; `seeding`: the Seeder's `token_file`, `cert`, `key`."""
     if not command:
         raise ValueError(
             "streamload serve: give the server's command after --, e.g. streamload serve -- vllm serve MODEL"
@@ -51,7 +52,8 @@ def serve(
     pinned = list(compile_cache) if compile_cache else extra.get("compile_cache")
     pins.pins(pinned)  # a bad pin fails here, in one line, before the server starts
     peers = peers or extra.get("peers")  # type: ignore[assignment]
-    seeder = _seeder(seed, cache_dir) if seed else None  # bound now: a port in use fails before the server starts
+    # bound now: a port in use (or a certificate that cannot be used) fails before the server starts
+    seeder = _seeder(seed, cache_dir, seeding or {}) if seed else None
     try:
         return _run(command, source, cache_dir, pinned, peers, seeder)
     finally:
@@ -104,9 +106,10 @@ class _Seeding:
             self.seeder.close()
 
 
-def _seeder(seed: str, cache_dir: Path | None) -> _Seeding:
-    """The seeder of `cache_dir` at `seed` (`[HOST:]PORT`), bound (not yet serving)."""
-    from .storage.seed import Seeder, address
+def _seeder(seed: str, cache_dir: Path | None, options: dict[str, Any]) -> _Seeding:
+    """The seeder of `cache_dir` at `seed` (`[HOST:]PORT`), bound (not yet serving). Raises ValueError
+    naming a token, certificate or key file that cannot be used."""
+    from .storage.seed import Seeder, address, described
 
     if cache_dir is None:
         raise ValueError("streamload serve: --seed serves the complete copies kept in --cache-dir: give --cache-dir "
@@ -114,11 +117,11 @@ def _seeder(seed: str, cache_dir: Path | None) -> _Seeding:
     host, port = address(seed)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     try:
-        seeder = Seeder(cache_dir, host, port)
+        seeder = Seeder(cache_dir, host, port, **options)
     except OSError as exc:
         raise StreamloadError(f"streamload serve: cannot seed on {seed}: {exc.strerror or exc}") from None
     print(f"streamload serve: seeding the complete copies in {cache_dir} at {seeder.url} once the weights are "
-          "fetched (no authentication: keep the port inside the cluster)", file=sys.stderr, flush=True)  # fmt: skip
+          f"fetched (to {described(seeder)})", file=sys.stderr, flush=True)  # fmt: skip
     return _Seeding(seeder)
 
 

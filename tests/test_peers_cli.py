@@ -21,7 +21,7 @@ import streamload
 from streamload.storage.peers import url_path
 from streamload.storage.remote import ObjectPath
 
-from .test_peers import Store, assert_same, seeders, sent, store, warnings_of
+from .test_peers import Store, assert_same, proved, read_key_of, seeders, sent, store, warnings_of
 
 __all__ = ["store"]  # the module's fixture, shared: one store and seeded cache for this module
 
@@ -80,11 +80,11 @@ def test_prefetch_command_reads_from_peers_named_several_ways(store: Store, tmp_
 WAIT_FOR = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n"
 
 
-def _head(url: str, path: str) -> int | None:
+def _head(url: str, path: str, key: bytes) -> int | None:
     host, port = url.split("://")[1].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=2)
     try:
-        conn.request("HEAD", path)
+        conn.request("HEAD", path, headers=proved(key, "HEAD", path))
         return conn.getresponse().status
     except OSError:
         return None
@@ -110,8 +110,9 @@ def test_serve_fetches_from_peers_then_seeds_until_its_server_exits(store: Store
             assert "streamload serve: seeding the complete copies in" in line, line
             url = next(w for w in line.split() if w.startswith("http://"))
             last = url_path(ObjectPath(f"{store.url}model-00003-of-00003.safetensors"))
+            key = read_key_of(f"{store.url}model-00003-of-00003.safetensors")
             deadline = time.monotonic() + 60
-            while _head(url, last) != 200:  # serving once the fetch has ended, every copy complete
+            while _head(url, last, key) != 200:  # serving once the fetch has ended, every copy complete
                 assert serve.poll() is None and time.monotonic() < deadline, serve.stderr.read()
                 time.sleep(0.1)
             assert sent(store) == before and a.sent > 0  # the fetch read from the peer
@@ -123,7 +124,7 @@ def test_serve_fetches_from_peers_then_seeds_until_its_server_exits(store: Store
     assert sent(store) == before
     stop.touch()
     assert serve.wait(30) == 0, serve.stderr.read() if serve.stderr else ""
-    assert _head(url, last) is None  # stopped with it
+    assert _head(url, last, key) is None  # stopped with it
     assert_copies_exact(store, cache)
 
 
@@ -184,7 +185,8 @@ def test_a_loaded_worker_seeds_until_its_model_is_freed(
     assert [w for w in warnings_of(caplog) if f"127.0.0.1:{port}" in w and "does not seed" in w], warnings_of(caplog)
     assert start({"cache_dir": str(store.seeded)}, model) == ""  # not asked
     path = url_path(ObjectPath(f"{store.url}model-00001-of-00003.safetensors"))
-    assert _head(url, path) == 200
+    key = read_key_of(f"{store.url}model-00001-of-00003.safetensors")
+    assert _head(url, path, key) == 200
     del model
     gc.collect()
-    assert _head(url, path) is None
+    assert _head(url, path, key) is None

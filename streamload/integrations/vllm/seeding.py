@@ -1,11 +1,13 @@
 """Seeding while the engine serves (`"seed"` in `model_loader_extra_config`): once the engine's first load
 has its copies complete in `cache_dir`, the node serves them to other nodes' loads with `peers=`
-(storage/seed.py: HTTP ranges of the copies the cache's records vouch for, read-only).
+(storage/seed.py: HTTP ranges of the copies the cache's records vouch for, read-only, to peers that prove
+with each request that they read the object from its origin; `token_file` adds the peers' token to that
+proof, `cert` and `key` serve TLS).
 
 It runs in the process that loaded (vLLM's worker), on a daemon thread: it stops with that process, or
 when the model is freed (an engine closed in a process that goes on). One seeder a host: the first rank
-on each host seeds (the others load into the same cache directory). A port that cannot be bound costs
-the node its seeding, not its engine: one warning.
+on each host seeds (the others load into the same cache directory). A port that cannot be bound, or a
+token, certificate or key file that cannot be used, costs the node its seeding, not its engine: one warning.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from streamload import arguments
 
 log = logging.getLogger("vllm.streamload")
 
-KEYS = ("host", "port", "rate", "connections")  # the Seeder's arguments a "seed" dict may give
+FILES = ("token_file", "cert", "key")  # paths (str)
+KEYS = ("host", "port", "rate", "connections", *FILES)  # the Seeder's arguments a "seed" dict may give
 
 
 def seed_options(value: Any) -> dict[str, Any] | None:
     """The "seed" option as the Seeder's arguments (None: off): `true` (port 8470 on every address),
-    `"[HOST:]PORT"`, or a dict of `KEYS` (`rate`: bytes a second, or with a unit: "50MB").
-    Raises ValueError naming what is wrong."""
+    `"[HOST:]PORT"`, or a dict of `KEYS` (`rate`: bytes a second, or with a unit: "50MB"; `token_file`,
+    `cert`, `key`: paths, read where the seeder starts). Raises ValueError naming what is wrong."""
     from streamload.storage.seed import address
 
     if value is False or value is None:
@@ -49,6 +52,9 @@ def seed_options(value: Any) -> dict[str, Any] | None:
         out["rate"] = arguments.size(out["rate"], "seed['rate']")
     if "connections" in out:
         out["connections"] = arguments.count(out["connections"], "seed['connections']")
+    for name in FILES:
+        if name in out and not (isinstance(out[name], str) and out[name]):
+            raise ValueError(f"seed[{name!r}] must be a file's path (a str), not {out[name]!r}")
     return out
 
 
@@ -58,19 +64,19 @@ def start(options: dict[str, Any], model: Any) -> str:
     spec = seed_options(options.get("seed"))
     if spec is None or _local_rank() != 0:
         return ""
-    from streamload.storage.seed import Seeder
+    from streamload.storage.seed import Seeder, described
 
     folder = options["cache_dir"]  # checked with the options: seeding needs one
     try:
         seeder = Seeder(folder, **spec).start()
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         where = f"{spec.get('host', '0.0.0.0')}:{spec.get('port', 'the default port')}"  # nosec B104 # a message
+        why = (exc.strerror if isinstance(exc, OSError) else None) or exc
         log.warning("streamload: cannot seed %s on %s (%s): this node serves its engine but does not seed",
-                    folder, where, exc.strerror or exc)  # fmt: skip
+                    folder, where, why)  # fmt: skip
         return ""
     weakref.finalize(model, seeder.close)  # holds the seeder while the model lives
-    log.info("streamload: seeding the complete copies in %s at %s (no authentication: keep the port inside the "
-             "cluster)", folder, seeder.url)  # fmt: skip
+    log.info("streamload: seeding the complete copies in %s at %s (to %s)", folder, seeder.url, described(seeder))
     return seeder.url
 
 
