@@ -47,9 +47,17 @@ def make(folder: Path, layers: int) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     write_checkpoint(folder, Shape(vocab=32000, hidden=2048, intermediate=5632, layers=layers), 2)
-    subprocess.run([sys.executable, "-m", "streamload", "digest", str(folder)], check=True)
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    print(f"wrote {folder}: {size / 1e9:.2f} GB and its digests")
+    print(f"wrote {folder}: {size / 1e9:.2f} GB (its digests are made from the store's objects at each run)")
+
+
+def publish_digests(net: Net, folder: Path) -> None:
+    """The digest file made by reading the checkpoint from the store (each entry bound to its object's ETag,
+    as nginx makes it), published beside the objects: peers are used only with such digests."""
+    argv = [sys.executable, "-m", "streamload", "digest", net.url, "--out", str(folder / "streamload.digests.json")]
+    done = net.start(0, argv, cwd=ROOT, env=net.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if done.wait(timeout=300) != 0:
+        raise SystemExit(f"streamload digest {net.url} failed: {done.stderr.read() if done.stderr else ''}")
 
 
 def reference(folder: Path) -> dict[str, str]:
@@ -128,6 +136,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="streamload-peers-") as tmp, \
             Net(folder, nodes=args.nodes, storage_mbit=args.storage_mbit, node_mbit=args.node_mbit) as net:  # fmt: skip
         url = net.url
+        publish_digests(net, folder)
         caches = [Path(tmp) / f"cache{i}" for i in range(args.nodes)]
 
         def fresh(i: int) -> Path:

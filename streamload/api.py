@@ -90,7 +90,8 @@ def iter(
             A mismatch is an `IntegrityError` naming the file (and tensor). With per-tensor digests
             each tensor is checked before it is handed out; a file known only by a whole-file digest
             is read whole, in file order, and checked at its end: `iter` may have handed out tensors
-            of it already (`load` and the others return nothing unverified).
+            of it already (`load` and the others return nothing unverified), except a file downloading
+            from the Hugging Face hub, whose tensors wait for its SHA-256.
         peers: nodes that hold the remote checkpoint's files (`streamload seed`): peer URLs, or a host
             name whose addresses are the peers; each range they hold is read from one of them, checked
             against the source's digests first, the source serving the rest (docs/peers.md).
@@ -224,10 +225,12 @@ def _plan(
 ) -> tuple[Plan, Mapping[PurePath, Known] | None]:
     """What is read, in which order and batches, and the digests it is checked against (None: unchecked)."""
     digests = None
-    if verify:  # True, or a non-empty mapping (False, None, {}: nothing to verify)
+    if verify or checkpoint.checks:  # True, or a non-empty mapping (False, None, {}: nothing to verify)
         from .verify import choose, needs_file_order
 
-        digests = choose(checkpoint, verify)
+        chosen = choose(checkpoint, verify) if verify else {}
+        pinned = chosen if isinstance(verify, Mapping) else {}  # the caller's own digests are never replaced
+        digests = {**chosen, **checkpoint.checks, **pinned}  # a copy: its origin's digests
         if needs_file_order(digests):
             # A whole-file digest is hashed front to back. File by file, one core hashes while the other
             # serves the reads: measured cold (docs/benchmarks.md), 1.04x-1.19x the unverified load on
@@ -292,7 +295,10 @@ def _stream(checkpoint: Checkpoint, plan: Plan, way: _Route, digests: Mapping[Pu
     stats = Stats(bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=way.read.name, device=way.make.name)
     if way.exchange is not None:  # what a rank reads from storage for a lost rank counts as read
         way.read.on_bytes = stats.add_read  # type: ignore[attr-defined]  # (a CooperativeReader)
-    pipeline = Pipeline(plan, checkpoint.storage, way.read, way.make, way.tuning, stats, check)
+    storage, held = checkpoint.storage, getattr(checkpoint.storage, "held_until_checked", None)
+    if digests is not None and held is not None:  # a verified load hands out nothing unchecked: a storage that
+        storage = held()  # checks what it serves (a hub download's SHA-256) holds each byte until its file passed
+    pipeline = Pipeline(plan, storage, way.read, way.make, way.tuning, stats, check)
     return TensorStream(checkpoint, plan, pipeline)
 
 

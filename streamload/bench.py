@@ -605,8 +605,10 @@ def hash_rates(nbytes: int = 256 << 20) -> dict[str, float]:
     data = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
     rates = {}
     md5 = lambda d: hashlib.md5(d, usedforsecurity=False).digest()  # noqa: E731 # as S3's ETags: a checksum
+    blocks = lambda name: lambda d: [block_digest(d[a : a + (1 << 20)], name) for a in range(0, len(d), 1 << 20)]  # noqa: E731
     for name, digest in (("sha256", lambda d: hashlib.sha256(d).digest()), ("md5", md5),
-                         ("xxh3-64 (per-tensor blocks)", block_digest)):  # fmt: skip
+                         ("blake3 (format-2 blocks: peers, cache copies, verify=)", blocks("blake3")),
+                         ("xxh3-64 (format-1 blocks: verify= only)", blocks("xxh3-64"))):  # fmt: skip
         best = min(_timed(lambda d=digest: d(data)) for _ in range(3))
         rates[name] = nbytes / best / 1e9
     return rates

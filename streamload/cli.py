@@ -41,12 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("path")
     inspect.add_argument("--json", action="store_true", help="print JSON, every tensor listed (default: tables)")
 
-    digest = sub.add_parser("digest", help="write streamload.digests.json next to a local checkpoint",
-                            description="Hash every file of a local checkpoint (SHA-256 of each file, xxh3-64 "
-                            "of each MiB of each tensor) and write streamload.digests.json next to it, so "
-                            "that loads with verify=True (`streamload load --verify`) check every tensor "
-                            "they read.")  # fmt: skip
-    digest.add_argument("path", help="a file, directory or index")
+    digest = sub.add_parser("digest", help="write streamload.digests.json for a checkpoint",
+                            description="Hash every file of a checkpoint (BLAKE3 of each MiB of each tensor, "
+                            "SHA-256 and MD5 of each file, and the version of the file it was read at) and "
+                            "write streamload.digests.json next to it (a remote one: to --out, to publish "
+                            "beside the objects), so that loads with verify=True check every tensor they "
+                            "read, and peers and cache copies can be checked.")  # fmt: skip
+    digest.add_argument("path", help="a file, directory or index, or an s3:// or http(s):// URL")
+    digest.add_argument("--out", help="where to write the digest file (needed for a remote checkpoint)")
 
     load = sub.add_parser("load", help="load a checkpoint and report, with a progress bar")
     load.add_argument("path", help="a file, directory, index, or an s3:// or http(s):// URL")
@@ -120,19 +122,33 @@ def _parser() -> argparse.ArgumentParser:
                        "command's \"peers\" option)")  # fmt: skip
     serve.add_argument("--seed", default=None, metavar="[HOST:]PORT",
                        help="serve the complete copies in --cache-dir to other nodes' peers at this address, once the "
-                       "fetch has ended, until the server exits (e.g. 8470; no authentication: keep the port inside "
-                       "the cluster)")  # fmt: skip
+                       "fetch has ended, until the server exits (e.g. 8470; to peers that read each object from its "
+                       "origin: see `streamload seed`)")  # fmt: skip
+    serve.add_argument("--seed-token-file", type=Path, default=None, metavar="FILE",
+                       help="--seed: the peers' token, the file's first line (default: STREAMLOAD_PEER_TOKEN_FILE, "
+                       "STREAMLOAD_PEER_TOKEN)")  # fmt: skip
+    serve.add_argument("--seed-cert", type=Path, default=None, metavar="PEM", help="--seed: serve TLS (https://) with "
+                       "this certificate (chain)")  # fmt: skip
+    serve.add_argument("--seed-key", type=Path, default=None, metavar="PEM", help="--seed: the certificate's key")
     serve.add_argument("server", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the server to run")
     seed = sub.add_parser("seed", help="serve the complete copies in a cache directory to peers over HTTP ranges",
                           description="Serve the complete copies a --cache-dir holds to other nodes' loads with "
                           "peers= (docs/peers.md), until stopped (SIGTERM, Ctrl-C); the first line printed names "
-                          "the URL. Read-only; no authentication: keep the port inside the cluster.")  # fmt: skip
+                          "the URL. Read-only; each request must prove it read the object from its origin (and, "
+                          "with a token, that it holds the token); --cert/--key serve TLS.")  # fmt: skip
     seed.add_argument("--cache-dir", type=Path, required=True, help="the cache directory loads keep copies in")
     seed.add_argument("--host", default="0.0.0.0", help="the address to serve on (default: all)")  # nosec B104 # seeding serves other nodes
     seed.add_argument("--port", type=int, default=None, help="the port (default: 8470; 0: any free one)")
     seed.add_argument("--rate", type=_size, default=None, metavar="BYTES", help="the most bytes a second sent to "
                       "all peers together, e.g. 50MB (default: no cap)")  # fmt: skip
     seed.add_argument("--connections", type=_positive, default=32, help="connections at once (default: 32)")
+    seed.add_argument("--token-file", type=Path, default=None, metavar="FILE", help="the peers' token, the file's "
+                      "first line (default: STREAMLOAD_PEER_TOKEN_FILE, else STREAMLOAD_PEER_TOKEN; none: the proof "
+                      "of reading the origin alone)")  # fmt: skip
+    seed.add_argument("--cert", type=Path, default=None, metavar="PEM", help="serve TLS (https://) with this "
+                      "certificate (chain), PEM")  # fmt: skip
+    seed.add_argument("--key", type=Path, default=None, metavar="PEM", help="the certificate's private key, PEM "
+                      "(default: in --cert's file)")  # fmt: skip
     ahead = sub.add_parser("prefetch", help="read a checkpoint ahead of its load: local files into the page cache, "
                            "object storage into --cache-dir")  # fmt: skip
     ahead.add_argument("source", help="a checkpoint directory, file, s3:// or http(s):// prefix")
@@ -200,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "inspect":
             _inspect(args.path, as_json=args.json)
         elif args.command == "digest":
-            _digest(args.path)
+            _digest(args.path, args.out)
         elif args.command == "load":
             tuning = {k: v for k in ("threads", "chunk_bytes", "ring_bytes", "slots") if (v := getattr(args, k))}
             peers = _peers(args.peers)
@@ -212,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "seed":
             from .storage.seed import serve as seed
 
-            seed(args.cache_dir, args.host, args.port, args.rate, args.connections)
+            seed(args.cache_dir, args.host, args.port, args.rate, args.connections, token_file=args.token_file,
+                 cert=args.cert, key=args.key)  # fmt: skip
         elif args.command == "prefetch":
             _prefetch(args.source, args.cache_dir, args.threads, _peers(args.peers))
         elif args.command == "compile-cache":
@@ -246,7 +263,11 @@ def main(argv: list[str] | None = None) -> int:
             from .serve import serve
 
             command = args.server[1:] if args.server[:1] == ["--"] else args.server
-            return serve(command, args.source, args.cache_dir, args.compile_cache, _peers(args.peers), args.seed)
+            seeding = {"token_file": args.seed_token_file, "cert": args.seed_cert, "key": args.seed_key}
+            if not args.seed and any(seeding.values()):
+                raise ValueError("streamload serve: --seed-token-file, --seed-cert and --seed-key go with --seed")
+            return serve(command, args.source, args.cache_dir, args.compile_cache, _peers(args.peers), args.seed,
+                         {k: v for k, v in seeding.items() if v is not None})  # fmt: skip
     except (StreamloadError, ValueError) as exc:
         print(f"streamload: error: {exc}", file=sys.stderr)
         return 1
@@ -381,7 +402,7 @@ def _digest_text(row: dict[str, Any]) -> str:
     return " + ".join(parts) or "none"
 
 
-def _digest(path: str) -> None:
+def _digest(path: str, out: str | None) -> None:
     import time
 
     from .api import inspect
@@ -389,7 +410,7 @@ def _digest(path: str) -> None:
 
     started = time.perf_counter()
     ckpt = inspect(path)
-    target, doc = write_digests(ckpt)
+    target, doc = write_digests(ckpt, out=None if out is None else Path(out))
     seconds = time.perf_counter() - started
     size = sum(f.size for f in ckpt.files)
     blocks = sum(len(b) for f in doc["files"].values() for b in f["tensors"].values())

@@ -14,6 +14,7 @@ from . import arguments
 from .collector import collector_paused
 from .errors import SourceError
 from .format import FileHeader, TensorInfo
+from .integrity.digests import Known
 from .storage import INDEX_NAME, LocalStorage, PathLike, Source, Storage, storage_for
 
 
@@ -24,6 +25,8 @@ class Checkpoint(NamedTuple):
     tensors: dict[str, TensorInfo]
     index_metadata: dict[str, object] | None = None
     storage: Storage = LocalStorage()
+    checks: Mapping[PurePath, Known] = {}  # what the integrity layer checks of
+    # files that are not the origin's (a cache's copies), whatever `verify=` says
 
     def __repr__(self) -> str:
         return f"Checkpoint({len(self.files)} files, {len(self.tensors)} tensors, {self.nbytes} bytes)"
@@ -54,9 +57,11 @@ def open_checkpoint(source: Source | Checkpoint, cache_dir: PathLike | None = No
     listing = storage.locate(source)
     headers = _headers(storage, listing.files)
     copies = storage.cached(headers)
+    checks: Mapping[PurePath, Known] = {}
     if copies is not None:
-        storage = LocalStorage()
-        headers = tuple(storage.header(p) for p in copies)
+        local = tuple(LocalStorage().header(p) for p in copies.paths)
+        if copies.identities is None or [h.identity for h in local] == copies.identities:  # the copies judged
+            storage, checks, headers = LocalStorage(), copies.checks, local
     tensors: dict[str, TensorInfo] = {}
     for h in headers:
         for t in h.tensors:
@@ -70,7 +75,7 @@ def open_checkpoint(source: Source | Checkpoint, cache_dir: PathLike | None = No
             where = tensors.get(name)
             if where is None or where.path.name != shard:
                 raise SourceError(f"{listing.index}: tensor {name!r} is mapped to {shard}, which does not hold it")
-    return Checkpoint(headers, tensors, listing.index_metadata, storage)
+    return Checkpoint(headers, tensors, listing.index_metadata, storage, checks)
 
 
 def merged(parts: Mapping[str, Checkpoint]) -> Checkpoint:
@@ -85,7 +90,8 @@ def merged(parts: Mapping[str, Checkpoint]) -> Checkpoint:
         files += checkpoint.files
         tensors.update((f"{prefix}.{n}", t._replace(name=f"{prefix}.{n}")) for n, t in checkpoint.tensors.items())
     storage = next(iter(parts.values())).storage if parts else LocalStorage()
-    return Checkpoint(tuple(files), tensors, None, storage)
+    checks = {path: known for c in parts.values() for path, known in c.checks.items()}
+    return Checkpoint(tuple(files), tensors, None, storage, checks)
 
 
 def _headers(storage: Storage, files: list[PurePath]) -> tuple[FileHeader, ...]:

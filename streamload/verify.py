@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -34,30 +34,29 @@ import torch
 
 from .errors import IntegrityError, StreamloadError, UnsupportedError
 from .format import FileHeader, TensorInfo
+from .integrity.digests import (
+    BLOCK_BYTES,
+    BLOCK_HASH,
+    DIGEST_FILE,
+    FORMAT,
+    Known,
+    block_digest,
+    block_hasher,
+    entry_of,
+    made_from,
+    parse,
+)
 from .pipeline import Hashing
 from .plan import Batch, Item, Piece, Plan
 from .read.base import writable_bytes
 from .source import Checkpoint
 from .stats import Stats
 from .storage import Digest, Files, is_hex
-from .storage.digests import BLOCK_BYTES, DIGEST_FILE, FORMAT, block_digest, block_hasher, entry_of, parse
 
 Verify = bool | Mapping[str, str]
 if TYPE_CHECKING:
     from .pipeline import Waitable
 log = logging.getLogger("streamload")
-
-
-class Known(NamedTuple):
-    """What is known of one file's digests, and from where."""
-
-    whole: Digest | None = None
-    blocks: Mapping[str, Sequence[str]] | None = None  # tensor name -> digest of each block
-    block_bytes: int = BLOCK_BYTES
-    origin: str = ""  # of the blocks
-    stale: str | None = None  # why the digest file's entry does not describe this file
-    header_sha256: str | None = None  # of the bytes before the data (length word, header): with blocks,
-    # a header changed to another dtype or shape of the same size is caught too
 
 
 def known_digests(checkpoint: Checkpoint, strict: bool = True) -> dict[PurePath, Known]:
@@ -85,7 +84,7 @@ def known_digests(checkpoint: Checkpoint, strict: bool = True) -> dict[PurePath,
             continue
         mine = Digest("sha256", entry["sha256"], origin) if isinstance(entry.get("sha256"), str) else None
         out[header.path] = Known(mine or own, entry.get("tensors"), doc["block_bytes"], origin,
-                                 header_sha256=entry.get("header_sha256"))  # fmt: skip
+                                 header_sha256=entry.get("header_sha256"), block_hash=doc["block_hash"])  # fmt: skip
     return out
 
 
@@ -196,7 +195,7 @@ class Blocks:
 
     def __init__(self, header: FileHeader, known: Known) -> None:
         self.path, self.block = header.path, known.block_bytes
-        self.origin = known.origin
+        self.origin, self.hash_name = known.origin, known.block_hash
         self.digests = known.blocks or {}
         self.open: dict[str, _Open] = {}  # tensor -> its block a slice stopped inside
         self.verified = 0
@@ -216,12 +215,12 @@ class Blocks:
                 self._close(state, files)
                 state = None
             if pos == lo and upto == hi:  # a whole block in one piece: the common case
-                self._compare(info, j, block_digest(chunk))
+                self._compare(info, j, block_digest(chunk, self.hash_name))
             else:
                 if state is not None:  # continued from the last piece
                     h = state.hash
                 else:
-                    h = block_hasher()
+                    h = block_hasher(self.hash_name)
                     if pos > lo:  # a slice that starts inside a block: the block's head from the file
                         self._hash_file(h, files, info, lo, pos)
                 h.update(chunk)
@@ -401,27 +400,35 @@ class Verifier:
 _READ_BYTES = 16 << 20
 
 
-def write_digests(checkpoint: Checkpoint, threads: int | None = None) -> tuple[PurePath, dict[str, Any]]:
-    """Hash every file of a local checkpoint (SHA-256 of the file, xxh3-64 of each block of each
-    tensor; files in parallel, each read once, in order) and write `streamload.digests.json` next to
-    them. Returns the digest file's path and what it holds."""
-    if checkpoint.storage.kind != "local":
-        raise UnsupportedError(
-            "streamload digest reads local files: download the checkpoint (or load it once with cache_dir=) "
-            "and write the digest file there, then copy it next to the objects"
-        )
+def write_digests(
+    checkpoint: Checkpoint, threads: int | None = None, out: PurePath | None = None
+) -> tuple[PurePath, dict[str, Any]]:
+    """Hash every file of a checkpoint (format 2: BLAKE3 of each block of each tensor, the file's SHA-256 and
+    MD5, its header's SHA-256, and the version of the file it was read at; files in parallel, each read once,
+    in order) and write `streamload.digests.json` next to local files, or to `out` (where a remote
+    checkpoint's digest file is written, to be published beside its objects). Returns the path and the doc."""
     folders = {h.path.parent for h in checkpoint.files}
     if len(folders) > 1:
         raise UnsupportedError(f"the checkpoint's files are in {len(folders)} folders: a digest file covers one")
-    folder = next(iter(folders))
+    if out is None and checkpoint.storage.kind != "local":
+        raise UnsupportedError(
+            "streamload digest of a remote checkpoint writes the digest file locally: name where (--out FILE), "
+            f"then publish it beside the objects as {DIGEST_FILE}"
+        )
+    target = out if out is not None else next(iter(folders)) / DIGEST_FILE
+    folder = PurePath(target).parent
     if not os.access(folder, os.W_OK):  # before hashing every byte (read-only mounts refuse root too)
         raise _unwritable(folder, "not writable")
-    with ThreadPoolExecutor(threads or min(len(checkpoint.files), os.cpu_count() or 1)) as pool:
-        entries = list(pool.map(_digest_of, checkpoint.files))
-    doc = {"format": FORMAT, "block_bytes": BLOCK_BYTES, "block_hash": "xxh3-64",
+    headers = {h.path: h for h in checkpoint.files}
+    files = checkpoint.storage.open(headers)
+    try:
+        with ThreadPoolExecutor(threads or min(len(headers), os.cpu_count() or 1)) as pool:
+            entries = list(pool.map(lambda h: _digest_of(h, files), checkpoint.files))
+    finally:
+        files.close()
+    doc = {"format": FORMAT, "block_bytes": BLOCK_BYTES, "block_hash": BLOCK_HASH,
            "files": {h.path.name: e for h, e in zip(checkpoint.files, entries, strict=True)}}  # fmt: skip
-    target = folder / DIGEST_FILE
-    temporary = target.with_name(f".{DIGEST_FILE}.{os.getpid()}")
+    temporary = folder / f".{DIGEST_FILE}.{os.getpid()}"
     try:
         with open(temporary, "w") as f:  # type: ignore[call-overload]
             json.dump(doc, f, indent=1)
@@ -440,24 +447,20 @@ def _unwritable(folder: PurePath, why: str) -> StreamloadError:
     )
 
 
-def _digest_of(header: FileHeader) -> dict[str, Any]:
-    whole = hashlib.sha256()
+def _digest_of(header: FileHeader, files: Files) -> dict[str, Any]:
+    whole, md5 = hashlib.sha256(), hashlib.md5(usedforsecurity=False)  # MD5: what an S3 ETag names, to bind to it
     blocks: dict[str, list[str]] = {t.name: [] for t in header.tensors}
     tensors = iter(header.tensors)
     current = next(tensors, None)
     block = block_hasher()
-    buffer = bytearray(_READ_BYTES)
-    view = memoryview(buffer)
-    fd = os.open(header.path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        offset = 0
-        while offset < header.size:
-            n = os.preadv(fd, [view[: min(_READ_BYTES, header.size - offset)]], offset)
+    offset = 0
+    while offset < header.size:
+        for data in files.read(header.path, offset, min(_READ_BYTES, header.size - offset)):
+            n = len(data)
             if n == 0:
                 raise IntegrityError(f"{header.path}: ended at {offset} bytes, its header says {header.size}")
-            data = view[:n]
             whole.update(data)
+            md5.update(data)
             at = max(offset, header.data_start)
             while current is not None and at < offset + n:  # the tensors' blocks in this read
                 if current.nbytes == 0:
@@ -473,7 +476,6 @@ def _digest_of(header: FileHeader) -> dict[str, Any]:
                 if upto == current.end:
                     current = next(tensors, None)
             offset += n
-    finally:
-        os.close(fd)
     head = hashlib.sha256(header.prefix).hexdigest()
-    return {"size": header.size, "sha256": whole.hexdigest(), "header_sha256": head, "tensors": blocks}
+    return {"size": header.size, "sha256": whole.hexdigest(), "md5": md5.hexdigest(), "header_sha256": head,
+            "origin": made_from(header), "tensors": blocks}  # fmt: skip

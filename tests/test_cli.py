@@ -410,7 +410,7 @@ def test_bench_verify_and_drop(small_model: Path, tmp_path: Path, capsys: pytest
     argv = ["bench", str(model), "--runs", "1", "--verify", "--drop", "--json", str(tmp_path / "v.json")]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "sha256: " in err and "xxh3-64 (per-tensor blocks): " in err and "GB/s on one core" in err
+    assert "sha256: " in err and "blake3 (format-2 blocks" in err and "GB/s on one core" in err
     rows = {r["loader"] for r in json.loads((tmp_path / "v.json").read_text())["rows"]}
     assert rows == {"streamload-mmap", "streamload-mmap+verify", "streamload-posix", "streamload-posix+verify"}
 

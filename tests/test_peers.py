@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import streamload
+from streamload.integrity.digests import DIGEST_FILE
 from streamload.storage.peers import resolve, url_path, version_tag
 from streamload.storage.remote import ObjectPath
 from streamload.storage.seed import Seeder
@@ -60,6 +61,14 @@ def _write(folder: Path, digests: bool) -> None:
         write_digests(streamload.inspect(folder))
 
 
+def publish_digests(url: str, folder: Path) -> None:
+    """The digest file of the checkpoint at `url`, made by reading it from the store (so that each entry names
+    the version of the object it was made from), published beside the objects."""
+    from streamload.verify import write_digests
+
+    write_digests(streamload.inspect(url), out=folder / DIGEST_FILE)
+
+
 def reference(folder: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -83,6 +92,7 @@ class Store:
         self.url = f"{self.server.url}/model/"
         self.bare = f"{self.server.url}/bare/"
         self.www, self.seeded = www, seeded
+        publish_digests(self.url, www / "model")  # made from the store's objects: bound to their ETags
         streamload.load(self.url, device="cpu", cache_dir=seeded)
         streamload.load(self.bare, device="cpu", cache_dir=seeded)
 
@@ -351,11 +361,30 @@ def test_peers_argument_types() -> None:
 
 
 # -- what a seeder serves ------------------------------------------------------------------------------
-def _ask(url: str, path: str, headers: dict[str, str] | None = None, method: str = "GET") -> tuple[int, dict, bytes]:
+def read_key_of(url: str) -> bytes:
+    """The key a reader of the object at `url` (its origin) proves its requests to seeders with (no token)."""
+    from streamload.storage.cache import version_of
+    from streamload.storage.peer_proof import read_key
+
+    header = streamload.inspect(url).files[0]
+    return read_key(header.prefix, version_tag(version_of(header)), None)
+
+
+def proved(key: bytes, method: str, path: str, headers: dict[str, str] | None = None) -> dict[str, str]:
+    """`headers` with the proof of a request (storage/peer_proof.py) a seeder asks of every GET and HEAD."""
+    from streamload.storage.peer_proof import HEADER, proof
+
+    headers = dict(headers or {})
+    return {**headers, HEADER: proof(key, method, path, headers.get("Range", ""))}
+
+
+def _ask(
+    url: str, path: str, headers: dict[str, str] | None = None, method: str = "GET", key: bytes | None = None
+) -> tuple[int, dict, bytes]:
     host, port = url.split("://")[1].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=5)
     try:
-        conn.request(method, path, headers=headers or {})
+        conn.request(method, path, headers=proved(key, method, path, headers) if key else headers or {})
         response = conn.getresponse()
         return response.status, dict(response.getheaders()), response.read()
     finally:
@@ -370,20 +399,21 @@ def test_seeder_serves_ranges_of_vouched_copies(store: Store) -> None:
     from streamload.storage.cache import version_of
 
     tag = version_tag(version_of(header))
+    key = read_key_of(f"{store.url}{copy.name}")
     with seeders(store.seeded) as (seeder,):
         path = url_path(source)
-        status, headers, body = _ask(seeder.url, path, {"Range": "bytes=100-1099"})
+        status, headers, body = _ask(seeder.url, path, {"Range": "bytes=100-1099"}, key=key)
         assert (status, body, headers["ETag"], headers["Content-Length"]) == (206, data[100:1100], tag, "1000")
         assert headers["Content-Range"] == f"bytes 100-1099/{len(data)}"
-        assert _ask(seeder.url, path, {"Range": "bytes=-10"})[2] == data[-10:]
-        assert _ask(seeder.url, path, {"Range": f"bytes={len(data) - 5}-"})[2] == data[-5:]
-        status, headers, body = _ask(seeder.url, path)
+        assert _ask(seeder.url, path, {"Range": "bytes=-10"}, key=key)[2] == data[-10:]
+        assert _ask(seeder.url, path, {"Range": f"bytes={len(data) - 5}-"}, key=key)[2] == data[-5:]
+        status, headers, body = _ask(seeder.url, path, key=key)
         assert (status, body) == (200, data)
-        status, headers, _ = _ask(seeder.url, path, {"Range": f"bytes={len(data)}-"})
+        status, headers, _ = _ask(seeder.url, path, {"Range": f"bytes={len(data)}-"}, key=key)
         assert (status, headers["Content-Range"]) == (416, f"bytes */{len(data)}")
-        assert _ask(seeder.url, path, {"If-Match": tag, "Range": "bytes=0-0"})[0] == 206
-        assert _ask(seeder.url, path, {"If-Match": '"another"', "Range": "bytes=0-0"})[0] == 412
-        status, headers, body = _ask(seeder.url, path, method="HEAD")
+        assert _ask(seeder.url, path, {"If-Match": tag, "Range": "bytes=0-0"}, key=key)[0] == 206
+        assert _ask(seeder.url, path, {"If-Match": '"another"', "Range": "bytes=0-0"}, key=key)[0] == 412
+        status, headers, body = _ask(seeder.url, path, method="HEAD", key=key)
         assert (status, headers["Content-Length"], body) == (200, str(len(data)), b"")
 
 
@@ -404,14 +434,15 @@ def test_seeder_refuses_partial_files_paths_outside_and_links(store: Store, tmp_
     outside = folder / "outside.safetensors"
     outside.symlink_to(tmp_path / "secret.safetensors")
     base = f"/v1/http/{host}/model"
+    key = read_key_of(f"{store.url}{copy.name}")
     with seeders(cache) as (seeder,):
-        assert _ask(seeder.url, f"{base}/{copy.name}", {"Range": "bytes=0-9"})[0] == 206  # the real one is served
+        assert _ask(seeder.url, f"{base}/{copy.name}", {"Range": "bytes=0-9"}, key=key)[0] == 206  # the real one
         for path in [f"{base}/{partial.name}", f"{base}/unrecorded.safetensors", f"{base}/linked.safetensors",
                      f"/v1/http/alias/model/{copy.name}", f"{base}/outside.safetensors",
                      f"{base}/{copy.name}.streamload.json", f"{base}/../model/{copy.name}",
                      f"/v1/http/{host}/model%2F{copy.name}", f"/v1/http/{host}/..%2F..%2Fsecret.safetensors",
                      f"/v1/{tmp_path}/secret.safetensors", "/etc/passwd", f"/v1/http/{host}/model/"]:  # fmt: skip
-            status, _, body = _ask(seeder.url, path)
+            status, _, body = _ask(seeder.url, path, key=key)
             assert (status, body) == (404, b""), path
         assert seeder.sent == 10
 
@@ -419,14 +450,15 @@ def test_seeder_refuses_partial_files_paths_outside_and_links(store: Store, tmp_
 def test_seeder_bounds_connections_and_rate(store: Store) -> None:
     copy = store.copies()[0]
     path = url_path(ObjectPath(f"{store.url}{copy.name}"))
+    key = read_key_of(f"{store.url}{copy.name}")
     with seeders(store.seeded, connections=1, rate=2e6) as (seeder,):
         host, port = seeder.url.split("://")[1].rsplit(":", 1)
         held = http.client.HTTPConnection(host, int(port), timeout=5)
-        held.request("HEAD", path)
-        assert held.getresponse().status == 200  # kept open: the one connection there is
-        assert _ask(seeder.url, path, {"Range": "bytes=0-9"})[0] == 503
+        held.request("HEAD", path, headers=proved(key, "HEAD", path))
+        assert held.getresponse().status == 200  # kept open: the one connection there is (idle < EVICT_AFTER)
+        assert _ask(seeder.url, path, {"Range": "bytes=0-9"}, key=key)[0] == 503
         held.close()
         time.sleep(0.2)
         began = time.monotonic()
-        status, _, body = _ask(seeder.url, path, {"Range": "bytes=0-999999"})
+        status, _, body = _ask(seeder.url, path, {"Range": "bytes=0-999999"}, key=key)
         assert (status, len(body)) == (206, 1_000_000) and time.monotonic() - began > 0.4  # 2 MB/s

@@ -694,9 +694,11 @@ def from_peers(root: Path, paths: dict[str, Path], out: dict[str, Any]) -> None:
     for f in sorted(paths["llama"].glob("*.safetensors")):
         tensors.update(load_file(f))
     save_file(tensors, one / "model.safetensors", metadata={"format": "pt"})
-    write_digests(streamload.inspect(one))  # `streamload digest`: what a peer's blocks are checked against
     server = RangeServer(root / "store")
     source = f"{server.url}/llama/"
+    # `streamload digest URL --out`: made from the store's object, bound to its ETag: what a peer's blocks are
+    # checked against
+    write_digests(streamload.inspect(source), out=one / "streamload.digests.json")
     try:
         extra = {"source": source, "cache_dir": str(root / "node-1"), "seed": {"host": "127.0.0.1", "port": 0}}
         first = engine(paths["llama"], "streamload", model_loader_extra_config=extra)

@@ -16,6 +16,7 @@ from typing import NamedTuple, Protocol
 
 from ..errors import SourceError
 from ..format import FileHeader
+from ..integrity.digests import Digest, Known
 
 PathLike = str | os.PathLike[str]
 Source = PathLike | Sequence[PathLike]
@@ -32,6 +33,16 @@ class Listing(NamedTuple):
     weight_map: dict[str, str] | None = None
     index: PurePath | None = None
     index_metadata: dict[str, object] | None = None
+
+
+class Copied(NamedTuple):
+    """A cache's complete copies of a checkpoint's files, and the origin-bound digests each copy's bytes are
+    checked against before they are handed out (by copy; a copy absent there is this user's own)."""
+
+    paths: list[Path]
+    checks: dict[PurePath, Known]
+    identities: list[tuple[int, ...]] | None = None  # each copy's as judged (`local.file_identity`): a copy put
+    # in its place since (by a co-user who owns a folder above it) is not read
 
 
 class Files(Protocol):
@@ -69,8 +80,9 @@ class Storage(Protocol):
         many tensors takes milliseconds to tell)."""
         ...
 
-    def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:
-        """Local copies of all these files at these versions, if a cache holds them; else None."""
+    def cached(self, headers: tuple[FileHeader, ...]) -> Copied | None:
+        """Local copies of all these files at these versions, if a cache holds them and each either passes
+        the integrity layer (`Copied.checks`) or is this user's own; else None."""
         ...
 
     def digest(self, header: FileHeader) -> Digest | None:
@@ -99,12 +111,13 @@ def is_hex(text: str) -> bool:
     return bool(text) and all(c in "0123456789abcdef" for c in text)
 
 
-class Digest(NamedTuple):
-    """A whole file's digest: the hashlib algorithm, the hex digest, and where it was learnt."""
-
-    algorithm: str  # "sha256" or "md5"
-    hex: str
-    origin: str
+def own_copy(path: PurePath, *also: PurePath) -> bool:
+    """Whether the copy at `path` (and the files `also`, its record) are this user's own: written by this
+    user's loads, which keep only bytes read from the origin or checked (no other user can have made them)."""
+    try:
+        return all(os.lstat(p).st_uid == os.geteuid() for p in (path, *also))  # a link is its maker's
+    except OSError:
+        return False
 
 
 def file_list(paths: list[PurePath]) -> Listing:

@@ -69,6 +69,7 @@ from ..atomic import FOLDER, NEW, PARTIAL, writer_tag
 from ..format import FileHeader
 
 RECORD = ".streamload.json"
+_RECORD_MAX = 1 << 16  # bytes of a record read at most (one is ~120)
 LOCK = ".lock"
 _NOTICE_AFTER = 5.0  # seconds of waiting for another writer before it is logged
 WRITER_STALL = 180.0  # seconds a writer may leave its partial file unchanged before its readers give up on it
@@ -235,24 +236,53 @@ def complete(place: Place, header: FileHeader) -> bool:
         return False
 
 
+def open_copy(place: Place, suffix: str = "") -> int:
+    """`<name><suffix>` at `place` opened read-only where it is a regular file with one link (`single`);
+    else OSError. Opened without blocking (`O_NONBLOCK`: a FIFO put there would block the open until a
+    writer came), the flag cleared once the descriptor is known to be a file's."""
+    fd = place.open(suffix, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not single(os.fstat(fd)):
+            raise OSError(errno.EINVAL, "not a regular file with one link", f"{place.path}{suffix}")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def single(st: os.stat_result) -> bool:
+    """Whether `st` is a file the cache may have written: a regular file (not a FIFO, a device, a socket)
+    with one link. A hard link is another name for a file elsewhere (whoever holds the other name may
+    change it; one linked in with a forged record would be served as a copy), and the cache makes none."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
 def _vouched(place: Place, st: os.stat_result, header: FileHeader) -> bool:
-    """Whether the record at `place` vouches for the file `st` describes as a whole copy of `header`'s version."""
-    return _read_record(place) == {**_record(header), **_file(st)} and st.st_size == header.size
+    """Whether the record at `place` vouches for the file `st` describes as a whole copy of `header`'s
+    version (a regular file with one link: `single`)."""
+    if not single(st) or st.st_size != header.size:
+        return False
+    return _read_record(place) == {**_record(header), **_file(st)}
 
 
 def _read_record(place: Place) -> object:
     """The record at `place` as written (JSON), or None where there is none or it cannot be read."""
     try:
-        fd = place.open(RECORD, os.O_RDONLY)
+        fd = open_copy(place, RECORD)  # a FIFO or a device there is no record, and never blocks
         with open(fd, "rb") as f:
-            return json.loads(f.read())
+            data = f.read(_RECORD_MAX + 1)
+        return json.loads(data) if len(data) <= _RECORD_MAX else None
     except (OSError, ValueError):
         return None
 
 
 def record_of(place: Place, st: os.stat_result) -> dict[str, object] | None:
     """The record at `place` where it vouches for the file `st` describes as a whole copy (its inode,
-    modification time and size), whatever version it names (a seeder's question); else None."""
+    modification time and size; a regular file with one link: `single`), whatever version it names (a
+    seeder's question); else None."""
+    if not single(st):
+        return None
     record = _read_record(place)
     if not isinstance(record, dict) or set(record) != {"size", "version", *_file(st)}:
         return None
@@ -267,7 +297,8 @@ def version_of(header: FileHeader) -> dict[str, object]:
 def lookup(cache_dir: Path, headers: Sequence[FileHeader]) -> list[Path] | None:
     """The local copies of every file, if the cache holds all of them complete at the versions whose
     headers were just read; else None (never waits: files being written are the load's to wait for; a
-    link in the way is no copy, and the load's `Copies` warns of it)."""
+    link in the way is no copy, and the load's `Copies` warns of it; nor is a FIFO, a device or a hard
+    link: `single`, looked at without opening it)."""
     folders = Folders(cache_dir, create=False)
     try:
         for h in headers:
@@ -724,6 +755,13 @@ class Copies:
             writer.close()
             self._not_kept(writer.final, exc)
 
+    def drop(self, path: PurePath) -> None:
+        """Write no copy of `path` (its partial file removed): bytes of it were not checked."""
+        writer = self._writers.pop(path, None)
+        if writer is not None:
+            writer.close()
+            log.info("streamload: %s: not kept in the cache (bytes of it were used unchecked)", writer.final)
+
     def _not_kept(self, final: Path, exc: OSError) -> None:
         self._warn(
             OSError, "streamload: cache_dir %s: cannot keep copies there (%s: %s); this load reads from the store "
@@ -750,11 +788,16 @@ class Copies:
         """Open the copy at `place` if it is complete; checked on the descriptor, so that a newer version
         renamed over it meanwhile cannot slip in between the check and the reads."""
         try:
-            fd = place.open("", os.O_RDONLY)
+            fd = open_copy(place)  # a FIFO, a device or a hard link there is no copy (`single`)
         except OSError:
             return False
         try:
-            ok = _vouched(place, os.fstat(fd), self._headers[path])
+            st = os.fstat(fd)
+            ok = _vouched(place, st, self._headers[path])
+            if ok and not (st.st_uid == os.geteuid() and place.stat(RECORD).st_uid == os.geteuid()):
+                ok = False  # another user's: nothing checks it here (a whole cached checkpoint: `cached`)
+                self._warn(PermissionError, "streamload: %s: a copy another user wrote is not read unchecked: "
+                           "this load reads the object from the origin", place.path)  # fmt: skip
         except OSError:
             ok = False
         if ok:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError
 from ..format import FIRST_READ, FileHeader, header_from
-from .base import INDEX_NAME, Digest, Listing, Partly, Source, file_list, is_hex, parse_index
+from .base import INDEX_NAME, Copied, Digest, Listing, Partly, Source, file_list, is_hex, parse_index
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ class LocalStorage:
     def open(self, headers: dict[PurePath, FileHeader], partly: Partly = None) -> LocalFiles:
         return LocalFiles(headers)
 
-    def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:
+    def cached(self, headers: tuple[FileHeader, ...]) -> Copied | None:
         return None  # already local
 
     def digest(self, header: FileHeader) -> Digest | None:

@@ -2,34 +2,49 @@
 ranges (`streamload seed`, storage/seed.py), each block checked against the source's digests before use;
 the source (the object store) serves what no peer has, and everything a peer fails at.
 
-`peers=` (of `iter`, `load`, `prefetch.fetch`, vLLM's options): peer URLs (`http://host:port`, or
-`host[:port]`, port 8470 by default), a list of them or one text with commas; each name's addresses are
-peers (`socket.getaddrinfo`): a Kubernetes headless service's name is every pod behind it.
+`peers=` (of `iter`, `load`, `prefetch.fetch`, vLLM's options): peer URLs (`http://host:port`,
+`https://host:port`, or `host[:port]`, port 8470 by default), a list of them or one text with commas; each
+name's addresses are peers (`socket.getaddrinfo`): a Kubernetes headless service's name is every pod behind
+it. An https:// peer is reached at each address, its certificate verified for the name as given against the
+CA file `STREAMLOAD_PEER_CA` (else the system's store); one that does not verify is dropped.
 
 Protocol (plain HTTP/1.1, nothing home-made): the file that the source URL `scheme://host/key` names is
 `GET /v1/<scheme>/<host>/<key>` on a peer, the cache's own layout under `cache_dir` (storage/cache.py: a
 host's `:` written `_`; each part percent-encoded), with `Range: bytes=a-b` and `If-Match: <tag>`, where
 the tag is a strong ETag made of the version the source's header named (size, and ETag or Last-Modified:
-`version_tag`). A peer that holds a complete copy of that version answers 206 with that ETag; another
-version 412; no copy 404.
+`version_tag`), and `X-Streamload-Proof` (storage/peer_proof.py: a fresh HMAC over the method, the target
+as sent and the Range, keyed by the file's header bytes, the tag and the cluster's `STREAMLOAD_PEER_TOKEN`,
+read once a load). A peer that holds a complete copy of that version answers 206 with that ETag; another
+version 412; no copy 404; a proof it does not accept 403; 503 at its connection cap.
 
 A load (`PeerFiles`) reads each range of a file the peers hold from the peer with the fewest requests in
-flight (at most `REQUESTS` each), whole digest blocks at a time, so that every block is checked against the
-source's digest file (`streamload digest`, beside the weights: per-tensor xxh3-64 blocks) before a byte of
-it is used. Which peers hold a file is asked once a load, when it is first read (HEAD, all peers at once).
-A block failing its digest is read from the source. A peer that fails (down, a timeout, a reset, an answer
-that is not the range asked for, a block failing its digest, slower than the source) is dropped for the
-rest of the load, with one warning naming it; a peer without the file (404) or with another version (412)
-is not asked for that file (one warning a peer). Requests to peers are bounded: `STREAMLOAD_PEER_TIMEOUT`
-seconds (default 5) to connect and between bytes, and a whole request gets that plus a second per MB.
+flight (at most `REQUESTS` each), whole digest blocks at a time, so that every block passes the integrity
+layer (integrity/blocks.py) against the source's digest file (`streamload digest`, beside the weights: format
+2, BLAKE3 blocks, each entry bound to the version of the object it was made from) before a byte of it is used.
+Which peers hold a file is asked once a load, when it is first read (HEAD, all peers at once). A block failing
+its digest is read from the source, and checked too: where the source's fails as well, the digest file is
+stale (one warning; peers not used for that file; the peer not blamed). A peer that fails (down, a timeout, a
+reset, an answer that is not the range asked for, a block failing its digest, slower than the source) is
+dropped for the rest of the load, with one warning naming it; a peer without the file (404) or with another
+version (412) is not asked for that file (one warning a peer), nor is one refusing our proof (403: one
+warning, saying to set the same token on every node). A busy peer (503) is asked again after its Retry-After
+(at most `RETRY_CAP` s; other peers meanwhile), and dropped once it has answered nothing else for
+`BUSY_TIMEOUTS` timeouts. Requests to peers are bounded: each ends by its deadline, `STREAMLOAD_PEER_TIMEOUT`
+seconds (default 5) plus a second per MB asked for, from its connect to its last byte (`_Watchdog` shuts the
+socket of one past it: a dripped answer, a stalled handshake), and no wait within it is longer than the
+timeout. Only the answer asked for is read: another's body (404, 412, 5xx...) never is (its connection is
+closed), and a chunked answer, or one of another length or range, is refused. Whatever a peer's request raises
+(a malformed answer, MemoryError, TLS) drops that peer, never fails the load.
 
-Files the source publishes no digests of are read from the source alone (one warning saying why), unless
-`STREAMLOAD_PEERS_UNVERIFIED=1`: then a peer's bytes of them are used as it sends them (versions still
-matched by the tag; a peer sending wrong bytes gives wrong tensors).
+Files the source publishes no usable digests of (none, format 1, or an entry bound to another version) are
+read from the source alone (one warning saying why), unless `STREAMLOAD_PEERS_UNVERIFIED=1`: then a peer's
+bytes of them are used as it sends them (versions still matched by the tag; a peer sending wrong bytes gives
+wrong tensors), and the load keeps no copy of those files in its cache.
 """
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import http.client
 import json
@@ -37,21 +52,24 @@ import logging
 import os
 import re
 import socket
+import ssl
 import statistics
 import threading
 import time
-from bisect import bisect_right
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path, PurePath
 from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, SourceError
 from ..format import FileHeader
-from .base import Digest, Listing, Partly, Source, redacted
-from .cache import cache_path, version_of
-from .digests import DIGEST_FILE, block_digest, entry_of, parse
+from ..integrity.blocks import Outcome, Unit, Units, origin_units
+from ..integrity.digests import DIGEST_FILE, parse, version_of
+from . import cache, peer_proof
+from .base import Copied, Digest, Listing, Partly, Source, redacted
+from .cache import cache_path
 from .remote import ObjectFiles, ObjectPath, ObjectStorage
 
 log = logging.getLogger("streamload")
@@ -60,12 +78,15 @@ DEFAULT_PORT = 8470
 PREFIX = "/v1/"
 UNVERIFIED = "STREAMLOAD_PEERS_UNVERIFIED"
 TIMEOUT = "STREAMLOAD_PEER_TIMEOUT"
+PEER_CA = "STREAMLOAD_PEER_CA"  # the CA file https:// peers' certificates are checked against
 REQUESTS = 4  # requests in flight to one peer at once, per load
-PIECE = 8 << 20  # the most one request to a peer asks for (whole blocks)
 UNCHECKED_BLOCK = 1 << 20  # the pieces of a file without digests (STREAMLOAD_PEERS_UNVERIFIED=1)
 MEASURED = 1 << 20  # requests this large tell a peer's rate
 SLOW_AFTER = 3  # measured requests before a peer's rate is judged against the source's
 FLOOR_RATE = 1e6  # bytes a second a request gets on top of the timeout before it is given up
+RETRY_CAP = 2.0  # the most seconds a 503's Retry-After keeps a peer from being asked again
+RETRY_FLOOR = 0.25  # the least (a peer cannot have a load ask again at once)
+BUSY_TIMEOUTS = 3  # a peer answering nothing but 503 for this many timeouts is dropped
 Peers = str | Sequence[str]
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]")
 
@@ -102,6 +123,8 @@ class Peer(NamedTuple):
     host: str  # an address (IPv6 without brackets)
     port: int
     base: str  # a path the peer's URLs start with ("" for none)
+    tls: bool = False  # https://
+    server_name: str = ""  # the name it was given as (its certificate must name it); "": `host`
 
 
 def names(peers: Peers | None) -> list[str]:
@@ -112,10 +135,10 @@ def names(peers: Peers | None) -> list[str]:
     return [e.strip() for e in entries if isinstance(e, str) and e.strip()]
 
 
-def _parsed(entry: str) -> tuple[str, int, str] | None:
-    """(host, port, base path) of a peer's URL or `host[:port]`; None where it is neither."""
-    if "://" in entry and not entry.startswith("http://"):
-        return None  # https: peers are reached by address, which a certificate does not name
+def _parsed(entry: str) -> tuple[str, int, str, bool] | None:
+    """(host, port, base path, https) of a peer's URL or `host[:port]`; None where it is neither."""
+    if "://" in entry and not entry.startswith(("http://", "https://")):
+        return None
     try:
         parts = urlsplit(entry if "://" in entry else f"http://{entry}")
         port = parts.port or DEFAULT_PORT
@@ -124,21 +147,22 @@ def _parsed(entry: str) -> tuple[str, int, str] | None:
     host = parts.netloc.rsplit(":", 1)[0] if parts.port else parts.netloc
     if not host or not _HOST.fullmatch(host) or parts.query or parts.fragment or "@" in parts.netloc:
         return None
-    return (parts.hostname or host), port, parts.path.rstrip("/")
+    return (parts.hostname or host), port, parts.path.rstrip("/"), parts.scheme == "https"
 
 
 def resolve(peers: Peers | None) -> list[Peer]:
     """The peers `peers=` names: each entry's name resolved to its addresses, each address a peer (once).
-    An entry that is not a peer's URL, or a name that resolves to nothing, is left out with a warning."""
+    An entry that is not a peer's URL, or a name that resolves to nothing, is left out with a warning.
+    An https:// peer is reached at each address, its certificate checked for the name as given."""
     out: list[Peer] = []
-    seen: set[tuple[str, int, str]] = set()
+    seen: set[tuple[str, int, str, bool]] = set()
     for entry in names(peers):
         parsed = _parsed(entry)
         if parsed is None:
-            log.warning("streamload: peers: %r is not a peer (http://host:port, host:port, or a name whose "
-                        "addresses are the peers): left out", redacted(entry))  # fmt: skip
+            log.warning("streamload: peers: %r is not a peer (http://host:port, https://host:port, host:port, or "
+                        "a name whose addresses are the peers): left out", redacted(entry))  # fmt: skip
             continue
-        host, port, base = parsed
+        host, port, base, tls = parsed
         try:
             found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError) as exc:
@@ -146,77 +170,24 @@ def resolve(peers: Peers | None) -> list[Peer]:
             continue
         for *_, address in found:
             ip = str(address[0])
-            if (ip, port, base) in seen:
+            if (ip, port, base, tls) in seen:
                 continue
-            seen.add((ip, port, base))
-            shown = f"http://{f'[{ip}]' if ':' in ip else ip}:{port}{base}"
-            out.append(Peer(shown if ip == host else f"{shown} ({host})", ip, port, base))
+            seen.add((ip, port, base, tls))
+            shown = f"{'https' if tls else 'http'}://{f'[{ip}]' if ':' in ip else ip}:{port}{base}"
+            out.append(Peer(shown if ip == host else f"{shown} ({host})", ip, port, base, tls, host))
     return out
 
 
 # -- what a file's blocks are --------------------------------------------------------------------------
-class Unit(NamedTuple):
-    """A range of a file that is fetched and checked whole: a digest block of one tensor."""
-
-    start: int
-    end: int
-    digest: str | None  # None: unchecked (STREAMLOAD_PEERS_UNVERIFIED=1)
-    what: str  # how a message names it
-
-
-class Units:
-    """The checked units of one file, in file order (a tensor's blocks, then the next tensor's)."""
-
-    def __init__(self, units: list[Unit]) -> None:
-        self.units = units
-        self.ends = [u.end for u in units]
-
-    def segments(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-        """[lo, hi) cut into (start, end, i, j): units i..j-1 (contiguous, at most `PIECE` bytes together)
-        where i < j, or bytes no unit covers (i == j: read from the source)."""
-        out: list[tuple[int, int, int, int]] = []
-        units, i, pos = self.units, bisect_right(self.ends, lo), lo
-        while pos < hi:
-            if i < len(units) and units[i].start <= pos:
-                j = i + 1
-                while (j < len(units) and units[j].start == units[j - 1].end and units[j - 1].end < hi
-                       and units[j].end - units[i].start <= PIECE):  # fmt: skip
-                    j += 1
-                out.append((units[i].start, units[j - 1].end, i, j))
-                pos, i = units[j - 1].end, j
-            else:
-                nxt = min(hi, units[i].start if i < len(units) else hi)
-                out.append((pos, nxt, i, i))
-                pos = nxt
-        return out
-
-
 def file_units(header: FileHeader, doc: Mapping[str, Any] | None, where: str) -> tuple[Units | None, str]:
-    """The checked units of one file from the source's digest file (`doc`), or (None, why not)."""
-    entry, stale = entry_of(doc, header.path.name, header.size, where)
-    if stale is not None:
-        return None, stale
-    if entry is None:
-        if unverified_allowed():
-            step = UNCHECKED_BLOCK
-            return Units([Unit(a, min(a + step, header.size), None, f"bytes {a}..") for a in
-                          range(header.data_start, header.size, step)]), ""  # fmt: skip
-        return None, f"no digests of it ({where} {'has no entry for it' if doc else 'is absent'})"
-    head = entry.get("header_sha256")
-    if head is not None and len(header.prefix) == header.data_start:
-        if hashlib.sha256(header.prefix).hexdigest() != head:
-            return None, f"{where} was made for another version of it (its header differs)"
-    block, blocks = int(entry.get("block_bytes", (doc or {}).get("block_bytes", 1 << 20))), entry.get("tensors")
-    units: list[Unit] = []
-    for info in sorted(header.tensors, key=lambda t: t.begin):
-        mine = blocks.get(info.name) if isinstance(blocks, dict) else None
-        count = -(-info.nbytes // block)
-        if not isinstance(mine, list) or len(mine) != count:
-            return None, f"{where} has no digests of tensor {info.name!r} (or the wrong number)"
-        for k in range(count):
-            lo = info.begin + k * block
-            units.append(Unit(lo, min(lo + block, info.end), str(mine[k]), f"tensor {info.name!r} block {k + 1}"))
-    return Units(units), ""
+    """The units peers may serve of one file: its origin-bound blocks (integrity/blocks.py), or (None, why not);
+    with `STREAMLOAD_PEERS_UNVERIFIED=1`, a file without them in unchecked pieces (never kept in a cache)."""
+    units, why = origin_units(header, doc, where, version_of(header))
+    if units is None and unverified_allowed():
+        step = UNCHECKED_BLOCK
+        return Units([Unit(a, min(a + step, header.size), None, f"bytes {a}..") for a in
+                      range(header.data_start, header.size, step)]), ""  # fmt: skip
+    return units, why
 
 
 # -- the storage ---------------------------------------------------------------------------------------
@@ -247,7 +218,7 @@ class PeerStorage:
     def header(self, path: PurePath) -> FileHeader:
         return self.inner.header(path)
 
-    def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:
+    def cached(self, headers: tuple[FileHeader, ...]) -> Copied | None:
         return self.inner.cached(headers)
 
     def digest(self, header: FileHeader) -> Digest | None:
@@ -340,22 +311,39 @@ class PeerFiles(ObjectFiles):
         """Bytes [lo, hi) of the file, covered by `units`: fetched whole from a peer, each unit checked;
         from the next peer where one fails, from the source where none is left."""
         start, stop = units[0].start, units[-1].end
+        units_of = self._units.get(path)
+        if units_of is None:  # found stale meanwhile
+            return self._source(path, lo, hi - lo)
         tried: set[Peer] = set()
         while (peer := self._swarm.choose(path, tried)) is not None:
             tried.add(peer)
             data = self._swarm.get(peer, path, start, stop, self._source_rate)
             if data is None:
                 continue
-            for unit in units:
-                piece = memoryview(data)[unit.start - start : unit.end - start]
-                if unit.digest is not None and block_digest(piece) != unit.digest:
-                    self._swarm.drop(peer, f"sent bytes of {path.name} ({unit.what}) that do not match the "
-                                           "source's digests")  # fmt: skip
-                    piece[:] = b"".join(self._source(path, unit.start, unit.end - unit.start))
+            outcome, failed = units_of.settle(units, memoryview(data), start,
+                                              lambda at, n: b"".join(self._source(path, at, n)))  # fmt: skip
+            if outcome is Outcome.FORGED and failed is not None:
+                self._swarm.drop(peer, f"sent bytes of {path.name} ({failed.what}) that do not match the "
+                                       "source's digests")  # fmt: skip
+            elif outcome is Outcome.STALE and failed is not None:
+                # the digests do not describe the source: the peer's other blocks matched nothing that proves them
+                memoryview(data)[:] = b"".join(self._source(path, start, stop - start))
+                self._stale(path, units_of, failed)
+                self.unkept(path)  # blocks of it taken from peers earlier were checked against those digests
+            elif outcome is Outcome.UNCHECKED:
+                self.unkept(path)  # unchecked bytes never become a copy a later load would trust
             with self._counts_lock:
                 self.from_peers += hi - lo
             return [memoryview(data)[lo - start : hi - start]]
         return self._source(path, lo, hi - lo)
+
+    def _stale(self, path: ObjectPath, units: Units, unit: Unit) -> None:
+        """The source's own bytes failed the digests too: the digest file does not describe the source's
+        version. Said once; peers are not used for the file again this load, and the peer is not blamed."""
+        if self._units.pop(path, None) is not None:
+            log.warning("streamload: %s does not describe %s as the source holds it now (%s fails it from the "
+                        "source too): it is stale; peers are not used for this file (write it anew with "
+                        "`streamload digest`)", units.where, path.name, unit.what)  # fmt: skip
 
     def _source(self, path: ObjectPath, offset: int, length: int) -> list[memoryview]:
         began = time.monotonic()
@@ -393,11 +381,128 @@ def _line(text: object) -> str:
 
 # -- the peers of one load -----------------------------------------------------------------------------
 class _Failed(Exception):
-    """A peer's request failed; `drop`: the peer is not asked again this load (else: not for this file)."""
+    """A peer's request failed; `drop`: the peer is not asked again this load (else: not for this file);
+    `refused`: it answered 403 (our proof of reading was not accepted)."""
 
-    def __init__(self, why: str, drop: bool = True) -> None:
+    def __init__(self, why: str, drop: bool = True, refused: bool = False) -> None:
         super().__init__(why)
-        self.drop = drop
+        self.drop, self.refused = drop, refused
+
+
+class _Busy(_Failed):
+    """A peer answered 503 (at its connection cap): asked again after `wait` seconds, not dropped."""
+
+    def __init__(self, why: str, wait: float) -> None:
+        super().__init__(why, drop=False)
+        self.wait = wait
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds a 503's `Retry-After` (seconds or an HTTP date) asks for, within [RETRY_FLOOR, RETRY_CAP]:
+    a peer cannot hold a load up for long, nor have it ask again at once (1 s where it names none)."""
+    wait, text = 1.0, (value or "").strip()
+    try:
+        if text.isascii() and text.isdigit():
+            wait = float(text)
+        elif text:
+            wait = email.utils.parsedate_to_datetime(text).timestamp() - time.time()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        pass  # not a time: the default
+    return min(RETRY_CAP, max(RETRY_FLOOR, wait))
+
+
+def _tls_context() -> tuple[ssl.SSLContext, str]:
+    """The context https:// peers are verified with, and what it trusts (for messages): the CA file
+    `STREAMLOAD_PEER_CA` names, else the system's store. Raises ValueError naming a file it cannot load."""
+    ca = os.environ.get(PEER_CA, "").strip() or None
+    try:
+        context = ssl.create_default_context(cafile=ca)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise ValueError(f"{ca}: cannot load the CA certificates peers are checked against ({PEER_CA}): "
+                         f"{_line(exc)}") from None  # fmt: skip
+    return context, (f"{PEER_CA}={ca}" if ca else f"the system's CA store ({PEER_CA} is unset)")
+
+
+class _Connection(http.client.HTTPConnection):
+    """A connection to one peer, over TLS where its URL is https:// (verified for the name it was given,
+    whatever address it was reached at), that `_Watchdog` can cut at any point: the connect, the TLS
+    handshake, the headers, the body."""
+
+    def __init__(self, peer: Peer, timeout: float, tls: ssl.SSLContext | None) -> None:
+        super().__init__(peer.host, peer.port, timeout=timeout)
+        self._tls, self._server_name = (tls if peer.tls else None), peer.server_name or peer.host
+        self.expired = False  # the watchdog cut it (its request ran past its deadline)
+
+    def connect(self) -> None:
+        super().connect()  # TCP, at most `timeout` seconds
+        if self._tls is not None:
+            wrapped = self._tls.wrap_socket(self.sock, server_hostname=self._server_name,
+                                            do_handshake_on_connect=False)  # fmt: skip
+            self.sock = wrapped  # before the handshake: a deadline during it shuts this socket
+        if self.expired:  # the deadline passed before `sock` could be shut
+            raise TimeoutError("the request's deadline passed while connecting")
+        if self._tls is not None:
+            self.sock.do_handshake()
+
+    def expire(self) -> None:
+        """End whatever the request is doing now: its socket shut both ways (the owner closes it)."""
+        self.expired = True
+        sock = self.sock
+        if sock is not None:
+            try:
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the socket's own, also under TLS
+            except OSError:
+                pass
+
+
+def _late(connection: _Connection, limit: float) -> str | None:
+    """How long `connection`'s request was given, where the watchdog cut it; else None."""
+    return f"{limit:.3g} s" if connection.expired else None
+
+
+class _Watchdog:
+    """The deadlines of a load's requests to peers: a request still running at its deadline has its
+    connection shut (`_Connection.expire`), whatever it waits for (a connect, dripped headers, a body).
+    One thread a load, started with its first request."""
+
+    def __init__(self) -> None:
+        self._due: dict[_Connection, float] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def arm(self, connection: _Connection, deadline: float) -> None:
+        with self._cond:
+            if self._closed:
+                connection.expire()
+                return
+            connection.expired = False
+            self._due[connection] = deadline
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="streamload-peers-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def disarm(self, connection: _Connection) -> None:
+        with self._cond:
+            self._due.pop(connection, None)
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                for connection in [c for c, due in self._due.items() if due <= now]:
+                    del self._due[connection]
+                    connection.expire()
+                self._cond.wait(min(self._due.values(), default=now + 60.0) - now)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
 
 
 class _State:
@@ -406,29 +511,41 @@ class _State:
     def __init__(self) -> None:
         self.alive = True
         self.inflight = 0
-        self.idle: list[http.client.HTTPConnection] = []
+        self.idle: list[_Connection] = []
         self.rates: list[float] = []
         self.sent = 0
         self.warned_lacks = False
+        self.warned_refused = False
+        self.busy_until = 0.0  # a 503's Retry-After: not asked again before (monotonic)
+        self.busy_since: float | None = None  # its first 503 since it last answered otherwise
 
 
 class Swarm:
     """The peers of one load: which hold each file (asked once a file), which are alive, and their
-    connections (kept open between requests, at most `REQUESTS` in flight a peer)."""
+    connections (kept open between requests, at most `REQUESTS` in flight a peer). Raises SourceError (a
+    ValueError) naming the file where the peers' token file (`peer_proof.token`) or CA file cannot be read."""
 
     def __init__(self, peers: list[Peer], headers: Mapping[PurePath, FileHeader]) -> None:
+        try:  # once a load: a file that cannot be read fails it here, before a request (one line: a SourceError)
+            secret = peer_proof.token()
+            self._tls, self._trusts = _tls_context() if any(p.tls for p in peers) else (None, "")
+        except ValueError as exc:
+            raise SourceError(f"peers: {exc}") from None
         self._peers = peers
         self._state = {p: _State() for p in peers}
-        self._tags = {path: version_tag(version_of(h)) for path, h in headers.items()}
+        self._tags = {path: version_tag(cache.version_of(h)) for path, h in headers.items()}  # as a cache records it
+        self._keys = {path: peer_proof.read_key(h.prefix, self._tags[path], secret) for path, h in headers.items()}
         self._sizes = {path: h.size for path, h in headers.items()}
         self._holders: dict[PurePath, list[Peer]] = {}
         self._asking: dict[PurePath, threading.Lock] = {}
         self._lock = threading.Condition()
-        self._busy: set[http.client.HTTPConnection] = set()  # connections a request is on (shut by `stop`)
+        self._busy: set[_Connection] = set()  # connections a request is on (shut by `stop`)
         self._stopped = False
         self._turn = 0
         self._pool = ThreadPoolExecutor(min(16, max(1, len(peers))), "streamload-peers")
+        self._watchdog = _Watchdog()
         self.timeout = timeout()
+        self.busy_limit = max(RETRY_CAP, BUSY_TIMEOUTS * self.timeout)  # s of nothing but 503 before a drop
 
     # -- choosing ---------------------------------------------------------------------------------------
     def any_alive(self) -> bool:
@@ -436,23 +553,28 @@ class Swarm:
 
     def choose(self, path: PurePath, tried: Collection[Peer]) -> Peer | None:
         """The live peer holding `path` (not in `tried`) with the fewest requests in flight, counted in;
-        waits while all are at `REQUESTS` (at most the timeout). None: no peer is left for this range."""
+        waits while all are at `REQUESTS` (at most the timeout) or busy (503: until their Retry-After).
+        None: no peer is left for this range."""
         holders = self.holders(path)
         deadline = time.monotonic() + self.timeout
         with self._lock:
             while not self._stopped:
+                now = time.monotonic()
                 live = [p for p in holders if p not in tried and self._state[p].alive]
-                free = [p for p in live if self._state[p].inflight < REQUESTS]
+                free = [p for p in live if self._state[p].inflight < REQUESTS and self._state[p].busy_until <= now]
                 if free:
                     self._turn += 1
                     peer = min(free, key=lambda p: (self._state[p].inflight, (self._peers.index(p) - self._turn)
                                                     % len(self._peers)))  # fmt: skip
                     self._state[peer].inflight += 1
                     return peer
-                left = deadline - time.monotonic()
-                if not live or left <= 0:
+                # a busy peer (503) is waited for until its Retry-After (at most RETRY_CAP s), and its slots,
+                # held by requests waiting it out, a timeout longer
+                until = [self._state[p].busy_until for p in live]
+                end = max(deadline, max(until, default=0.0) + self.timeout)
+                if not live or now >= end:
                     return None
-                self._lock.wait(left)
+                self._lock.wait(min([end, *(u for u in until if u > now)]) - now)
         return None
 
     def holders(self, path: PurePath) -> list[Peer]:
@@ -470,42 +592,60 @@ class Swarm:
             return self._holders[path]
 
     def _has(self, peer: Peer, path: PurePath) -> bool:
+        """Whether `peer` holds `path`; one that is busy (503) is taken at its word that it may: its first
+        range request says (a 404 or 412 then leaves it out for the file)."""
         try:
-            self._request(peer, "HEAD", path, None, lambda response: None)
-            return True
+            self._request(peer, "HEAD", path, None, lambda response, late: None)
+        except _Busy as exc:
+            return self._on_busy(peer, path, exc, wait=False)
         except _Failed as exc:
             self._failed(peer, path, exc)
             return False
+        except Exception as exc:  # whatever a peer makes a request raise drops it, never the load
+            self._failed(peer, path, _Failed(f"failed: {type(exc).__name__}: {_line(exc)}"))
+            return False
+        self._answered(peer)
+        return True
 
     # -- requests ---------------------------------------------------------------------------------------
     def get(self, peer: Peer, path: PurePath, start: int, stop: int, source_rate: Callable[[], float | None]
             ) -> bytearray | None:  # fmt: skip
-        """Bytes [start, stop) of `path` from `peer` (counted in by `choose`); None where it failed."""
+        """Bytes [start, stop) of `path` from `peer` (counted in by `choose`); None where it failed (or is
+        busy while another peer is free)."""
         data = bytearray(stop - start)
         view = memoryview(data)
-        deadline = time.monotonic() + self.timeout + len(data) / FLOOR_RATE
 
-        def body(response: http.client.HTTPResponse) -> None:
+        def body(response: http.client.HTTPResponse, late: Callable[[], str | None]) -> None:
             got = 0
-            while got < len(data):  # one receive at a time (read1): a peer sending a byte a second meets the deadline
+            while got < len(data):  # one receive at a time (read1): the watchdog's shut ends a slow one
                 chunk = response.read1(min(len(data) - got, 1 << 20))
                 if not chunk:
-                    raise _Failed(f"ended its answer after {got} of {len(data)} bytes")
+                    over = late()
+                    raise _Failed(f"sent {got} of {len(data)} bytes in {over}" if over else
+                                  f"ended its answer after {got} of {len(data)} bytes")  # fmt: skip
                 view[got : got + len(chunk)] = chunk
                 got += len(chunk)
-                if got < len(data) and time.monotonic() > deadline:
-                    raise _Failed(f"sent {got} of {len(data)} bytes in {self.timeout + len(data) / FLOOR_RATE:.1f} s")
 
-        began = time.monotonic()
         try:
-            self._request(peer, "GET", path, (start, stop), body)
-        except _Failed as exc:
-            self._failed(peer, path, exc)
-            return None
+            while True:
+                began = time.monotonic()
+                try:
+                    self._request(peer, "GET", path, (start, stop), body)
+                    break
+                except _Busy as exc:
+                    if not self._on_busy(peer, path, exc, wait=True):
+                        return None
+                except _Failed as exc:
+                    self._failed(peer, path, exc)
+                    return None
+                except Exception as exc:  # whatever a peer makes a request raise drops it, never the load
+                    self._failed(peer, path, _Failed(f"failed: {type(exc).__name__}: {_line(exc)}"))
+                    return None
         finally:
             with self._lock:
                 self._state[peer].inflight -= 1
                 self._lock.notify_all()
+        self._answered(peer)
         took = time.monotonic() - began
         state = self._state[peer]
         with self._lock:
@@ -525,35 +665,42 @@ class Swarm:
         method: str,
         path: PurePath,
         span: tuple[int, int] | None,
-        body: Callable[[http.client.HTTPResponse], None],
+        body: Callable[[http.client.HTTPResponse, Callable[[], str | None]], None],
     ) -> None:
-        """One request to `peer`, its answer checked to be the version and range asked for; raises _Failed.
-        A kept connection the peer closed meanwhile (its idle timeout) is replaced once, at no cost."""
+        """One request to `peer`, its answer checked to be the version and range asked for; raises _Failed
+        (whatever went wrong, said in a line). The whole request, from the connect to the body's last byte,
+        ends by its deadline: the timeout, and a second per MB asked for. A kept connection the peer closed
+        meanwhile (its idle timeout) is replaced once, at no cost."""
+        target = peer.base + url_path(path)
         headers = {"If-Match": self._tags[path]}
         if span is not None:
             headers["Range"] = f"bytes={span[0]}-{span[1] - 1}"
+        limit = self.timeout + (span[1] - span[0] if span is not None else 0) / FLOOR_RATE
         for fresh in (False, True):
             connection, reused = self._connection(peer, fresh)
+            keep: Peer | None = None
+            # a fresh nonce each time: a seeder refuses a proof it has seen (a replay)
+            headers[peer_proof.HEADER] = peer_proof.proof(self._keys[path], method, target, headers.get("Range", ""))
+            self._watchdog.arm(connection, time.monotonic() + limit)
             try:
-                connection.request(method, peer.base + url_path(path), headers=headers)
-                response = connection.getresponse()
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
-                self._let_go(connection, None)
-                if reused:
-                    continue
-                raise _Failed(f"failed: {type(exc).__name__}: {_line(exc) or 'connection closed'}") from None
-            except (OSError, http.client.HTTPException) as exc:
-                self._let_go(connection, None)
-                raise self._named(exc) from None
-            keep = None
-            try:
-                self._answer(method, path, span, response, body)
-                keep = None if response.will_close else peer
-            except (OSError, http.client.HTTPException) as exc:
-                raise self._named(exc) from None
+                try:
+                    connection.request(method, target, headers=headers)
+                    response = connection.getresponse()
+                except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                    if reused and not connection.expired:
+                        continue  # closed by the peer while kept: once more, on a new connection
+                    raise
+                late = partial(_late, connection, limit)
+                self._answer(method, path, span, response, late, body)
+                keep = peer if response.isclosed() and not response.will_close else None
+                return
+            except _Failed:
+                raise
+            except Exception as exc:  # MemoryError, ValueError, http.client's, ssl's...: the peer's doing
+                raise self._named(exc, connection, limit) from None
             finally:
-                self._let_go(connection, keep)
-            return
+                self._watchdog.disarm(connection)
+                self._let_go(connection, None if connection.expired else keep)
 
     def _answer(
         self,
@@ -561,17 +708,25 @@ class Swarm:
         path: PurePath,
         span: tuple[int, int] | None,
         response: http.client.HTTPResponse,
-        body: Callable[[http.client.HTTPResponse], None],
+        late: Callable[[], str | None],
+        body: Callable[[http.client.HTTPResponse, Callable[[], str | None]], None],
     ) -> None:
-        """Check that `response` is the version and range asked for, then read its body (`body`)."""
-        tag, size, status = self._tags[path], self._sizes[path], response.status
+        """Check that `response` is the version and range asked for, then read its body (`body`). Any other
+        answer's body is never read (its connection is closed): a peer cannot stall a load with one."""
+        tag, size, status, reason = self._tags[path], self._sizes[path], response.status, _line(response.reason)
         if status in (404, 412):
-            response.read()
             raise _Failed(f"does not hold {path.name} (404)" if status == 404 else
                           f"holds another version of {path.name} than the source's (412)", drop=False)  # fmt: skip
+        if status == 403:
+            raise _Failed(f"refused us ({status} {reason})", drop=False, refused=True)
+        if status == 503:
+            raise _Busy(f"answered {status} {reason}", _retry_after(response.getheader("Retry-After")))
         want, length = (206, span[1] - span[0]) if span is not None else (200, size)
         if status != want:
-            raise _Failed(f"answered {status} {_line(response.reason)} to a {method}")
+            raise _Failed(f"answered {status} {reason} to a {method}")
+        if response.chunked or response.getheader("Transfer-Encoding") is not None:
+            raise _Failed(f"answered with a chunked body (Transfer-Encoding: "
+                          f"{_line(response.getheader('Transfer-Encoding'))}), not {length} bytes")  # fmt: skip
         got = {"ETag": response.getheader("ETag"), "Content-Length": response.getheader("Content-Length")}
         expect = {"ETag": tag, "Content-Length": str(length)}
         if span is not None:
@@ -581,26 +736,33 @@ class Swarm:
             wrong = next(k for k in expect if got[k] != expect[k])
             raise _Failed(f"answered {wrong} {_line(got[wrong])!r}, not {expect[wrong]!r}")
         if method == "GET":
-            body(response)
-        response.read()  # the answer read to its end (nothing is left): its connection can take the next request
+            body(response, late)
+        if response.length == 0:
+            response.read()  # nothing is left (read to its end): its connection can take the next request
 
-    def _named(self, exc: BaseException) -> _Failed:
+    def _named(self, exc: BaseException, connection: _Connection, limit: float) -> _Failed:
+        """A request's exception as why the peer failed."""
+        if connection.expired:
+            return _Failed(f"did not answer within {limit:.3g} s")
         if isinstance(exc, TimeoutError) or "timed out" in str(exc):
-            return _Failed(f"did not answer within {self.timeout:g} s")
+            return _Failed(f"did not answer within {self.timeout:.3g} s")
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            return _Failed(f"has a certificate that does not verify ({_line(exc.verify_message or exc)}; checked "
+                           f"against {self._trusts})")  # fmt: skip
         return _Failed(f"failed: {type(exc).__name__}: {_line(exc) or 'connection closed'}")
 
-    def _connection(self, peer: Peer, fresh: bool) -> tuple[http.client.HTTPConnection, bool]:
+    def _connection(self, peer: Peer, fresh: bool) -> tuple[_Connection, bool]:
         """A connection to `peer` (a kept one unless `fresh`), and whether it was kept."""
         with self._lock:
             if self._stopped:
                 raise _Failed("the load was stopped", drop=False)
             idle = self._state[peer].idle
             reused = bool(idle) and not fresh
-            connection = idle.pop() if reused else http.client.HTTPConnection(peer.host, peer.port, self.timeout)
+            connection = idle.pop() if reused else _Connection(peer, self.timeout, self._tls)
             self._busy.add(connection)
         return connection, reused
 
-    def _let_go(self, connection: http.client.HTTPConnection, keep: Peer | None) -> None:
+    def _let_go(self, connection: _Connection, keep: Peer | None) -> None:
         """A request's connection: kept for `keep`'s next request where its answer was read whole, else closed."""
         with self._lock:
             self._busy.discard(connection)
@@ -610,6 +772,33 @@ class Swarm:
         connection.close()
 
     # -- failures ---------------------------------------------------------------------------------------
+    def _answered(self, peer: Peer) -> None:
+        """`peer` answered a request as asked: no longer busy."""
+        with self._lock:
+            self._state[peer].busy_since = None
+
+    def _on_busy(self, peer: Peer, path: PurePath, exc: _Busy, wait: bool) -> bool:
+        """`peer` answered 503: not chosen before its Retry-After (`exc.wait`), dropped once it has answered
+        nothing else for `busy_limit` s. With `wait`: whether to ask it again now, after waiting for it where
+        no other peer holding `path` is free (else: leave the range to another). Without: whether it is
+        still a peer."""
+        now = time.monotonic()
+        with self._lock:
+            state = self._state[peer]
+            since = state.busy_since = now if state.busy_since is None else state.busy_since
+            state.busy_until = max(state.busy_until, now + exc.wait)
+        if now - since >= self.busy_limit:
+            self.drop(peer, f"{exc} to every request for {now - since:.0f} s (asked for {path.name})")
+            return False
+        if not wait:
+            return True
+        with self._lock:
+            others = [p for p in self._holders.get(path, ()) if p != peer and self._state[p].alive
+                      and self._state[p].inflight < REQUESTS and self._state[p].busy_until <= now]  # fmt: skip
+            while not others and not self._stopped and state.alive and state.busy_until > time.monotonic():
+                self._lock.wait(state.busy_until - time.monotonic())
+            return not others and not self._stopped and state.alive
+
     def _failed(self, peer: Peer, path: PurePath, exc: _Failed) -> None:
         if self._stopped:
             return
@@ -621,7 +810,18 @@ class Swarm:
             if holders is not None and peer in holders:
                 self._holders[path] = [p for p in holders if p != peer]
             state = self._state[peer]
-            first, state.warned_lacks = not state.warned_lacks, True
+            if exc.refused:
+                first, state.warned_refused = not state.warned_refused, True
+            else:
+                first, state.warned_lacks = not state.warned_lacks, True
+        if exc.refused:
+            (log.warning if first else log.debug)(
+                "streamload: peer %s %s when asked for %s: not asked for it again this load (the other peers and "
+                "the source serve it); a seeder refuses proofs of reading made with another token (or a clock "
+                "minutes apart): set the same %s (or %s) on every node", peer.name, exc, path.name, peer_proof.TOKEN,
+                peer_proof.TOKEN_FILE,
+            )  # fmt: skip
+            return
         (log.warning if first else log.debug)(
             "streamload: peer %s %s: not asked for it again this load (the other peers and the source serve it)",
             peer.name, exc,
@@ -653,16 +853,12 @@ class Swarm:
             busy = list(self._busy)
             self._lock.notify_all()
         for connection in busy:
-            sock = connection.sock
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            connection.expire()
 
     def close(self) -> None:
         self.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._watchdog.close()
         with self._lock:
             idle = [c for s in self._state.values() for c in s.idle]
             for s in self._state.values():

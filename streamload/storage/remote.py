@@ -3,8 +3,10 @@
 Every read is a ranged GET made by obstore (Rust's `object_store`: one client for S3, GCS, Azure and
 HTTP, async requests that release the GIL and can be dropped mid-flight). Requests run on one
 event loop thread per process; readers block on them from their own threads, so a load's
-concurrency is its reader threads, as for local files. Credentials, region and endpoint come from
-the standard environment (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`, `AWS_REGION`, ...).
+concurrency is its reader threads, as for local files. A process forked after it made requests has
+neither that thread nor obstore's runtime: it starts its own of both (`_forked`, `_native`).
+Credentials, region and endpoint come from the standard environment (`AWS_ACCESS_KEY_ID`,
+`AWS_ENDPOINT_URL`, `AWS_REGION`, ...).
 
 Versions. A tensor is handed out as soon as its own bytes are in, so a change to an object mid-load must
 be seen on the response that brings the changed bytes, before they are used: a check at the end of a
@@ -56,9 +58,25 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from ..errors import MissingFileError, ReadError, SourceError, UnsupportedError
+from ..errors import IntegrityError, MissingFileError, ReadError, SourceError, UnsupportedError
 from ..format import FIRST_READ, FileHeader, header_from
-from .base import INDEX_NAME, Digest, Listing, Partly, Source, file_list, is_hex, parse_index, redacted
+from ..integrity.blocks import origin_units
+from ..integrity.digests import DIGEST_FILE, parse, version_of
+from .base import (
+    INDEX_NAME,
+    Copied,
+    Digest,
+    Known,
+    Listing,
+    Partly,
+    Source,
+    file_list,
+    is_hex,
+    own_copy,
+    parse_index,
+    redacted,
+)
+from .local import file_identity
 from .pace import SMALLEST, Pace, Timer, pace_of
 
 if TYPE_CHECKING:
@@ -215,12 +233,27 @@ class ObjectStorage:
             _refuse_or_warn(weak)
         return (files or ObjectFiles)(self, headers, partly)
 
-    def cached(self, headers: tuple[FileHeader, ...]) -> list[Path] | None:
-        from .cache import lookup
+    def cached(self, headers: tuple[FileHeader, ...]) -> Copied | None:
+        """The cache's complete copies, each checked by the integrity layer against the origin's digest file
+        where it publishes one bound to these versions; else only where every copy is this user's own (another
+        user's copy could hold anything: the load then reads from the origin, one warning)."""
+        from .cache import RECORD, lookup
 
         if self.cache_dir is None or (_unvalidated(headers) and not _unvalidated_allowed()):
             return None  # a copy is only as sure as the load that made it: open() says why
-        return lookup(self.cache_dir, headers)
+        paths = lookup(self.cache_dir, headers)
+        if paths is None:
+            return None
+        foreign = [(h, p) for h, p in zip(headers, paths, strict=True) if not own_copy(p, Path(f"{p}{RECORD}"))]
+        checks = copy_checks(self, [h for h, _ in foreign]) if foreign else {}
+        unchecked = [p for h, p in foreign if h.path not in checks]
+        if unchecked:
+            return None  # read through the load's `Copies`, which reads such a copy's object from the origin
+        try:
+            identities = [file_identity(os.lstat(p)) for p in paths]
+        except OSError:
+            return None
+        return Copied(paths, {p: checks[h.path] for h, p in foreign}, identities)
 
     def digest(self, header: FileHeader) -> Digest | None:
         """S3's ETag is the object's MD5 unless it was uploaded in parts ("<hex>-<parts>") or encrypted
@@ -476,6 +509,11 @@ class ObjectFiles:
             raise ReadError(f"{path}: {_what(span)}: got {len(view)} bytes (truncated since its header?)")
         return view
 
+    def unkept(self, path: PurePath) -> None:
+        """No copy of `path` is kept from this load: some of its bytes were handed out unchecked."""
+        if self._copies is not None:
+            self._copies.drop(path)
+
     def cancel(self) -> None:
         self._stopped.set()
         if self._copies is not None:
@@ -487,6 +525,29 @@ class ObjectFiles:
         self.cancel()
         if self._copies is not None:
             self._copies.close()
+
+
+def copy_checks(storage: ObjectStorage, headers: list[FileHeader]) -> dict[PurePath, Known]:
+    """{origin path: its blocks} for each file the origin's digest file describes at this version with a
+    cryptographic hash (integrity/blocks.py's rules); files it does not are left out."""
+    out: dict[PurePath, Known] = {}
+    docs: dict[PurePath, dict[str, Any] | None] = {}
+    for header in headers:
+        folder = header.path.parent
+        where = f"{folder}/{DIGEST_FILE}"
+        if folder not in docs:
+            raw = storage.sidecar(header.path, DIGEST_FILE)
+            try:
+                docs[folder] = None if raw is None else parse(raw, where)
+            except IntegrityError:
+                docs[folder] = None
+        doc = docs[folder]
+        units, _ = origin_units(header, doc, where, version_of(header))
+        if units is not None and doc is not None:
+            entry = doc["files"][header.path.name]
+            out[header.path] = Known(None, entry["tensors"], doc["block_bytes"], where,
+                                     header_sha256=entry["header_sha256"], block_hash=doc["block_hash"])  # fmt: skip
+    return out
 
 
 def _pread(fd: int, path: PurePath, offset: int, length: int) -> memoryview:
@@ -511,18 +572,38 @@ _LOOP_LOCK = threading.Lock()
 _EXITING = threading.Event()  # set at interpreter exit: no request is made after it
 _EXIT_WAIT = 5.0  # seconds the exit waits for the requests in flight to be dropped
 _EXIT_GRACE = 0.1  # then, seconds for each dropped request's Rust task to let go of the GIL
+_AT_EXIT = False  # `_wind_down` registered (once a process: a forked child inherits its parent's atexit)
 
 
 def _loop() -> asyncio.AbstractEventLoop:
-    global _LOOP
+    global _LOOP, _AT_EXIT
     with _LOOP_LOCK:
         if _LOOP is None or _LOOP.is_closed():
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="streamload-objects", daemon=True).start()
-            if _LOOP is None:
+            if not _AT_EXIT:
                 atexit.register(_wind_down)
+                _AT_EXIT = True
             _LOOP = loop
         return _LOOP
+
+
+def _forked() -> None:
+    """In a child just forked (`os.register_at_fork`): none of its parent's threads exist in it, so
+    neither the loop thread nor obstore's runtime threads. A request sent to the parent's loop would
+    wait for ever, and the child's exit would wait `_EXIT_WAIT` s on it: the child starts its own loop
+    on first use (`_loop`) and its own obstore (`_native`), and waits at exit only on its own. What
+    the parent had in flight is not the child's: each store's count of requests starts afresh (a
+    storage made before the fork holds the same `Pace`, so it is reset in place)."""
+    global _LOOP, _LOOP_LOCK, _NATIVE_LOCK
+    _LOOP_LOCK, _NATIVE_LOCK = threading.Lock(), threading.Lock()  # a parent's thread may have held them
+    _LOOP = None  # the parent's: its selector stays open, unused (closing it would need asyncio's internals)
+    from .pace import restart_all
+
+    restart_all()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _wind_down() -> None:
@@ -561,13 +642,87 @@ def _obstore() -> Any:
     """obstore, for a request about to be made; none is once the process is exiting (`_wind_down`)."""
     if _EXITING.is_set():
         raise _Exiting
-    import obstore
-
-    return obstore
+    return _native().api
 
 
 class _Exiting(Exception):
     """A request not made: the process is exiting."""
+
+
+class _Obstore:
+    """The obstore a process makes its requests with: its functions, store classes and exceptions."""
+
+    def __init__(self, api: Any, stores: Any, errors: Any) -> None:
+        self.api, self.stores, self.errors = api, stores, errors
+
+
+_NATIVE: tuple[int, _Obstore] | None = None  # (the process id it was loaded for, it)
+_NATIVE_LOCK = threading.Lock()
+
+
+def _native() -> _Obstore:
+    """The obstore this process can use. obstore runs every async request on one tokio runtime, made
+    once a process (pyo3-async-runtimes), with no fork handling: in a child forked after it started,
+    its threads are gone, and a request there is never polled (it hangs for ever; obstore's sync calls
+    panic on their own runtime's pid check). So a forked child loads obstore's native module afresh
+    from a copy of its file (`_fresh_obstore`), whose runtime is its own; stores are made per process
+    (`_Store`), as one of the parent's obstore is refused by the child's."""
+    global _NATIVE
+    with _NATIVE_LOCK:
+        if _NATIVE is None:
+            import obstore
+            import obstore.exceptions
+            import obstore.store
+
+            _NATIVE = (os.getpid(), _Obstore(obstore, obstore.store, obstore.exceptions))
+        elif _NATIVE[0] != os.getpid():  # a forked child (or a child's child)
+            module = _fresh_obstore()
+            _NATIVE = (os.getpid(), _Obstore(module, module._store, module.exceptions))
+        return _NATIVE[1]
+
+
+class _NoObstore(UnsupportedError):
+    """obstore cannot make requests in this process (a forked child that could not load it afresh)."""
+
+
+def _fresh_obstore() -> Any:
+    """obstore's native module loaded again, from a copy of its file in a temporary folder (removed
+    once loaded: the loader maps it), so that its statics (the tokio runtime) are new; the modules it
+    registers in `sys.modules` are put back as they were (the caller's `import obstore` stays the one
+    it had). About 15 MB copied, once per forked child that makes a request."""
+    import importlib.util
+    import shutil
+    import sys
+    import tempfile
+
+    import obstore._obstore as inherited
+
+    before = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "obstore"}
+    folder = None
+    try:
+        folder = tempfile.mkdtemp(prefix="streamload-obstore-")
+        path = shutil.copy(inherited.__file__, folder)
+        spec = importlib.util.spec_from_file_location(inherited.__name__, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{path}: not a loadable module")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as exc:
+        raise _NoObstore(
+            "this process was forked from one that made requests with obstore, whose runtime does not survive a "
+            f"fork, and a fresh copy of obstore could not be loaded from {folder or tempfile.gettempdir()} ({exc}): "
+            "start it with multiprocessing's 'spawn' or 'forkserver', or set TMPDIR to a folder that allows "
+            "executables"
+        ) from None
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        for name in [name for name in sys.modules if name.split(".")[0] == "obstore"]:
+            if name in before:
+                sys.modules[name] = before[name]
+            else:
+                del sys.modules[name]
+    return module
 
 
 def _timeout() -> float:
@@ -575,9 +730,32 @@ def _timeout() -> float:
     return float(os.environ.get("STREAMLOAD_TIMEOUT", "30"))
 
 
-def _store(root: str, authorization: str | None = None) -> Any:
-    from obstore.store import HTTPStore, from_url
+class _Store:
+    """The obstore store of one root, made for each process that uses it: one made before a fork is
+    its parent's obstore's, which the child's refuses (`_native`). The first is made at once, so that a
+    root or credentials it cannot use are an error where the storage is made."""
 
+    def __init__(self, root: str, authorization: str | None) -> None:
+        self._root, self._authorization = root, authorization
+        try:
+            self._made = (os.getpid(), _made_store(root, authorization))
+        except _NoObstore as exc:
+            raise _NoObstore(f"{root}: {exc}") from None
+
+    def get(self) -> Any:
+        pid, store = self._made
+        if pid != os.getpid():
+            store = _made_store(self._root, self._authorization)
+            self._made = (os.getpid(), store)
+        return store
+
+
+def _store(root: str, authorization: str | None = None) -> _Store:
+    return _Store(root, authorization)
+
+
+def _made_store(root: str, authorization: str | None) -> Any:
+    stores = _native().stores
     timeout = f"{_timeout()}s"
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
     plain = root.startswith("http://") or endpoint.startswith("http://")
@@ -586,8 +764,8 @@ def _store(root: str, authorization: str | None = None) -> Any:
         options["default_headers"] = {"Authorization": authorization}
     retry = {"max_retries": 0}  # retried by ObjectStorage.call, which also sees errors in a body
     if root.startswith("s3://"):
-        return from_url(root, client_options=options, retry_config=retry, **_profile())  # type: ignore[arg-type]
-    return HTTPStore.from_url(root, client_options=options, retry_config=retry)  # type: ignore[arg-type]
+        return stores.S3Store.from_url(root, client_options=options, retry_config=retry, **_profile())
+    return stores.HTTPStore.from_url(root, client_options=options, retry_config=retry)
 
 
 def _profile() -> dict[str, Any]:
@@ -607,7 +785,7 @@ def _profile() -> dict[str, Any]:
 
 
 async def _get(
-    store: Any,
+    store: _Store,
     key: str,
     span: tuple[int, int] | None,
     identity: tuple[object, ...] | None,
@@ -622,7 +800,7 @@ async def _get(
     elif identity and isinstance(identity[-1], datetime):  # no strong ETag: the server checks what it can
         options["if_unmodified_since"] = identity[-1]
     timer = Timer()
-    result = await obstore.get_async(store, key, options=options)
+    result = await obstore.get_async(store.get(), key, options=options)
     timer.headers()
     data = await result.bytes_async()
     if paced is not None:
@@ -630,12 +808,12 @@ async def _get(
     return data, result.meta
 
 
-async def _list(store: Any, prefix: str | None) -> Any:
-    return await _obstore().list_with_delimiter_async(store, prefix=prefix)
+async def _list(store: _Store, prefix: str | None) -> Any:
+    return await _obstore().list_with_delimiter_async(store.get(), prefix=prefix)
 
 
-async def _head(store: Any, key: str) -> Any:
-    return await _obstore().head_async(store, key)
+async def _head(store: _Store, key: str) -> Any:
+    return await _obstore().head_async(store.get(), key)
 
 
 def _identity(meta: Any) -> tuple[object, ...]:
@@ -696,10 +874,11 @@ def _connection_refused(exc: BaseException) -> bool:
 
 
 def _transient(exc: BaseException) -> bool:
-    import obstore.exceptions as ox
-
+    if isinstance(exc, (_Exiting, _NoObstore)):
+        return False
+    ox = _native().errors  # the exceptions of the obstore that raised it (a forked child's own)
     final = (ox.NotFoundError, ox.PreconditionError, ox.NotSupportedError, ox.PermissionDeniedError,
-             ox.UnauthenticatedError, ox.InvalidPathError, FileNotFoundError, _Exiting)  # fmt: skip
+             ox.UnauthenticatedError, ox.InvalidPathError, FileNotFoundError)  # fmt: skip
     if isinstance(exc, final):
         return False
     text = str(exc)
@@ -729,10 +908,11 @@ def _wrong_range(exc: BaseException) -> re.Match[str] | None:
 
 
 def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> BaseException:
-    import obstore.exceptions as ox
-
     if isinstance(exc, _Exiting):
         return ReadError(_exiting(path))
+    if isinstance(exc, _NoObstore):
+        return _NoObstore(f"{path}: {exc}")
+    ox = _native().errors
     if wrong := _wrong_range(exc):
         asked, got = (int(wrong[1]), int(wrong[2]) - 1), (int(wrong[3]), int(wrong[4]) - 1)
         return ReadError(
