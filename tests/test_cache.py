@@ -626,3 +626,54 @@ def test_cooperative_ranks_on_one_host_share_a_cache_dir_without_waiting_for_eac
     assert all(r["seconds"] < PG_TIMEOUT / 4 for r in results), results
     assert server.sent <= 1.05 * data_bytes(store)  # each byte once, for both ranks
     assert not partials(cache) and not copies(cache)
+
+
+# -- loads of one object in one process ------------------------------------------------------------------
+@pytest.mark.parametrize("faces", ["threads", "tasks"])
+def test_two_loads_of_one_object_in_one_process_wait_for_neither(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, faces: str
+) -> None:
+    """Two loads of the same URL with one cache_dir at once in one process (two engines, a reload beside a
+    load): the second must not wait for a writer that is this very process (its reads can be what the
+    first's need), which stalled both until the writer was given up on (WRITER_STALL: 180 s)."""
+    import asyncio
+    import threading
+
+    from streamload import limits
+
+    monkeypatch.setattr(cache_module, "WRITER_STALL", 20.0)
+    before = limits.usage().reader_threads
+    streamload.set_limits(reader_threads=2)  # a small pool: the second load's waits held all of it
+    request.addfinalizer(lambda: streamload.set_limits(reader_threads=before))
+    www = tmp_path / "www"
+    (www / "big").mkdir(parents=True)
+    tensors = {f"layers.{k}.w": random_tensor(torch.float32, (1024, 1024), seed=k) for k in range(24)}
+    save_file(tensors, www / "big" / "model.safetensors")  # 96 MiB: many reads in flight at once
+    big = RangeServer(www, rate=64 << 20)
+    request.addfinalizer(big.close)
+    url, cache = f"{big.url}/big/", tmp_path / "cache"
+    got: list[dict[str, torch.Tensor]] = []
+    began = time.monotonic()
+    if faces == "threads":
+        threads = [threading.Thread(target=lambda: got.append(streamload.load(url, device="cpu", cache_dir=cache)))
+                   for _ in range(2)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(DEADLINE)
+    else:
+
+        async def both() -> None:
+            async def one() -> None:
+                async with streamload.iter(url, device="cpu", cache_dir=cache) as stream:
+                    got.append({name: t async for name, t in stream})
+
+            await asyncio.gather(one(), one())
+
+        asyncio.run(both())
+    took = time.monotonic() - began
+    assert len(got) == 2 and took < 15, took  # ~2 s each at the store's rate; a wait for itself: 20 s
+    for state in got:
+        assert state.keys() == tensors.keys() and all(same_bits(state[n], tensors[n]) for n in tensors)
+    kept = [p for p in cache.rglob("*.safetensors") if Path(f"{p}{cache_module.RECORD}").exists()]
+    assert len(kept) == 1, kept  # the first load's copy was kept all the same

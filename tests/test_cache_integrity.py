@@ -15,7 +15,7 @@ from streamload.errors import IntegrityError
 from streamload.integrity.digests import DIGEST_FILE
 from streamload.storage import cache as cache_module
 
-from .test_peers import Store, _vouch, _write, assert_same, warnings_of
+from .test_peers import Store, _vouch, assert_same, own_store, warnings_of
 from .test_peers import quick as quick  # the autouse fixture, found here too
 
 SHARD = "model-00002-of-00003.safetensors"
@@ -27,11 +27,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes copies another 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
     """A store of this test's own, its digest file published (made from the store's objects)."""
-    _write(tmp_path / "www" / "model", digests=False)
-    _write(tmp_path / "www" / "bare", digests=False)
-    store = Store(tmp_path / "www", tmp_path / "seeded")
-    yield store
-    store.server.close()
+    yield from own_store(tmp_path)
 
 
 def another_users(cache: Path, change: bool) -> Path:

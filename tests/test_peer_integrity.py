@@ -27,8 +27,8 @@ from .test_peers import (
     _covered,
     _flipped,
     _vouch,
-    _write,
     assert_same,
+    own_store,
     publish_digests,
     seeders,
     warnings_of,
@@ -43,11 +43,7 @@ SHARD = "model-00002-of-00003.safetensors"
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
     """A store of this test's own (the tests change its objects and digest file)."""
-    _write(tmp_path / "www" / "model", digests=False)
-    _write(tmp_path / "www" / "bare", digests=False)
-    store = Store(tmp_path / "www", tmp_path / "seeded")
-    yield store
-    store.server.close()
+    yield from own_store(tmp_path)
 
 
 def format_1(folder: Path, files: dict[str, Path]) -> None:

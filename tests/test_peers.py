@@ -101,6 +101,17 @@ class Store:
         return sorted((self.seeded / "http" / host / model).glob("*.safetensors"))
 
 
+def own_store(tmp_path: Path) -> Iterator[Store]:
+    """A store of a test's own, over `tmp_path` (for tests that change its objects or its digest file)."""
+    _write(tmp_path / "www" / "model", digests=False)
+    _write(tmp_path / "www" / "bare", digests=False)
+    store = Store(tmp_path / "www", tmp_path / "seeded")
+    try:
+        yield store
+    finally:
+        store.server.close()
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     root = tmp_path_factory.mktemp("peers")

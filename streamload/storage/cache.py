@@ -494,6 +494,12 @@ def _open_lock(place: Place) -> int:
         raise _refused(place.folder, place.name + LOCK, Path(f"{place.path}{LOCK}"), exc) from exc
 
 
+def held_here(final: Path) -> bool:
+    """Whether a load of this process holds the claim of the copy at `final` (it writes it)."""
+    with _held_lock:
+        return final in _held
+
+
 def _forget(final: Path) -> None:
     with _held_lock:
         _held.discard(final)
@@ -531,6 +537,8 @@ def wait_for_writer(
                 claim.release()
                 return None
             return claim
+        if held_here(place.path):  # the writer is another load of this process: its reads may need the reader
+            return None  # threads this wait would hold (it stalled both until WRITER_STALL); read the object
         if writing is not None and writing.is_set():
             return None
         if stopped.wait(pause):
@@ -681,8 +689,8 @@ class Copies:
                     self._writers[path] = CacheWriter(claim, headers[path])
                 except OSError as exc:  # released its claim
                     self._not_kept(claim.final, exc)
-            if not claims:
-                self._awaited = {p: _Awaited(place) for p, place in wanted.items()}
+            if not claims:  # another writer's: waited for, unless it is a load of this very process (`wait_for_writer`)
+                self._awaited = {p: _Awaited(place) for p, place in wanted.items() if not held_here(place.path)}
         except BaseException:
             self.close()
             raise
