@@ -161,6 +161,9 @@ SUITE_FOLDER = "STREAMLOAD_SUITE_TEMP"  # the variable naming it
 def suite_environment(folder: Path) -> dict[str, str]:
     return {
         SUITE_FOLDER: str(folder),
+        # a home of the suite's own: what would land in the user's caches lands there instead, where the
+        # hygiene test judges what the suite did, and no other program on the machine writes
+        "HOME": str(folder / "home"),
         "VLLM_CACHE_ROOT": str(folder / "vllm"),
         "VLLM_CONFIG_ROOT": str(folder / "vllm-config"),
         "HF_HOME": str(folder / "huggingface"),
@@ -173,15 +176,12 @@ def suite_environment(folder: Path) -> dict[str, str]:
     }
 
 
-def users_roots() -> dict[Path, int]:
-    """Where vLLM, the hub and other tools would cache for this user (from the environment the suite
-    started in), each with how deep it is watched."""
-    home = Path.home()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache")
-    vllm_cache = Path(os.environ.get("VLLM_CACHE_ROOT") or cache / "vllm").expanduser()
-    vllm_config = Path(os.environ.get("VLLM_CONFIG_ROOT") or home / ".config" / "vllm").expanduser()
-    hub = Path(os.environ.get("HF_HOME") or cache / "huggingface").expanduser()
-    return {vllm_cache: 4, vllm_config: 2, hub: 2, cache: 1}
+def users_roots(home: Path) -> dict[Path, int]:
+    """Where vLLM, the hub and other tools cache by default for a user whose home is `home` (the suite's
+    own: the run's `HOME`), each with how deep it is watched. Not the user's real home: other programs
+    write there meanwhile, and a test must judge only what the suite did."""
+    cache = home / ".cache"
+    return {cache / "vllm": 4, home / ".config" / "vllm": 2, cache / "huggingface": 2, cache: 1}
 
 
 def entries(roots: dict[Path, int]) -> dict[str, int]:
@@ -223,8 +223,6 @@ def users_caches() -> Callable[[], list[str]]:
 def pytest_configure(config: pytest.Config) -> None:
     """The session's folder and environment (`suite_environment`), set before a test module imports
     vLLM; the user's caches noted as they are."""
-    SUITE["roots"] = roots = users_roots()
-    SUITE["home"] = entries(roots)
     # This process's multiprocessing folder made where it would have been: its exit handler removes it
     # after the session's folder is gone (one made inside that folder is then missing, and it says so)
     multiprocessing.util.get_temp_dir()
@@ -232,8 +230,10 @@ def pytest_configure(config: pytest.Config) -> None:
     environment = suite_environment(folder)
     # pytest's own tmp_path folders stay where they were (kept for a failed test, beyond the session)
     environment.setdefault("PYTEST_DEBUG_TEMPROOT", os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir())
-    for name in ("vllm", "vllm-config", "huggingface", "cache", "tmp"):
+    for name in ("vllm", "vllm-config", "huggingface", "cache", "tmp", "home"):
         (folder / name).mkdir()
+    SUITE["roots"] = roots = users_roots(folder / "home")
+    SUITE["home"] = entries(roots)
     # passable by every user (not listable), as /tmp is: tests that drop to `nobody` reach their own folders
     for path in (folder, folder / "tmp"):
         path.chmod(0o711)

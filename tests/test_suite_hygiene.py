@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import pwd
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,7 @@ import streamload
 
 from .conftest import have_vllm
 
-CACHES = ("VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "HF_HOME", "XDG_CACHE_HOME", "TMPDIR")
+CACHES = ("HOME", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "HF_HOME", "XDG_CACHE_HOME", "TMPDIR")
 SHOWN = "import os, tempfile; print(*(os.environ.get(n, '') for n in {names!r}), tempfile.gettempdir(), sep='\\n')"
 
 
@@ -33,7 +34,9 @@ def test_caches_and_temporary_files_are_the_sessions_own() -> None:
     """vLLM's compile cache and records, the hub's cache, other tools' caches and vLLM's sockets: under the
     session's folder, here and in a process the tests start, never under the user's home."""
     folder = session_folder()
-    assert folder.is_dir() and not folder.is_relative_to(Path.home())
+    real_home = Path(pwd.getpwuid(os.getuid()).pw_dir)
+    assert folder.is_dir() and not folder.is_relative_to(real_home)
+    assert Path.home().resolve().is_relative_to(folder)  # HOME: what defaults to ~ lands in the session's folder
     for name in CACHES:
         assert Path(os.environ.get(name, "~")).expanduser().resolve().is_relative_to(folder), name
     assert Path(tempfile.gettempdir()).resolve().is_relative_to(folder)
@@ -93,7 +96,6 @@ def test_one_engines_error_fails_only_the_tests_that_read_it() -> None:
 
 
 def test_the_users_caches_got_nothing(users_caches: Callable[[], list[str]]) -> None:
-    """Runs after every other test (tests/conftest.py): the user's vLLM cache and config, hub cache and
-    ~/.cache hold no entry made or changed during the run (a process of the user's own writing there at
-    the same time is named too)."""
+    """Runs after every other test (tests/conftest.py): where the user's vLLM cache and config, hub cache and
+    ~/.cache would be (under the run's own HOME, which no other program writes) no entry was made."""
     assert users_caches() == []
