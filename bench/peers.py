@@ -12,6 +12,8 @@ What it measures, each node a fresh process (`python -m tests.fleet_node`, clock
 - a peer killed: the same, one seeder SIGKILLed once a third of the time has passed;
 - a peer with one flipped byte: node 0 loads with that one peer, whose copy has a byte flipped (its record
   still vouching for it, as after bit rot): the tensors exact, the peer named;
+- a slow peer: node 0 loads with one peer whose seeder is capped at 2 MB/s, slower than the store: the peer
+  loses its ranges within about a second, the store serves the rest (against the store alone);
 - a seeding node's own load: node 3 loads from its own cache (the copies) alone, beside node 0 pulling
   from another node (this machine's cores are every node's: the joiner's work competes as much), and
   while node 0 pulls from it.
@@ -92,9 +94,9 @@ def load(net: Net, node: int, url: str, cache: Path, peers: list[str] | None = N
     return result
 
 
-def seed(net: Net, node: int, cache: Path) -> subprocess.Popen[str]:
+def seed(net: Net, node: int, cache: Path, rate: str | None = None) -> subprocess.Popen[str]:
     argv = [sys.executable, "-m", "streamload", "seed", "--cache-dir", str(cache), "--host", net.node_ips[node],
-            "--port", str(PORT)]  # fmt: skip
+            "--port", str(PORT), *(["--rate", rate] if rate else [])]  # fmt: skip
     proc = net.start(node, argv, cwd=ROOT, env=net.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None
     proc.stdout.readline()  # its first line names the URL: it is serving
@@ -179,6 +181,10 @@ def main() -> None:
         victim.wait(10)
         flip_one_byte(caches[2])  # the one peer asked: every block of that copy comes from it
         joiner("joiner, 1 peer, a byte of its copy flipped", [f"http://{net.node_ips[2]}:{PORT}"])
+        slow = seed(net, 1, caches[1], rate="2MB")  # node 1's seeder again (SIGKILLed above), capped at 2 MB/s
+        joiner("joiner, 1 peer capped at 2 MB/s (slower than the store)", [f"http://{net.node_ips[1]}:{PORT}"])
+        slow.terminate()
+        slow.wait(10)
 
         # A seeding node's own load (from its own cache): alone; while node 0 pulls from another node (the
         # machine's 2 cores shared as when it seeds: the joiner runs here too); while node 0 pulls from it.

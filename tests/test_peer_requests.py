@@ -551,3 +551,23 @@ def test_retry_after_is_bounded() -> None:
     assert _retry_after("\u00b2") == 1.0  # a digit to str.isdigit, not to float
     assert _retry_after(formatdate(time.time() - 60, usegmt=True)) == RETRY_FLOOR
     assert _retry_after(formatdate(time.time() + 3600, usegmt=True)) == RETRY_CAP
+
+
+def test_a_peer_slower_than_the_source_loses_its_ranges_within_seconds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seeder trickling 20 kB/s, with the load's timeout at its default (5 s, a second per MB on top): the
+    peer is dropped once a range takes it longer than the source would need (about a second here), not
+    after its whole deadline, and the source serves the rest."""
+    from .test_peers import own_store, seeders
+
+    monkeypatch.delenv("STREAMLOAD_PEER_TIMEOUT", raising=False)  # the default: 1 s would hide it
+    for mine in own_store(tmp_path):
+        with seeders(mine.seeded, rate=20e3) as (trickle,):
+            began = time.monotonic()
+            got = streamload.load(mine.url, device="cpu", peers=[trickle.url])
+            took = time.monotonic() - began
+        assert_same(got, mine.www / "model")
+        said = [w for w in warnings_of(caplog) if trickle.url in w]
+        assert len(said) == 1 and "slower than the source" in said[0], warnings_of(caplog)
+        assert took < 5, took  # dropped within about a second; its deadline alone: 5 s + a second per MB

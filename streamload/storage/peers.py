@@ -40,6 +40,10 @@ Files the source publishes no usable digests of (none, format 1, or an entry bou
 read from the source alone (one warning saying why), unless `STREAMLOAD_PEERS_UNVERIFIED=1`: then a peer's
 bytes of them are used as it sends them (versions still matched by the tag; a peer sending wrong bytes gives
 wrong tensors), and the load keeps no copy of those files in its cache.
+
+Messages name a peer as given without its user info (`user:password@` shown `***@`); a digest file that
+cannot be read is said once, in the warning that peers are not used. `TALLY` counts the bytes loads took
+from peers and from the source (what `streamload load --peers` prints).
 """
 
 from __future__ import annotations
@@ -84,6 +88,9 @@ UNCHECKED_BLOCK = 1 << 20  # the pieces of a file without digests (STREAMLOAD_PE
 MEASURED = 1 << 20  # requests this large tell a peer's rate
 SLOW_AFTER = 3  # measured requests before a peer's rate is judged against the source's
 FLOOR_RATE = 1e6  # bytes a second a request gets on top of the timeout before it is given up
+SOONER = 1.0  # seconds a range's request gets before its bytes at the source's rate count (a range from a peer
+# slower than the source is then read from the source: the peer loses its ranges within about a second)
+SOURCE_RATE = 25e6  # bytes a second assumed of the source before any of this load's reads measured it
 RETRY_CAP = 2.0  # the most seconds a 503's Retry-After keeps a peer from being asked again
 RETRY_FLOOR = 0.25  # the least (a peer cannot have a load ask again at once)
 BUSY_TIMEOUTS = 3  # a peer answering nothing but 503 for this many timeouts is dropped
@@ -128,11 +135,24 @@ class Peer(NamedTuple):
 
 
 def names(peers: Peers | None) -> list[str]:
-    """The entries of `peers=`: a list, or text with commas between them."""
+    """The entries of `peers=`: a list, or text with commas between them (empty ones left out). Raises
+    TypeError naming an entry that is not text (`[None, 5]` is a mistake, not a list of no peers)."""
     if peers is None:
         return []
     entries = peers.split(",") if isinstance(peers, str) else list(peers)
-    return [e.strip() for e in entries if isinstance(e, str) and e.strip()]
+    bad = next((i for i, e in enumerate(entries) if not isinstance(e, str)), None)
+    if bad is not None:
+        raise TypeError(f"peers[{bad}] must be a URL or a host name (text), not {type(entries[bad]).__name__} "
+                        f"{entries[bad]!r}")  # fmt: skip
+    return [e.strip() for e in entries if e.strip()]
+
+
+def entry_shown(entry: str) -> str:
+    """A `peers=` entry as a message shows it: its user info (`user:password@`) as `***@`, also where it
+    has no scheme (`host[:port]` form)."""
+    if "://" in entry:
+        return redacted(entry)
+    return redacted(f"http://{entry}").removeprefix("http://")
 
 
 def _parsed(entry: str) -> tuple[str, int, str, bool] | None:
@@ -160,13 +180,13 @@ def resolve(peers: Peers | None) -> list[Peer]:
         parsed = _parsed(entry)
         if parsed is None:
             log.warning("streamload: peers: %r is not a peer (http://host:port, https://host:port, host:port, or "
-                        "a name whose addresses are the peers): left out", redacted(entry))  # fmt: skip
+                        "a name whose addresses are the peers): left out", entry_shown(entry))  # fmt: skip
             continue
         host, port, base, tls = parsed
         try:
             found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError) as exc:
-            log.warning("streamload: peers: %s resolves to no address (%s): left out", host, exc)
+            log.warning("streamload: peers: %s resolves to no address (%s): left out", redacted(host), exc)
             continue
         for *_, address in found:
             ip = str(address[0])
@@ -191,6 +211,28 @@ def file_units(header: FileHeader, doc: Mapping[str, Any] | None, where: str) ->
 
 
 # -- the storage ---------------------------------------------------------------------------------------
+class Tally:
+    """Bytes this process's loads with peers handed out from peers and from the source (each load's
+    `PeerFiles`, at its close): what `streamload load --peers` reports, as the difference across its load."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._peers = self._source = 0
+
+    def add(self, peers: int, source: int) -> None:
+        with self._lock:
+            self._peers += peers
+            self._source += source
+
+    def read(self) -> tuple[int, int]:
+        """(bytes from peers, bytes from the source) so far."""
+        with self._lock:
+            return self._peers, self._source
+
+
+TALLY = Tally()
+
+
 def with_peers(storage: Any, peers: Peers | None) -> Any:
     """`storage` reading from `peers` first where it is an object storage (s3://, http(s)://); else
     `storage` itself (a local file, a cache's complete copy, a hub id: said once at INFO)."""
@@ -233,7 +275,7 @@ class PeerStorage:
         if not peers:
             if units:
                 log.info("streamload: peers: none of %s names a peer: this load reads from the source",
-                         ", ".join(names(self.peers)))  # fmt: skip
+                         ", ".join(map(entry_shown, names(self.peers))))  # fmt: skip
             return self.inner.open(headers, partly)
 
         def files(storage: ObjectStorage, headers: dict[PurePath, FileHeader], partly: Partly) -> ObjectFiles:
@@ -244,6 +286,7 @@ class PeerStorage:
     def _units(self, headers: dict[PurePath, FileHeader]) -> dict[PurePath, Units]:
         """The units peers may serve, by file; what the source publishes no digests of is said once."""
         docs: dict[PurePath, dict[str, Any] | None] = {}
+        broken: dict[PurePath, str] = {}  # a digest file that cannot be read: why, said in the one warning below
         out: dict[PurePath, Units] = {}
         without: list[str] = []
         for path, header in headers.items():
@@ -254,11 +297,12 @@ class PeerStorage:
                 try:
                     docs[folder] = None if raw is None else parse(raw, where)
                 except IntegrityError as exc:
-                    log.warning("streamload: peers: %s", exc)
-                    docs[folder] = None
+                    docs[folder], broken[folder] = None, str(exc)
+                    if unverified_allowed():  # its files are read from peers unchecked: no warning below says it
+                        log.warning("streamload: peers: %s", exc)
             units, why = file_units(header, docs[folder], where)
             if units is None:
-                without.append(f"{path.name}: {why}")
+                without.append(f"{path.name}: {broken.get(folder, why)}")
             else:
                 out[path] = units
         if without:
@@ -369,6 +413,7 @@ class PeerFiles(ObjectFiles):
         self._swarm.close()
         super().close()
         total = self.from_peers + self.from_source
+        TALLY.add(self.from_peers, self.from_source)
         if total:
             log.info("streamload: peers served %d of %d bytes (%.0f%%), the source %d%s", self.from_peers, total,
                      100 * self.from_peers / total, self.from_source, self._swarm.summary())  # fmt: skip
@@ -384,9 +429,9 @@ class _Failed(Exception):
     """A peer's request failed; `drop`: the peer is not asked again this load (else: not for this file);
     `refused`: it answered 403 (our proof of reading was not accepted)."""
 
-    def __init__(self, why: str, drop: bool = True, refused: bool = False) -> None:
+    def __init__(self, why: str, drop: bool = True, refused: bool = False, late: bool = False) -> None:
         super().__init__(why)
-        self.drop, self.refused = drop, refused
+        self.drop, self.refused, self.late = drop, refused, late  # late: its deadline cut it
 
 
 class _Busy(_Failed):
@@ -622,20 +667,25 @@ class Swarm:
                 if not chunk:
                     over = late()
                     raise _Failed(f"sent {got} of {len(data)} bytes in {over}" if over else
-                                  f"ended its answer after {got} of {len(data)} bytes")  # fmt: skip
+                                  f"ended its answer after {got} of {len(data)} bytes", late=bool(over))  # fmt: skip
                 view[got : got + len(chunk)] = chunk
                 got += len(chunk)
 
+        source = source_rate() or SOURCE_RATE
+        sooner = SOONER + len(data) / source  # past it, the source would have sent the range: the peer is slower
         try:
             while True:
                 began = time.monotonic()
                 try:
-                    self._request(peer, "GET", path, (start, stop), body)
+                    self._request(peer, "GET", path, (start, stop), body, sooner)
                     break
                 except _Busy as exc:
                     if not self._on_busy(peer, path, exc, wait=True):
                         return None
                 except _Failed as exc:
+                    if exc.late and sooner < self.timeout + len(data) / FLOOR_RATE:
+                        exc = _Failed(f"is slower than the source ({exc}; the source sends {len(data)} bytes in "
+                                      f"about {len(data) / source:.2g} s)")  # fmt: skip
                     self._failed(peer, path, exc)
                     return None
                 except Exception as exc:  # whatever a peer makes a request raise drops it, never the load
@@ -666,16 +716,18 @@ class Swarm:
         path: PurePath,
         span: tuple[int, int] | None,
         body: Callable[[http.client.HTTPResponse, Callable[[], str | None]], None],
+        sooner: float | None = None,
     ) -> None:
         """One request to `peer`, its answer checked to be the version and range asked for; raises _Failed
         (whatever went wrong, said in a line). The whole request, from the connect to the body's last byte,
-        ends by its deadline: the timeout, and a second per MB asked for. A kept connection the peer closed
-        meanwhile (its idle timeout) is replaced once, at no cost."""
+        ends by its deadline: the timeout, and a second per MB asked for, or `sooner` seconds where less. A
+        kept connection the peer closed meanwhile (its idle timeout) is replaced once, at no cost."""
         target = peer.base + url_path(path)
         headers = {"If-Match": self._tags[path]}
         if span is not None:
             headers["Range"] = f"bytes={span[0]}-{span[1] - 1}"
         limit = self.timeout + (span[1] - span[0] if span is not None else 0) / FLOOR_RATE
+        limit = limit if sooner is None else min(limit, sooner)
         for fresh in (False, True):
             connection, reused = self._connection(peer, fresh)
             keep: Peer | None = None
@@ -743,7 +795,7 @@ class Swarm:
     def _named(self, exc: BaseException, connection: _Connection, limit: float) -> _Failed:
         """A request's exception as why the peer failed."""
         if connection.expired:
-            return _Failed(f"did not answer within {limit:.3g} s")
+            return _Failed(f"did not answer within {limit:.3g} s", late=True)
         if isinstance(exc, TimeoutError) or "timed out" in str(exc):
             return _Failed(f"did not answer within {self.timeout:.3g} s")
         if isinstance(exc, ssl.SSLCertVerificationError):
@@ -867,5 +919,5 @@ class Swarm:
             connection.close()
 
 
-__all__ = ["DEFAULT_PORT", "PREFIX", "UNVERIFIED", "Peer", "PeerFiles", "PeerStorage", "Swarm", "names",
+__all__ = ["DEFAULT_PORT", "PREFIX", "TALLY", "UNVERIFIED", "Peer", "PeerFiles", "PeerStorage", "Swarm", "names",
            "resolve", "url_path", "version_tag", "with_peers"]  # fmt: skip
