@@ -23,4 +23,10 @@ async def main(path: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print(
+            f"usage: python {sys.argv[0]} PATH (a checkpoint's file, folder or index, or an s3:// or https:// URL)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     anyio.run(main, sys.argv[1])

@@ -137,10 +137,10 @@ def peers(value: T, name: str = "peers") -> T:
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, (list, tuple)):
-        bad = next((v for v in value if not isinstance(v, str)), None)
+        bad = next((i for i, v in enumerate(value) if not isinstance(v, str)), None)  # an index: None is an entry
         if bad is None:
             return value
-        raise TypeError(f"{name} must be URLs or host names (text), not {_kind(bad)}")
+        raise TypeError(f"{name} must be URLs or host names (text), not {_kind(value[bad])} ({name}[{bad}])")
     raise TypeError(f"{name} must be a URL, a host name or a list of them, not {_kind(value)}")
 
 

@@ -1,14 +1,18 @@
-"""The `streamload` command: demo, inspect, digest, load, bench, serve, seed, vllm-check."""
+"""The `streamload` command: demo, inspect, digest, load, bench, serve, seed, vllm-check; `-v` shows what
+streamload logs at INFO while it runs."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -28,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="streamload", description="Stream safetensors checkpoints into CPU or GPU memory.")
     parser.add_argument("--version", action="version", version=f"streamload {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="also print what streamload logs at INFO "
+                        "(the reader chosen, what peers served...) to stderr (default: warnings only)")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     device = "cpu, cuda or cuda:N (default: cuda when available, else cpu)"
 
@@ -58,7 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument(
         "--reader",
         default="auto",
-        help="a reader's name from streamload.routes.READERS (default: auto, the first that fits)",
+        help="how the files are read: mmap (CPU: tensors view the mapped files, no copy), posix (parallel reads "
+        "into staging memory), direct (as posix, bytes not in the page cache read with O_DIRECT), kvikio (CUDA: "
+        "files straight into GPU memory), range (HTTP range requests, for s3:// and http(s):// sources) "
+        "(default: auto, the first that fits the source and device)",
     )
     load.add_argument(
         "--cache-dir",
@@ -138,9 +147,9 @@ def _parser() -> argparse.ArgumentParser:
                           "with a token, that it holds the token); --cert/--key serve TLS.")  # fmt: skip
     seed.add_argument("--cache-dir", type=Path, required=True, help="the cache directory loads keep copies in")
     seed.add_argument("--host", default="0.0.0.0", help="the address to serve on (default: all)")  # nosec B104 # seeding serves other nodes
-    seed.add_argument("--port", type=int, default=None, help="the port (default: 8470; 0: any free one)")
-    seed.add_argument("--rate", type=_size, default=None, metavar="BYTES", help="the most bytes a second sent to "
-                      "all peers together, e.g. 50MB (default: no cap)")  # fmt: skip
+    seed.add_argument("--port", type=_port, default=None, help="the port (default: 8470; 0: any free one)")
+    seed.add_argument("--rate", type=_rate, default=None, metavar="SIZE", help="the most bytes a second sent to "
+                      "all peers together, with a unit: 50MB, 200MiB, 1GB (default: no cap)")  # fmt: skip
     seed.add_argument("--connections", type=_positive, default=32, help="connections at once (default: 32)")
     seed.add_argument("--token-file", type=Path, default=None, metavar="FILE", help="the peers' token, the file's "
                       "first line (default: STREAMLOAD_PEER_TOKEN_FILE, else STREAMLOAD_PEER_TOKEN; none: the proof "
@@ -193,6 +202,33 @@ def _positive(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535: said here, not as the socket's OverflowError."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is out of range: a port is 0..65535 (0: any free one)")
+    return value
+
+
+SLOWEST_RATE = 1000  # bytes a second: under this a seeder's response outlasts any peer's wait
+
+
+def _rate(text: str) -> int:
+    """A rate cap in bytes a second, with its unit (`200MB`, `50MiB`): a bare `200` is refused, as the
+    user who types it means megabytes far more often than 200 B/s, and so is anything under 1 KB/s."""
+    value = _size(text)
+    if text.strip().replace(".", "", 1).isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit: it would be {value} bytes a second; give one, "
+                                         f"e.g. {text.strip()}MB (megabytes a second), {text.strip()}KiB")  # fmt: skip
+    if value < SLOWEST_RATE:
+        raise argparse.ArgumentTypeError(f"{text!r} is {value} bytes a second, under 1 KB/s: a MiB would take "
+                                         f"{(1 << 20) / value / 60:.0f} minutes, past any peer's wait")  # fmt: skip
+    return value
+
+
 def _peers(given: list[str] | None) -> list[str] | None:
     """`--peers` given once or more, each one peer or several with commas: one list."""
     return [p for arg in given for p in arg.split(",")] if given else None
@@ -208,6 +244,30 @@ def _size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    with _verbose(args.verbose):
+        return _run(args)
+
+
+@contextlib.contextmanager
+def _verbose(on: bool) -> Iterator[None]:
+    """With `-v`: the "streamload" logger's INFO lines (and warnings) on stderr while the command runs; the
+    logger as it was afterwards (main may run inside another program, or a test)."""
+    if not on:
+        yield
+        return
+    logger = logging.getLogger("streamload")
+    handler, level = logging.StreamHandler(sys.stderr), logger.level
+    handler.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "demo":
             from .demo import run
@@ -443,7 +503,9 @@ def _load(
 ) -> None:
     from . import progress
     from .api import iter as stream_iter
+    from .storage.peers import TALLY
 
+    tallied = TALLY.read()
     # A dtype's name is resolved (and an unknown one refused) by the API, as for any caller.
     stream = stream_iter(path, device=device, dtype=dtype, reader=reader, cache_dir=cache_dir, verify=verify,
                          peers=peers, **tuning)  # type: ignore[arg-type]  # fmt: skip
@@ -468,6 +530,19 @@ def _load(
           f"({s.gbps:.2f} GB/s), first tensor after {1e3 * (s.time_to_first_tensor or 0):.1f} ms")  # fmt: skip
     if verify:
         print(f"verified: {s.bytes_verified / 1e9:.2f} GB matched their digests")
+    if peers:
+        print(_peers_served(tallied, TALLY.read()))
+
+
+def _peers_served(before: tuple[int, int], after: tuple[int, int]) -> str:
+    """What the peers served of one load, from the process's tally before and after it."""
+    from .progress import size
+
+    peers, source = after[0] - before[0], after[1] - before[1]
+    if not peers + source:  # no load read through peers: the warnings above say why (or a cache held it all)
+        return "peers: served nothing; no byte of this load was read through them (see any warnings above)"
+    return (f"peers: served {size(peers)} of {size(peers + source)} ({100 * peers / (peers + source):.0f}%), "
+            f"the source {size(source)}")  # fmt: skip
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -302,9 +302,8 @@ def set_limits(*, reader_threads: int | None = None, staging_bytes: int | str | 
     already holding more keep it until they end). The cap is exceeded only where a stream's first slot
     could never be had otherwise, by that slot (see the module's doc and `usage().staging_over`).
     """
+    reader_threads = arguments.count(reader_threads, "reader_threads")  # an int: a float or text refused
     if reader_threads is not None:
-        if reader_threads < 1:
-            raise ValueError(f"reader_threads must be >= 1, not {reader_threads}")
         _limits.reader_threads = reader_threads
     staging_bytes = arguments.size(staging_bytes, "staging_bytes")
     if staging_bytes is not None:

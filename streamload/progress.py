@@ -1,5 +1,6 @@
-"""Progress bars: the one a load draws on a terminal (tqdm, where transformers would draw its own), and
-the demo's (rich: bytes, GB/s, time left); byte counts in units that suit them."""
+"""Progress bars: the one a load draws on a terminal (tqdm, where transformers would draw its own; at 100%
+only once the load returns, "finishing" at 99% between its last byte and then), and the demo's (rich:
+bytes, GB/s, time left); byte counts in units that suit them."""
 
 from __future__ import annotations
 
@@ -126,11 +127,13 @@ class LoadBar:
     def _run(self) -> None:
         while not self._stop.wait(0.1):
             self._draw()
-        self._draw()
+        self._draw(final=True)
         if self._bar is not None:
             self._bar.close()
 
-    def _draw(self) -> None:
+    def _draw(self, final: bool = False) -> None:
+        """Redraw the bar. Until `final` (the load returning) it stays below 100%: every byte read is not a
+        load done (from_pretrained still places buffers, ties weights...), said as "finishing"."""
         streams = list(self.stats)
         total = sum(s.bytes_total for s in streams)
         if self._bar is None:
@@ -140,7 +143,10 @@ class LoadBar:
             self._bar.start_t = self._started  # the load's elapsed time, not the bar's
         done = sum(s.bytes_read for s in streams)
         seconds = sum(s.elapsed for s in streams)
-        self._bar.total, self._bar.n = total, min(done, total)
+        shown = min(done, total) if final else min(done, total * 99 // 100)
+        self._bar.total, self._bar.n = total, shown
+        self._bar.set_description_str(self.what if final or done < total else f"{self.what} (finishing)",
+                                      refresh=False)  # fmt: skip
         self._bar.set_postfix_str(f"{size(done / seconds if seconds else 0)}/s", refresh=False)
         self._bar.refresh()
 

@@ -83,3 +83,24 @@ def test_iter_options_are_declared_once() -> None:
     assert options.check("chunk_bytes", "8MiB") == 8 << 20
     with pytest.raises(ValueError, match="threads must be at least 1, not 0"):
         options.check("threads", 0)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        ("8", TypeError, "reader_threads must be a whole number, not str '8'"),
+        (2.0, TypeError, "reader_threads must be a whole number, not float 2.0"),
+        (True, TypeError, "reader_threads must be a whole number, not bool"),
+        (0, ValueError, "reader_threads must be at least 1, not 0"),
+    ],
+)
+def test_set_limits_refuses_a_thread_count_that_is_not_a_whole_number(value: object, error: type, message: str) -> None:
+    from streamload import limits
+
+    before = limits.usage().reader_threads
+    try:
+        with pytest.raises(error, match=message):
+            streamload.set_limits(reader_threads=value)  # type: ignore[arg-type]
+        assert limits.usage().reader_threads == before and type(limits.usage().reader_threads) is int
+    finally:  # a value taken would stay for the rest of the process's tests
+        streamload.set_limits(reader_threads=before)

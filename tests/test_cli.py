@@ -440,3 +440,102 @@ def test_server_warmup_example_prints_its_timeline_in_time_order() -> None:
     times = [float(line.split(" ms", 1)[0]) for line in lines]
     assert times == sorted(times) and len(lines) >= 14
     assert "first request served" in lines[-1] and sum("loaded and warmed up" in line for line in lines) == 12
+
+
+@pytest.mark.parametrize("url", ["hf://", "http://", "https://", "s3://", "s3:///"])
+def test_a_url_with_nothing_after_its_scheme_is_one_line_naming_it(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["load", url]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("streamload: error:") and url.rstrip("/") in err[0], err
+
+
+@pytest.mark.parametrize("port", ["70000", "65536", "-1", "http"])
+def test_seed_port_out_of_range_is_a_usage_error_naming_it(
+    tmp_path: Path, port: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamload.cli import _parser
+
+    with pytest.raises(SystemExit) as info:  # parsed only: a port taken would start a seeder serving for ever
+        _parser().parse_args(["seed", "--cache-dir", str(tmp_path), "--host", "127.0.0.1", "--port", port])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and "--port" in err[0] and port in err[0], err
+
+
+def _seed_fails_at_start(cache_dir: Path, *more: str) -> subprocess.CompletedProcess[str]:
+    """`streamload seed` on `cache_dir` on a free loopback port: what it said (a seeder that serves is
+    killed by the timeout: it never ends on its own)."""
+    return subprocess.run(
+        [sys.executable, "-m", "streamload", "seed", "--cache-dir", str(cache_dir), "--host", "127.0.0.1",
+         "--port", "0", *more],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_seed_refuses_a_cache_dir_that_is_no_folder_before_serving(tmp_path: Path, kind: str) -> None:
+    cache = tmp_path / "cache"
+    if kind == "file":
+        cache.write_bytes(b"x")
+    out = _seed_fails_at_start(cache)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and "serving" not in out.stdout, (out.stdout, out.stderr)
+    assert len(err) == 1 and str(cache) in err[0] and err[0].startswith("streamload: error:"), err
+
+
+@pytest.mark.parametrize(("rate", "says"), [("1", "unit"), ("200", "unit"), ("200B", "1 KB"), ("0.5KB", "1 KB")])
+def test_seed_rate_needs_a_unit_and_at_least_a_kb_a_second(
+    tmp_path: Path, rate: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamload.cli import _parser
+
+    with pytest.raises(SystemExit) as info:  # parsed only: a rate taken would start a seeder serving for ever
+        _parser().parse_args(["seed", "--cache-dir", str(tmp_path), "--port", "0", "--rate", rate])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and "--rate" in err[0] and says in err[0], err
+    from streamload.cli import _rate
+
+    assert [_rate(r) for r in ("200MB", "50MiB", "1KB", "2 GB")] == [200_000_000, 50 << 20, 1000, 2_000_000_000]
+
+
+def test_verbose_shows_the_info_lines_and_leaves_logging_as_it_was(
+    small_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import logging
+
+    logger = logging.getLogger("streamload")
+    before = (logger.level, list(logger.handlers))
+    assert main(["--verbose", "load", str(small_model), "--device", "cpu", "--reader", "posix"]) == 0
+    err = capsys.readouterr().err
+    assert "via posix into cpu" in err, err  # the load's INFO line
+    assert (logger.level, list(logger.handlers)) == before
+    assert main(["load", str(small_model), "--device", "cpu", "--reader", "posix"]) == 0
+    assert "via posix into cpu" not in capsys.readouterr().err  # quiet by default
+
+
+def test_reader_help_names_every_reader(capsys: pytest.CaptureFixture[str]) -> None:
+    from streamload.routes import READERS
+
+    with pytest.raises(SystemExit):
+        main(["load", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    reader = text[text.rindex("--reader") : text.rindex("--cache-dir")]  # its entry, not the usage line
+    assert "streamload." not in reader, reader  # user terms, not a module's name
+    for name in ("auto", *(r.name for r in READERS)):
+        assert re.search(rf"\b{name}\b", reader), (name, reader)
+
+
+def test_demo_on_mapped_views_says_so_and_times_a_touch_of_every_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import streamload.demo as demo
+
+    small = Shape(vocab=256, hidden=64, intermediate=96, layers=2)
+    monkeypatch.setattr(demo, "write_checkpoint", lambda directory: write_checkpoint(directory, small))
+    demo.run(device="cpu", cold=False, keep=tmp_path / "demo")
+    out = " ".join(capsys.readouterr().out.split())
+    assert "via mmap" in out, out  # the CPU's default reader: tensors view the mapped files
+    # a rate of views handed out is no read rate: the summary says they were mapped, and times a touch of each page
+    assert not re.search(r"via mmap in [0-9.]+ s = [0-9.]+ GB/s", out), out
+    assert "mapped" in out and re.search(r"touch\w* every page .*[0-9.]+ GB/s", out), out

@@ -194,3 +194,11 @@ def test_the_pages_examples_run(page: Path, workspace: dict[str, str]) -> None:
         except Exception as e:
             raise AssertionError(f"{example}: the example fails: {type(e).__name__}: {e}") from e
         assert time.monotonic() - began < 20, f"{example}: an example runs in seconds, or is marked"
+
+
+@pytest.mark.parametrize("example", ["load_sync.py", "stream_async.py"])
+def test_an_example_given_no_path_prints_its_usage_and_exits_2(example: str) -> None:
+    script = ROOT / "examples" / example
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "usage:" in done.stderr and example in done.stderr, done.stderr

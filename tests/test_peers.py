@@ -336,6 +336,7 @@ def test_bad_peers_each_a_warning_and_the_load_from_the_store(
     refused = socket.create_server(("127.0.0.1", 0))
     down = f"http://127.0.0.1:{refused.getsockname()[1]}"
     refused.close()  # nothing listens there
+    (tmp_path / "empty").mkdir()
     garbage = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 3\r\n\r\nabc"
     with (
         seeders(tmp_path / "empty") as (empty,),  # 404 for everything

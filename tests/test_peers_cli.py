@@ -190,3 +190,18 @@ def test_a_loaded_worker_seeds_until_its_model_is_freed(
     del model
     gc.collect()
     assert _head(url, path, key) is None
+
+
+def test_load_with_peers_prints_what_the_peers_served(
+    store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamload.cli import main
+
+    with seeders(store.seeded) as (a,):
+        assert main(["load", store.url, "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--peers", a.url]) == 0
+        served = a.sent
+    out = capsys.readouterr().out
+    line = next((x for x in out.splitlines() if x.startswith("peers:")), None)
+    assert line is not None, out
+    assert "served" in line and "source" in line and "%" in line and "nothing" not in line, line
+    assert served > 0 and "(0%)" not in line, line

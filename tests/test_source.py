@@ -130,3 +130,27 @@ def test_index_shard_symlink_outside_is_rejected(tmp_path: Path) -> None:
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors"}}))
     with pytest.raises(streamload.SourceError, match="links outside"):
         streamload.iter(model)
+
+
+def test_a_folder_without_an_index_refuses_a_link_outside_as_an_index_does(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shard(outside / "secret.safetensors", a=torch.ones(1))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").symlink_to(outside / "secret.safetensors")
+    with pytest.raises(streamload.SourceError, match="links outside") as info:
+        streamload.iter(model)
+    assert "model.safetensors" in str(info.value) and str(model) in str(info.value)
+    # a link that stays inside the folder, and one into a Hugging Face cache's blobs, still load
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    shard(inside / "real.data", b=torch.ones(1))  # (not listed itself: no .safetensors name)
+    (inside / "model.safetensors").symlink_to("real.data")
+    assert streamload.load(inside, device="cpu").keys() == {"b"}
+    snapshot, blobs = tmp_path / "hub" / "snapshots" / "abc", tmp_path / "hub" / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    shard(blobs / ("0" * 64), c=torch.ones(1))
+    (snapshot / "model.safetensors").symlink_to(Path("..", "..", "blobs", "0" * 64))
+    assert streamload.load(snapshot, device="cpu").keys() == {"c"}

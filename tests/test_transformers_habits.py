@@ -106,12 +106,21 @@ SWITCHED = (  # transformers' and the hub's own switches, then the threshold, ea
     "os.environ['STREAMLOAD_PROGRESS_AFTER'] = '0'",
     LOAD.replace("'load'", "'on_again'"),
 )
+# from_pretrained whose last step (the model's `eval()`, after every byte was read) takes 1.5 s: what the bar
+# shows meanwhile is before the `returning` mark, its last drawing after it
+SLOW_RETURN = (
+    "import time, transformers\n_eval = transformers.LlamaForCausalLM.eval\n"
+    "def _slow(self, *a, **k):\n    time.sleep(1.5); mark('returning')\n"
+    "    transformers.LlamaForCausalLM.eval = _eval; return _eval(self, *a, **k)\n"
+    "transformers.LlamaForCausalLM.eval = _slow",
+    PRETRAINED.replace("'pretrained'", "'pretrained_slow'"),
+)
 # The programs the tests read (their steps, their environment, on a terminal or a pipe), each in an
 # interpreter of its own (a switch read at import needs one) and all started at once by `runs`: each is
 # mostly imports, ~5 s of one core. On a terminal the bar is drawn, then the switches turn it off, in one
 # program: with the threshold at 0 s from its start, no bar after a switch is the switch's doing.
 PROGRAMS: dict[str, tuple[tuple[str, ...], dict[str, str], bool]] = {
-    "terminal": ((LOAD, PRETRAINED, CLI, *SWITCHED), {"STREAMLOAD_PROGRESS_AFTER": "0"}, True),
+    "terminal": ((LOAD, PRETRAINED, CLI, *SLOW_RETURN, *SWITCHED), {"STREAMLOAD_PROGRESS_AFTER": "0"}, True),
     "pipe": ((LOAD, PRETRAINED), {"STREAMLOAD_PROGRESS_AFTER": "0"}, False),
     "hub_switch": ((LOAD, PRETRAINED), {"STREAMLOAD_PROGRESS_AFTER": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}, True),
 }
@@ -138,6 +147,15 @@ def test_a_load_on_a_terminal_draws_a_bar(llama: Path, runs: dict[str, Future[st
     total = size(sum(t.nbytes for t in streamload.inspect(llama).tensors.values()))
     assert total.endswith(" KB")  # a small checkpoint: its bar counts kB, not "0.00 GB"
     assert "kB/" in out["load"] and "0.00GB" not in out["load"]
+
+
+def test_the_bar_reaches_100_percent_only_as_the_load_returns(runs: dict[str, Future[str]]) -> None:
+    """Every byte read, but from_pretrained not done (its model's `eval()` takes 1.5 s here): the bar is not
+    at 100% meanwhile; it is once the call returns."""
+    out = _segments(runs["terminal"].result())
+    during, after = out["pretrained_slow"], out["returning"]
+    assert BAR in during and "100%" not in during, during
+    assert "100%" in after, after
 
 
 def test_nothing_is_drawn_into_a_pipe(runs: dict[str, Future[str]]) -> None:
@@ -307,3 +325,44 @@ def test_without_trust_remote_code_the_folders_code_never_runs(custom: Path) -> 
     assert "config.json" in str(info.value) and "\n" not in str(info.value)
     assert not (custom.parent / "ran").exists()
     assert not (custom.parent / "modules").exists()
+
+
+# -- dtype= as transformers takes it ------------------------------------------------------------------
+
+
+def _config_dtype(folder: Path, dtype: str | None) -> None:
+    """config.json's dtype set to `dtype`, or removed (None): its older name too."""
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        config.pop(key, None)
+    if dtype is not None:
+        config["dtype"] = dtype
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(("stored", "said"), [(torch.float32, "as saved"), (torch.bfloat16, None),
+                                              (torch.float32, "float16")],
+                         ids=["config", "weights", "config-over-weights"])  # fmt: skip
+def test_dtype_auto_is_what_transformers_gives_bit_for_bit(
+    tmp_path: Path, stored: torch.dtype, said: str | None
+) -> None:
+    """transformers' "auto": the config's dtype, else the first floating-point tensor's of the weights."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=False))
+    model.to(stored).save_pretrained(tmp_path)
+    if said != "as saved":
+        _config_dtype(tmp_path, said)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype="auto", device_map="cpu")
+    ours = streamload.from_pretrained(tmp_path, device="cpu", dtype="auto")
+    _same(ours, theirs)
+    assert ours.model.embed_tokens.weight.dtype == (torch.float16 if said == "float16" else stored)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.complex64, "float8_e4m3fn"]
+)
+def test_a_dtype_no_model_is_built_in_is_refused_saying_which_are(llama: Path, dtype: object) -> None:
+    with pytest.raises(ValueError, match="dtype=") as info:
+        streamload.from_pretrained(llama, device="cpu", dtype=dtype)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "\n" not in message and "torch.bfloat16" in message and "'auto'" in message, message

@@ -53,8 +53,10 @@ def from_pretrained(
             the same in object storage (`s3://bucket/model/`, `https://host/model/`): config.json is
             fetched from there, the weights streamed.
         device: where the model goes ("cpu", "cuda", "cuda:N"; default cuda when available).
-        dtype: the floating-point dtype of the weights (default: as transformers' own `from_pretrained`
-            chooses, which from transformers 5 on is the config's `dtype`; before, as stored).
+        dtype: the floating-point dtype of the weights and the model (torch.float16, torch.bfloat16,
+            torch.float32, torch.float64, or its name), or "auto" as transformers takes it: the config's `dtype`
+            (`torch_dtype`), else the first floating-point tensor's of the first weight file (default: as
+            transformers' own `from_pretrained` chooses, which from transformers 5 on is "auto"; before, as stored).
         model_class: the class to build (default: the config's `architectures[0]`, else `AutoModel`).
         on_layer: called with (key, submodule) as each layer is complete, while later ones load.
         strict: a key the model needs and the checkpoint lacks is an error, raised before any weight is read.
@@ -87,7 +89,15 @@ def from_pretrained(
         )
     dev = devices.resolve(device)
     config = _config(transformers, source, trust_remote_code)
-    dtype = internals.default_dtype(transformers, config) if dtype is None else as_torch_dtype(dtype)
+    checkpoint = None
+    if isinstance(dtype, str) and dtype == "auto":  # transformers' "auto": the config's, else the weights'
+        dtype = _config_dtype(config)
+        if dtype is None:
+            checkpoint = inspect(source, options.get("cache_dir"))
+            dtype = _stored_dtype(checkpoint)
+    else:
+        dtype = internals.default_dtype(transformers, config) if dtype is None else as_torch_dtype(dtype)
+    _buildable(dtype)
     kwargs = {} if dtype is None else {"dtype": dtype}
     quantizer = placing_quantizer(config)
     # transformers' switch first: its module, imported on first use, copies torch's initialisers
@@ -104,7 +114,8 @@ def from_pretrained(
             with _default_dtype(dtype):  # (theirs in the model's dtype: a quantized layer's bias is built so)
                 internals.prepare(quantizer, model, dtype)
     internals.tied(model)
-    checkpoint = inspect(source, options.get("cache_dir"))
+    if checkpoint is None:
+        checkpoint = inspect(source, options.get("cache_dir"))
     stored = checkpoint.tensors
     computed, placed = dequantization(config, stored), None
     if computed is None and (experts := decompressed_experts(quantizer, model, stored)) is not None:
@@ -125,6 +136,37 @@ def from_pretrained(
     if quantizer is not None:
         internals.finish(quantizer, model)
     return model.eval()
+
+
+# The dtypes a model can be built in (torch's default dtype while transformers builds it).
+BUILDABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _buildable(dtype: torch.dtype | None) -> None:
+    """Refuse, in one line, a dtype no model is built in (float8, an integer), before anything is built."""
+    if dtype is not None and dtype not in BUILDABLE:
+        raise UnsupportedError(
+            f"dtype={dtype}: a model is built in torch.float16, torch.bfloat16, torch.float32 or torch.float64 "
+            "(or 'auto': the config's, else the weights'); float8 weights come from a quantized checkpoint, "
+            "whose config says so"
+        )
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype the config names (`dtype`, before transformers 5 `torch_dtype`), or None."""
+    for key in ("dtype", "torch_dtype"):
+        named = getattr(config, key, None)
+        if named is not None:
+            return as_torch_dtype(named)
+    return None
+
+
+def _stored_dtype(checkpoint: Any) -> torch.dtype | None:
+    """As transformers reads "auto" from the weights: the first floating-point tensor (by name) of the first
+    file; else the first tensor's; None for no tensors (the model is then built in torch's default)."""
+    first = sorted(checkpoint.files[0].tensors, key=lambda t: t.name) if checkpoint.files else []
+    chosen = next((t for t in first if t.dtype.torch_dtype.is_floating_point), first[0] if first else None)
+    return None if chosen is None else chosen.dtype.torch_dtype
 
 
 # Quantizations whose tensors transformers' own loader puts, as stored, into the modules its quantizer

@@ -76,6 +76,8 @@ def _located(path: Path) -> Listing:
             found = sorted(path / e.name for e in entries if e.name.endswith(".safetensors"))
         if not found:
             raise SourceError(f"{path}: directory holds no *.safetensors file")
+        for file in found:  # the rule an index's shards follow: a folder's listing is no way around it
+            _inside(file, path, path)
         return Listing(found)
     if path.name.endswith(".index.json") and path.is_file():
         return _from_index(path)
@@ -90,14 +92,21 @@ def _from_index(index: Path) -> Listing:
     except (OSError, ValueError) as exc:
         raise SourceError(f"{index}: cannot read the index: {exc}") from None
     listing = parse_index(index, text)
-    root = index.parent.resolve()
-    blobs = root.parent.parent / "blobs"  # a Hugging Face cache: snapshots/<rev>/<file> -> ../../blobs/<sha256>
     for shard in listing.files:
         if not Path(shard).is_file():
             raise MissingFileError(f"{index}: shard {shard.name} is missing")
-        if Path(shard).resolve().parent not in (root, blobs):  # a symlink pointing out of the checkpoint
-            raise SourceError(f"{index}: shard {shard.name} links outside the checkpoint's directory")
+        _inside(Path(shard), index.parent, index)
     return listing
+
+
+def _inside(file: Path, folder: Path, where: Path) -> None:
+    """Refuse `file` (of `folder`, found through `where`: an index or the folder) where it is a link out of
+    the checkpoint's folder; a Hugging Face cache's snapshot links into its `blobs` are the one exception."""
+    root = folder.resolve()
+    blobs = root.parent.parent / "blobs"  # a Hugging Face cache: snapshots/<rev>/<file> -> ../../blobs/<sha256>
+    if file.resolve().parent not in (root, blobs):
+        what = f"shard {file.name}" if where != folder else file.name
+        raise SourceError(f"{where}: {what} links outside the checkpoint's directory")
 
 
 def open_regular(path: Path) -> int:

@@ -98,7 +98,10 @@ class ObjectPath(PurePosixPath):
 
     @property
     def root(self) -> str:
-        """scheme://bucket-or-host"""
+        """scheme://bucket-or-host. Raises SourceError naming the URL where it has neither (`s3://`)."""
+        if len(self.parts) < 2:
+            raise SourceError(f"{self.parts[0] if self.parts else ''}//: names no bucket or host (e.g. "
+                              "s3://bucket/model/, https://host/model/, hf://org/name)")  # fmt: skip
         return f"{self.parts[0]}//{self.parts[1]}"
 
     @property

@@ -150,8 +150,9 @@ class Seeder:
     """Serves the complete copies in `cache_dir` (see the module's docstring). `start` serves on a daemon
     thread; `close` stops. `url`: where it serves (the port chosen where `port=0`; https:// with `cert`).
     `token_file`: the peers' token (default: the environment's, peer_proof.token); `cert`, `key`: PEM files
-    to serve TLS with. Raises ValueError naming a token, certificate or key file that cannot be used, and
-    OSError where the address cannot be bound."""
+    to serve TLS with. Raises ValueError naming a cache directory it could serve nothing from (missing, a
+    file, one this user cannot list or enter), a port out of range, or a token, certificate or key file that
+    cannot be used, and OSError where the address cannot be bound."""
 
     def __init__(
         self,
@@ -170,6 +171,16 @@ class Seeder:
         send_margin: float = SEND_MARGIN,
     ) -> None:
         self.cache_dir = Path(cache_dir)
+        # Said now: a seeder that could open no copy would print its URL and answer 404 for ever.
+        if not self.cache_dir.exists():
+            raise ValueError(f"{self.cache_dir}: no such folder: nothing to seed (give the cache_dir loads keep "
+                             "their copies in)")  # fmt: skip
+        if not self.cache_dir.is_dir():
+            raise ValueError(f"{self.cache_dir}: not a folder: seeding serves a cache directory's copies")
+        if not os.access(self.cache_dir, os.R_OK | os.X_OK):  # every copy is opened from it (storage/cache.py)
+            raise ValueError(f"{self.cache_dir}: cannot read this folder (list and enter it): nothing could be served")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port {port!r} is out of range: a port is 0..65535 (0: any free one)")
         self.pace = _Pace(rate) if rate else None
         self.connections = connections
         self.header_timeout, self.idle, self.send_margin = header_timeout, idle, send_margin
