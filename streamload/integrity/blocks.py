@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 from ..format import FileHeader
-from .digests import CRYPTOGRAPHIC, Version, block_digest, bound, entry_of
+from .digests import CRYPTOGRAPHIC, Known, Version, block_digest, bound, entry_of
 
 PIECE = 8 << 20  # the most one segment of checked units covers (whole blocks)
 
@@ -85,16 +85,17 @@ class Units:
         return worst, first
 
 
-def origin_units(header: FileHeader, doc: Mapping[str, Any] | None, where: str, version: Version
-                 ) -> tuple[Units | None, str]:  # fmt: skip
-    """The checked units of one file from its origin's digest file (`doc`), or (None, why there are none): the
-    entry must be of a cryptographic block hash, bound to the origin's `version`, and made for this header."""
+def origin_known(header: FileHeader, doc: Mapping[str, Any] | None, where: str, version: Version
+                 ) -> tuple[Known | None, str]:  # fmt: skip
+    """The block digests of one file that its origin's digest file (`doc`) gives, or (None, why there are none):
+    the entry must be of a cryptographic block hash, bound to the origin's `version`, made for this header, and
+    hold every tensor's blocks."""
     entry, stale = entry_of(doc, header.path.name, header.size, where)
     if stale is not None:
         return None, stale
-    if entry is None:
+    if entry is None or doc is None:
         return None, f"no digests of it ({where} {'has no entry for it' if doc else 'is absent'})"
-    hash_name = str((doc or {}).get("block_hash"))
+    hash_name = str(doc.get("block_hash"))
     if hash_name not in CRYPTOGRAPHIC:
         return None, (f"{where} is of format 1 ({hash_name} blocks, a check against damage only, not against a "
                       "party that chooses the bytes): write it anew with `streamload digest`")  # fmt: skip
@@ -104,17 +105,27 @@ def origin_units(header: FileHeader, doc: Mapping[str, Any] | None, where: str, 
     head = entry.get("header_sha256")
     if len(header.prefix) != header.data_start or hashlib.sha256(header.prefix).hexdigest() != head:
         return None, f"{where} was made for another version of it (its header differs)"
-    block, blocks = int((doc or {}).get("block_bytes", 1 << 20)), entry.get("tensors")
-    units: list[Unit] = []
-    for info in sorted(header.tensors, key=lambda t: t.begin):
+    block, blocks = int(doc.get("block_bytes", 1 << 20)), entry.get("tensors")
+    for info in header.tensors:
         mine = blocks.get(info.name) if isinstance(blocks, dict) else None
-        count = -(-info.nbytes // block)
-        if not isinstance(mine, list) or len(mine) != count:
+        if not isinstance(mine, list) or len(mine) != -(-info.nbytes // block):
             return None, f"{where} has no digests of tensor {info.name!r} (or the wrong number)"
-        for k in range(count):
+    return Known(None, blocks, block, where, header_sha256=head, block_hash=hash_name), ""
+
+
+def origin_units(header: FileHeader, doc: Mapping[str, Any] | None, where: str, version: Version
+                 ) -> tuple[Units | None, str]:  # fmt: skip
+    """The checked units of one file (`origin_known`'s blocks, in file order), or (None, why there are none)."""
+    known, why = origin_known(header, doc, where, version)
+    if known is None or known.blocks is None:
+        return None, why
+    block, units = known.block_bytes, []
+    for info in sorted(header.tensors, key=lambda t: t.begin):
+        mine = known.blocks[info.name]
+        for k in range(len(mine)):
             lo = info.begin + k * block
             units.append(Unit(lo, min(lo + block, info.end), str(mine[k]), f"tensor {info.name!r} block {k + 1}"))
-    return Units(units, hash_name, where), ""
+    return Units(units, known.block_hash, where), ""
 
 
-__all__ = ["PIECE", "Outcome", "Unit", "Units", "origin_units"]
+__all__ = ["PIECE", "Outcome", "Unit", "Units", "origin_known", "origin_units"]

@@ -111,15 +111,6 @@ def is_hex(text: str) -> bool:
     return bool(text) and all(c in "0123456789abcdef" for c in text)
 
 
-def own_copy(path: PurePath, *also: PurePath) -> bool:
-    """Whether the copy at `path` (and the files `also`, its record) are this user's own: written by this
-    user's loads, which keep only bytes read from the origin or checked (no other user can have made them)."""
-    try:
-        return all(os.lstat(p).st_uid == os.geteuid() for p in (path, *also))  # a link is its maker's
-    except OSError:
-        return False
-
-
 def file_list(paths: list[PurePath]) -> Listing:
     """A source given as a list of files: at least one, none twice."""
     if not paths:

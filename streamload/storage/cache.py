@@ -258,6 +258,12 @@ def single(st: os.stat_result) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
 
 
+def own(place: Place, st: os.stat_result) -> bool:
+    """Whether the copy `st` describes and its record at `place` are this user's: written by this user's
+    loads, which keep only bytes read from the origin or checked (another user's could hold anything)."""
+    return st.st_uid == os.geteuid() and place.stat(RECORD).st_uid == os.geteuid()
+
+
 def _vouched(place: Place, st: os.stat_result, header: FileHeader) -> bool:
     """Whether the record at `place` vouches for the file `st` describes as a whole copy of `header`'s
     version (a regular file with one link: `single`)."""
@@ -802,7 +808,7 @@ class Copies:
         try:
             st = os.fstat(fd)
             ok = _vouched(place, st, self._headers[path])
-            if ok and not (st.st_uid == os.geteuid() and place.stat(RECORD).st_uid == os.geteuid()):
+            if ok and not own(place, st):
                 ok = False  # another user's: nothing checks it here (a whole cached checkpoint: `cached`)
                 self._warn(PermissionError, "streamload: %s: a copy another user wrote is not read unchecked: "
                            "this load reads the object from the origin", place.path)  # fmt: skip

@@ -67,14 +67,14 @@ from pathlib import Path, PurePath
 from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
 
-from ..errors import IntegrityError, SourceError
+from ..errors import SourceError
 from ..format import FileHeader
 from ..integrity.blocks import Outcome, Unit, Units, origin_units
-from ..integrity.digests import DIGEST_FILE, parse, version_of
+from ..integrity.digests import DIGEST_FILE, version_of
 from . import cache, peer_proof
 from .base import Copied, Digest, Listing, Partly, Source, redacted
 from .cache import cache_path
-from .remote import ObjectFiles, ObjectPath, ObjectStorage
+from .remote import ObjectFiles, ObjectPath, ObjectStorage, origin_digests
 
 log = logging.getLogger("streamload")
 
@@ -285,24 +285,18 @@ class PeerStorage:
 
     def _units(self, headers: dict[PurePath, FileHeader]) -> dict[PurePath, Units]:
         """The units peers may serve, by file; what the source publishes no digests of is said once."""
-        docs: dict[PurePath, dict[str, Any] | None] = {}
-        broken: dict[PurePath, str] = {}  # a digest file that cannot be read: why, said in the one warning below
+        docs = origin_digests(self.inner, headers)  # a file that cannot be read: why, said in the one warning below
+        if unverified_allowed():  # files read from peers unchecked: no warning below says why their digests are not
+            for _, broken in docs.values():
+                if broken:
+                    log.warning("streamload: peers: %s", broken)
         out: dict[PurePath, Units] = {}
         without: list[str] = []
         for path, header in headers.items():
-            folder = path.parent
-            where = f"{folder}/{DIGEST_FILE}"
-            if folder not in docs:
-                raw = self.inner.sidecar(path, DIGEST_FILE)
-                try:
-                    docs[folder] = None if raw is None else parse(raw, where)
-                except IntegrityError as exc:
-                    docs[folder], broken[folder] = None, str(exc)
-                    if unverified_allowed():  # its files are read from peers unchecked: no warning below says it
-                        log.warning("streamload: peers: %s", exc)
-            units, why = file_units(header, docs[folder], where)
+            doc, broken = docs[path.parent]
+            units, why = file_units(header, doc, f"{path.parent}/{DIGEST_FILE}")
             if units is None:
-                without.append(f"{path.name}: {broken.get(folder, why)}")
+                without.append(f"{path.name}: {broken or why}")
             else:
                 out[path] = units
         if without:

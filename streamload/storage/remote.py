@@ -52,7 +52,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from datetime import datetime
 from pathlib import Path, PurePath, PurePosixPath
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -60,7 +60,7 @@ from urllib.parse import unquote, urlsplit
 
 from ..errors import IntegrityError, MissingFileError, ReadError, SourceError, UnsupportedError
 from ..format import FIRST_READ, FileHeader, header_from
-from ..integrity.blocks import origin_units
+from ..integrity.blocks import origin_known
 from ..integrity.digests import DIGEST_FILE, parse, version_of
 from .base import (
     INDEX_NAME,
@@ -72,7 +72,6 @@ from .base import (
     Source,
     file_list,
     is_hex,
-    own_copy,
     parse_index,
     redacted,
 )
@@ -247,16 +246,18 @@ class ObjectStorage:
         paths = lookup(self.cache_dir, headers)
         if paths is None:
             return None
-        foreign = [(h, p) for h, p in zip(headers, paths, strict=True) if not own_copy(p, Path(f"{p}{RECORD}"))]
-        checks = copy_checks(self, [h for h, _ in foreign]) if foreign else {}
-        unchecked = [p for h, p in foreign if h.path not in checks]
-        if unchecked:
-            return None  # read through the load's `Copies`, which reads such a copy's object from the origin
-        try:
-            identities = [file_identity(os.lstat(p)) for p in paths]
+        try:  # each copy judged as it is now (a link is its maker's); the load reads it only while it is so
+            stats = [os.lstat(p) for p in paths]
+            mine = [
+                st.st_uid == os.lstat(f"{p}{RECORD}").st_uid == os.geteuid() for p, st in zip(paths, stats, strict=True)
+            ]
         except OSError:
             return None
-        return Copied(paths, {p: checks[h.path] for h, p in foreign}, identities)
+        foreign = [(h, p) for h, p, own in zip(headers, paths, mine, strict=True) if not own]
+        checks = copy_checks(self, [h for h, _ in foreign]) if foreign else {}
+        if any(h.path not in checks for h, _ in foreign):
+            return None  # read through the load's `Copies`, which reads such a copy's object from the origin
+        return Copied(paths, {p: checks[h.path] for h, p in foreign}, [file_identity(st) for st in stats])
 
     def digest(self, header: FileHeader) -> Digest | None:
         """S3's ETag is the object's MD5 unless it was uploaded in parts ("<hex>-<parts>") or encrypted
@@ -530,26 +531,34 @@ class ObjectFiles:
             self._copies.close()
 
 
+Digests = tuple[dict[str, Any] | None, str]  # a folder's digest file as parsed (None: absent or broken), and why
+
+
+def origin_digests(storage: ObjectStorage, paths: Iterable[PurePath]) -> dict[PurePath, Digests]:
+    """{folder: (its digest file's document, or None; why it is None where it could not be read)} for the
+    folders of `paths`, each read from the origin once."""
+    out: dict[PurePath, Digests] = {}
+    for path in paths:
+        folder = path.parent
+        if folder not in out:
+            raw = storage.sidecar(path, DIGEST_FILE)
+            try:
+                out[folder] = (None if raw is None else parse(raw, f"{folder}/{DIGEST_FILE}"), "")
+            except IntegrityError as exc:
+                out[folder] = (None, str(exc))
+    return out
+
+
 def copy_checks(storage: ObjectStorage, headers: list[FileHeader]) -> dict[PurePath, Known]:
     """{origin path: its blocks} for each file the origin's digest file describes at this version with a
     cryptographic hash (integrity/blocks.py's rules); files it does not are left out."""
+    docs = origin_digests(storage, (h.path for h in headers))
     out: dict[PurePath, Known] = {}
-    docs: dict[PurePath, dict[str, Any] | None] = {}
     for header in headers:
         folder = header.path.parent
-        where = f"{folder}/{DIGEST_FILE}"
-        if folder not in docs:
-            raw = storage.sidecar(header.path, DIGEST_FILE)
-            try:
-                docs[folder] = None if raw is None else parse(raw, where)
-            except IntegrityError:
-                docs[folder] = None
-        doc = docs[folder]
-        units, _ = origin_units(header, doc, where, version_of(header))
-        if units is not None and doc is not None:
-            entry = doc["files"][header.path.name]
-            out[header.path] = Known(None, entry["tensors"], doc["block_bytes"], where,
-                                     header_sha256=entry["header_sha256"], block_hash=doc["block_hash"])  # fmt: skip
+        known, _ = origin_known(header, docs[folder][0], f"{folder}/{DIGEST_FILE}", version_of(header))
+        if known is not None:
+            out[header.path] = known
     return out
 
 

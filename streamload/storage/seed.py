@@ -62,7 +62,7 @@ import h11
 
 from ..atomic import PARTIAL
 from ..format import HEADER_LIMIT
-from .cache import LOCK, RECORD, Folders, Place, open_copy, record_of
+from .cache import LOCK, RECORD, Folders, Place, open_copy, own, record_of
 from .peer_proof import HEADER, Proofs, read_key, token
 from .peers import DEFAULT_PORT, PREFIX, version_tag
 
@@ -271,7 +271,7 @@ class Seeder:
             fd = open_copy(place)
             st = os.fstat(fd)
             record = record_of(place, st)
-            if record is not None and not (st.st_uid == place.stat(RECORD).st_uid == os.geteuid()):
+            if record is not None and not own(place, st):
                 record = None  # another user's copy: what it holds was never checked by this user's loads
         except OSError:
             record = None
