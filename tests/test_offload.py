@@ -229,8 +229,10 @@ def test_mapped_blocks_are_kept_as_views_across_passes(llama: Path, monkeypatch:
         with streamload.offload(model, llama, device="cpu", budget_bytes=budget, dtype=dtype) as off:
             with torch.no_grad():
                 got = model.generate(IDS, attention_mask=MASK, max_new_tokens=4, do_sample=False)
-            blocks, fetches = off.stats.offloaded_blocks, off.stats.fetches
-            assert len(off._views) == (blocks if kept else 0)
+            assert len(off._views) == (off.stats.offloaded_blocks if kept else 0)
+        # read once the offload ended: a prefetch still in flight at the forward's end may finish its block (a
+        # fetch, and a stream) before the exit stops the rest
+        blocks, fetches = off.stats.offloaded_blocks, off.stats.fetches
         if dtype is None:
             assert torch.equal(got, want)
         assert len(streams) == (blocks if kept else fetches)
