@@ -57,7 +57,8 @@ def test_a_stalled_server_fails_the_whole_load_within_timeout_times_attempts(sta
     message = str(caught.value)
     assert re.search(rf"{re.escape(stalling.url)}/model-\d\.safetensors: reading bytes \d+-\d+", message), message
     waited = re.search(r"([\d.]+) s in all", message)
-    assert waited and TIMEOUT * (RETRIES + 1) * 0.9 <= float(waited[1]) <= took, message
+    # the message rounds to a tenth of a second: 2.16 s waited reads "2.2 s" in a load that took 2.18 s
+    assert waited and TIMEOUT * (RETRIES + 1) * 0.9 <= float(waited[1]) <= took + 0.05, message
     assert "STREAMLOAD_TIMEOUT" in message and "STREAMLOAD_RETRIES" in message
     assert stalling.data_requests() >= 16  # many ranges were in flight at once: not one at a time
 
