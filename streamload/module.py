@@ -43,6 +43,10 @@ class LoadResult:
 class Filler:
     """Assigns arriving tensors to a module's parameters and buffers (the logic both faces share)."""
 
+    # Weights placed as torch's own `load_state_dict` places them (64-byte aligned, see `aligned`); False:
+    # as stored, views of the file mapping kept as they are, as transformers' own `from_pretrained` keeps them.
+    aligns = True
+
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.modules = dict(module.named_modules(remove_duplicate=False))  # each name's owner at once, not by walking
@@ -73,7 +77,7 @@ class Filler:
             self.result.unexpected_keys.append(name)
             return
         old = self.held(name)
-        placed = aligned(tensor)
+        placed = aligned(tensor) if self.aligns else tensor
         if placed is not tensor and tensor.untyped_storage().data_ptr() not in self.theirs:
             self._release(tensor)  # copied: the file pages it viewed (ours) need not stay with the process
         tensor = placed
@@ -434,7 +438,7 @@ def _skipping_meta(initialise: Callable[..., torch.Tensor]) -> Callable[..., tor
     return initialise_unless_meta
 
 
-def _filler(module: nn.Module, in_place: bool, caller: str, conversion: Conversion | None = None) -> Filler:
+def make_filler(module: nn.Module, in_place: bool, caller: str, conversion: Conversion | None = None) -> Filler:
     if not isinstance(module, nn.Module):
         raise TypeError(f"{caller} fills a torch.nn.Module, not {type(module).__name__}: build the model first")
     if conversion is not None and conversion.regions:
@@ -489,7 +493,20 @@ def load_into(
         ...     model = MyModel(config)
         >>> streamload.load_into(model, "model/", device="cuda", on_layer=lambda k, m: warm_up(m))  # doctest: +SKIP
     """
-    filler = _filler(module, in_place, "load_into", conversion)
+    filler = make_filler(module, in_place, "load_into", conversion)
+    return fill(filler, source, strict=strict, on_layer=on_layer, dequantize=dequantize, **options)
+
+
+def fill(
+    filler: Filler,
+    source: Source,
+    *,
+    strict: bool = True,
+    on_layer: Callable[[str, nn.Module | None], Any] | None = None,
+    dequantize: Dequantization | None = None,
+    **options: Unpack[Options],
+) -> LoadResult:
+    """`load_into` on a filler its caller made (from_pretrained's places weights as transformers does)."""
     filler.dequantization = dequantize
     checkpoint = open_checkpoint(source, options.get("cache_dir"))  # headers once; the stream reuses them
     if dequantize is not None:
@@ -503,7 +520,7 @@ def load_into(
             if (layer := filler.fill(key, tensors, on_layer)) is not None:
                 on_layer(*layer)  # type: ignore[misc]
     if dequantize is not None and (left := dequantize.left()):
-        what = f"loading into {type(module).__name__}"
+        what = f"loading into {type(filler.module).__name__}"
         raise StreamloadError(f"{what}: {listed(left)} came without its partner (values or scale)")
     return filler.finish(strict)
 
@@ -519,7 +536,7 @@ async def aload_into(
     **options: Unpack[Options],
 ) -> LoadResult:
     """`load_into` for async code; `on_layer` may be a coroutine function."""
-    filler = _filler(module, in_place, "aload_into", conversion)
+    filler = make_filler(module, in_place, "aload_into", conversion)
     checkpoint = open_checkpoint(source, options.get("cache_dir"))  # headers once; the stream reuses them
     stream = filler.destinations(options, checkpoint)
     filler.keep(stream)

@@ -23,7 +23,7 @@ from streamload.convert import Conversion, Region, Step
 from streamload.dequantize import FORMATS, Dequantization, Format
 from streamload.dtypes import as_torch_dtype
 from streamload.errors import StreamloadError, UnsupportedError, listed
-from streamload.module import Filler, OnLayer, empty_weights, load_into
+from streamload.module import Filler, OnLayer, empty_weights, fill, make_filler
 from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
 
@@ -123,15 +123,13 @@ def from_pretrained(
     shapes = computed.shapes(stored) if computed else {n: tuple(t.shape) for n, t in stored.items()}
     if placed is None:
         placed = conversion(model, shapes, None if computed else quantizer)
-    filler = Filler(model)
+    filler = make_filler(model, False, "from_pretrained", placed)
+    filler.aligns = False  # views of the file kept as stored, as transformers' own loader keeps them
     fits(filler, config, placed.targets(shapes), strict)
     shapes_fit(filler, config, placed, shapes, stored, computed)
     if dtype is not None:  # each tensor as its parameter was built (transformers keeps some in float32)
         dtype = _dtypes(model, placed, stored, dtype)
-    load_into(
-        model, checkpoint, device=dev, dtype=dtype, strict=strict, on_layer=on_layer, conversion=placed,
-        dequantize=computed, **options,
-    )  # fmt: skip
+    fill(filler, checkpoint, device=dev, dtype=dtype, strict=strict, on_layer=on_layer, dequantize=computed, **options)
     model.to(dev)  # the buffers the constructor made on the CPU; parameters are there already
     if quantizer is not None:
         internals.finish(quantizer, model)
