@@ -34,7 +34,8 @@ def make(root: Path) -> None:
                                    intermediate_size=1536)  # fmt: skip  (all-MiniLM-L6-v2's shape)
     llama = transformers.LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
                                      num_attention_heads=12, num_key_value_heads=4)  # fmt: skip
-    for name, model in (("minilm-l6", transformers.BertModel(bert)), ("llama-120m", transformers.LlamaForCausalLM(llama))):
+    built = {"minilm-l6": transformers.BertModel(bert), "llama-120m": transformers.LlamaForCausalLM(llama)}
+    for name, model in built.items():
         model.save_pretrained(root / name)
         _unaligned(root / name, root / f"{name}-unaligned")
         size = (root / name / "model.safetensors").stat().st_size
@@ -107,7 +108,8 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(args.root / args.one, args.runs)))
         return
-    print("| checkpoint | MB | transformers | streamload | ratio | load_file | mmap (- load_file) | posix (- load_file) | read into new memory |")
+    print("| checkpoint | MB | transformers | streamload | ratio | load_file | mmap (- load_file) | posix (- load_file)"
+          " | read into new memory |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for name in MODELS:
         for layout in (name, f"{name}-unaligned"):

@@ -102,6 +102,18 @@ def test_one_diffusers_model_folder(flux: Path) -> None:
     assert all(same_bits(ours.state_dict()[k], t) for k, t in want.items())
 
 
+@pytest.mark.parametrize(("folder", "key", "model"), [("transformer", "transformer_blockz", "FluxTransformer2DModel"),
+                                                   ("", "text_encoderr", "the pipeline's components")])  # fmt: skip
+def test_a_device_map_naming_no_module_is_refused_before_any_read(
+    flux: Path, monkeypatch: pytest.MonkeyPatch, folder: str, key: str, model: str
+) -> None:
+    read: list[object] = []
+    monkeypatch.setattr("streamload.integrations.diffusers.load_into", lambda *a, **k: read.append(a))
+    with pytest.raises(ValueError, match=rf"device_map names '{key}', which is no module of {model} \(did you mean"):
+        streamload.from_pretrained(flux / folder, device_map={key: "cpu"})
+    assert not read
+
+
 def test_what_streamload_cannot_build_is_named_before_any_read(sd: Path, tmp_path: Path) -> None:
     broken = tmp_path / "sd"
     shutil.copytree(sd, broken)

@@ -235,6 +235,25 @@ def test_a_device_map_spreading_or_offloading_the_model_is_refused_naming_it(
     assert says in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_device_map_whose_keys_all_name_modules_on_one_device_loads(llama: Path) -> None:
+    parts = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    _same(streamload.from_pretrained(llama, device_map=parts), streamload.from_pretrained(llama, device="cpu"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("key", "hint"), [("model.layerz", "model.layers"), ("decoder", None)])
+def test_a_device_map_naming_no_module_is_refused_before_any_weight_is_read(
+    llama: Path, monkeypatch: pytest.MonkeyPatch, key: str, hint: str | None
+) -> None:
+    read: list[object] = []
+    monkeypatch.setattr("streamload.integrations.transformers.fill", lambda *a, **k: read.append(a))
+    with pytest.raises(ValueError, match=rf"device_map names '{key}', which is no module of LlamaForCausalLM") as info:
+        streamload.from_pretrained(llama, device_map={"model.embed_tokens": "cpu", key: "cpu"})  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "\n" not in message and str(llama) in message
+    assert (f"did you mean {hint!r}" in message) if hint else "did you mean" not in message
+    assert not read
+
+
 def test_device_and_device_map_must_agree_and_name_devices(llama: Path) -> None:
     with pytest.raises(ValueError, match="name different devices"):
         streamload.from_pretrained(llama, device="cpu", device_map="cuda:0")

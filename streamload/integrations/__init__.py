@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from streamload import device as devices
 from streamload import progress
 from streamload.errors import SourceError
 from streamload.module import OnLayer
@@ -18,9 +17,7 @@ from streamload.options import TABLE
 from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
 
-DeviceMap = str | int | torch.device | dict[str, str | int | torch.device] | None
-# transformers' device_map strategies: the model spread over the GPUs (on one GPU or none: that device)
-_SPREAD = ("auto", "balanced", "balanced_low_0", "sequential")
+from .device_map import DeviceMap, mapped_modules, one_device
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -86,7 +83,7 @@ def from_pretrained(
     unknown = sorted(set(options) - set(TABLE))
     if unknown:  # before a model is built, not when its weights are read
         raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(unknown)}")
-    device = _device(path, device, device_map)
+    device = one_device(path, device, device_map)
     if not is_url(str(path)):
         path = _hub_snapshot(path, options.get("cache_dir"))
         _check_folder(Path(path))
@@ -97,7 +94,7 @@ def from_pretrained(
             given = "model_class=" if model_class is not None else "trust_remote_code="
             raise ValueError(f"{redacted(path)}: {given} is for transformers models, not diffusers folders")
         return diffusers.from_pretrained(path, device=device, dtype=dtype, variant=variant, on_layer=on_layer,
-                                         strict=strict, **options)  # fmt: skip
+                                         strict=strict, mapped=mapped_modules(device_map), **options)  # fmt: skip
     from . import transformers
 
     if variant is not None:
@@ -107,7 +104,8 @@ def from_pretrained(
     if dtype is not None and not isinstance(dtype, (torch.dtype, str)):
         raise ValueError(f"{redacted(path)}: a dtype per component is for diffusers pipelines; give one dtype")
     return transformers.from_pretrained(path, device=device, dtype=dtype, model_class=model_class, on_layer=on_layer,  # nosec B615 # streamload's own: no hub download
-                                        strict=strict, trust_remote_code=trust_remote_code, **options)  # fmt: skip
+                                        strict=strict, trust_remote_code=trust_remote_code,
+                                        mapped=mapped_modules(device_map), **options)  # fmt: skip
 
 
 def _hub_snapshot(path: str | os.PathLike[str], cache_dir: object) -> str | os.PathLike[str]:
@@ -134,52 +132,6 @@ def _check_folder(folder: Path) -> None:
             f"{folder}: no config.json (nor model_index.json): from_pretrained builds the model from its config; "
             "for the tensors alone use streamload.load, or streamload.load_into on a model you build"
         )
-
-
-def _device(path: object, device: str | torch.device | None, device_map: DeviceMap) -> str | torch.device | None:
-    """The one device `device_map` names (as transformers reads it), or `device` where there is none; a map
-    that spreads the model over several devices, or offloads it, refused in one line naming it."""
-    if device_map is None:
-        return device
-    where = redacted(path)
-    if isinstance(device_map, dict):
-        named = {_one(where, device_map, value) for value in device_map.values()}
-        if len(named) != 1:
-            shown = ", ".join(sorted(str(d) for d in named)) or "no device"
-            raise ValueError(
-                f"{where}: device_map={device_map!r} places the model on {shown}; streamload.from_pretrained "
-                "loads a model onto one device: give device_map={'': device} (or device=), or load a model "
-                "spread over devices with transformers' own from_pretrained"
-            )
-        mapped: torch.device | None = named.pop()
-    elif device_map in _SPREAD:
-        gpus = torch.cuda.device_count()
-        if gpus > 1:
-            raise ValueError(
-                f"{where}: device_map={device_map!r} spreads the model over this machine's {gpus} GPUs; "
-                "streamload.from_pretrained loads a model onto one device: give device_map='cuda:N' (or device=)"
-            )
-        mapped = None  # where streamload loads by default: the GPU, else the CPU
-    else:
-        mapped = _one(where, device_map, device_map)
-    if device is not None and devices.resolve(device) != devices.resolve(mapped):
-        raise ValueError(f"{where}: device={device!r} and device_map={device_map!r} name different devices: give one")
-    return mapped if device is None else device
-
-
-def _one(where: str, device_map: DeviceMap, value: object) -> torch.device:
-    """One device of a device_map: a device's name, a `torch.device`, or a GPU's index (as accelerate reads it)."""
-    if isinstance(value, str) and value in ("disk", *_SPREAD):
-        what = "offloads to disk" if value == "disk" else f"names {value!r} for a part of the model"
-        raise ValueError(
-            f"{where}: device_map={device_map!r} {what}; streamload.from_pretrained loads the whole model onto "
-            "one device: give device_map='cpu', 'cuda:N' or {'': device}, or use transformers' own from_pretrained"
-        )
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = f"cuda:{value}"
-    if not isinstance(value, (str, torch.device)):
-        raise TypeError(f"{where}: device_map={device_map!r}: {value!r} is not a device")
-    return devices.resolve(value)
 
 
 __all__ = ["from_pretrained"]

@@ -15,7 +15,7 @@ import contextlib
 import json
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,8 @@ from streamload.module import OnLayer, empty_weights, load_into
 from streamload.source import Checkpoint, merged, open_checkpoint
 from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
+
+from .device_map import check_mapped
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -67,12 +69,14 @@ def from_pretrained(
     variant: str | None = None,
     on_layer: OnLayer | None = None,
     strict: bool = True,
+    mapped: Collection[str] = (),
     **options: Unpack[Options],
 ) -> Any:
     """The `DiffusionPipeline` of a pipeline folder, or the model of a model folder (see the module's
     docstring); a folder in object storage (`s3://`, `http(s)://`) too. `dtype`: one dtype, or per
     component as diffusers takes it (`{"transformer": torch.bfloat16, "default": torch.float16}`);
-    `variant`: the weight files' variant ("fp16")."""
+    `variant`: the weight files' variant ("fp16"); `mapped`: the module names a device_map placed (each one of the
+    model's, or of the pipeline's components: "text_encoder", "unet.down_blocks.0")."""
     try:
         import diffusers
     except ImportError:
@@ -91,6 +95,7 @@ def from_pretrained(
         if _kind(folder) == "model":
             cls = _diffusers_class(diffusers, json.loads((folder / "config.json").read_text())["_class_name"], path)
             model, weights_dtype = _build(cls, folder, _dtype_of(dtype, ""))
+            check_mapped(path, mapped, model)
             load_into(model, weights("", model), device=dev, dtype=weights_dtype, strict=strict, on_layer=on_layer,
                       **options)  # fmt: skip
             return model.to(dev).eval()
@@ -110,6 +115,7 @@ def from_pretrained(
             holder = nn.Module()
             for name, model in built.items():
                 holder.add_module(name, model)
+            check_mapped(path, mapped, holder, "the pipeline's components")
             checkpoint = merged({name: weights(name, model) for name, model in built.items()})
             load_into(holder, checkpoint, device=dev, dtype=patterns or None, strict=strict, on_layer=on_layer,
                       **options)  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
 
 from . import transformers_internals as internals
+from .device_map import check_mapped
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -44,6 +45,7 @@ def from_pretrained(
     on_layer: OnLayer | None = None,
     strict: bool = True,
     trust_remote_code: bool = False,
+    mapped: Collection[str] = (),
     **options: Unpack[Options],
 ) -> nn.Module:
     """Load a `transformers` model from a local checkpoint directory, its weights streamed in.
@@ -63,6 +65,7 @@ def from_pretrained(
         trust_remote_code: run the Python files a local folder's config names (`auto_map`), as transformers
             does when given True: its config class, and its model class (the `auto_map` entry of the config's
             `architectures[0]`). False (the default): a config that needs them is refused, nothing run.
+        mapped: the module names a device_map placed: each must be one of the built model's.
         **options: the options of `streamload.iter` (reader, threads, ...).
 
     Returns:
@@ -114,6 +117,7 @@ def from_pretrained(
             with _default_dtype(dtype):  # (theirs in the model's dtype: a quantized layer's bias is built so)
                 internals.prepare(quantizer, model, dtype)
     internals.tied(model)
+    check_mapped(path, mapped, model)
     if checkpoint is None:
         checkpoint = inspect(source, options.get("cache_dir"))
     stored = checkpoint.tensors
