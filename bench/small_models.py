@@ -30,8 +30,9 @@ def make(root: Path) -> None:
     import transformers
 
     torch.manual_seed(0)
-    bert = transformers.BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                                   intermediate_size=1536)  # fmt: skip  (all-MiniLM-L6-v2's shape)
+    bert = transformers.BertConfig(
+        vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536
+    )  # fmt: skip  (all-MiniLM-L6-v2's shape)
     llama = transformers.LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
                                      num_attention_heads=12, num_key_value_heads=4)  # fmt: skip
     built = {"minilm-l6": transformers.BertModel(bert), "llama-120m": transformers.LlamaForCausalLM(llama)}
