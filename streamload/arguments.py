@@ -34,7 +34,8 @@ def parse_size(text: str) -> int:
     return value
 
 
-def _kind(value: object) -> str:
+def described(value: object) -> str:
+    """A value as a message shows it: its type, and what it is where that is short."""
     return f"{type(value).__name__} {value!r}" if isinstance(value, (int, float, str, bytes)) else type(value).__name__
 
 
@@ -48,7 +49,7 @@ def size(value: int | str | None, name: str) -> int | None:
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a size in bytes (an int, or text such as '1GiB'), not {_kind(value)}")
+        raise TypeError(f"{name} must be a size in bytes (an int, or text such as '1GiB'), not {described(value)}")
     if value < 1:
         raise ValueError(f"{name} must be at least 1 byte, not {value}")
     return value
@@ -59,7 +60,7 @@ def count(value: int | None, name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a whole number, not {_kind(value)}")
+        raise TypeError(f"{name} must be a whole number, not {described(value)}")
     if value < 1:
         raise ValueError(f"{name} must be at least 1, not {value}")
     return value
@@ -73,8 +74,8 @@ def patterns(value: T, name: str) -> T:
         bad = [p for p in value if not isinstance(p, str)]
         if not bad:
             return value
-        raise TypeError(f"{name} patterns must be text, not {_kind(bad[0])}")
-    raise TypeError(f"{name} must be a pattern, a list of patterns or a predicate, not {_kind(value)}")
+        raise TypeError(f"{name} patterns must be text, not {described(bad[0])}")
+    raise TypeError(f"{name} must be a pattern, a list of patterns or a predicate, not {described(value)}")
 
 
 def source(value: object) -> None:
@@ -85,15 +86,16 @@ def source(value: object) -> None:
         bad = next((i for i, v in enumerate(value) if not isinstance(v, (str, os.PathLike))), None)
         if bad is None:
             return
-        raise TypeError(f"source[{bad}] must be a path or a URL, not {_kind(value[bad])}")
+        raise TypeError(f"source[{bad}] must be a path or a URL, not {described(value[bad])}")
     raise TypeError(
-        f"source must be a path, a URL, a non-empty list of them, or a Checkpoint from inspect(), not {_kind(value)}"
+        "source must be a path, a URL, a non-empty list of them, or a Checkpoint from inspect(), "
+        f"not {described(value)}"
     )
 
 
 def path(value: object, name: str) -> None:
     if value is not None and not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a path, not {_kind(value)}")
+        raise TypeError(f"{name} must be a path, not {described(value)}")
 
 
 def into(value: T, name: str = "into") -> T:
@@ -102,20 +104,10 @@ def into(value: T, name: str = "into") -> T:
     if value is None:
         return value
     if not isinstance(value, Mapping):
-        raise TypeError(f"{name} must be a mapping of tensor names to tensors, not {_kind(value)}")
+        raise TypeError(f"{name} must be a mapping of tensor names to tensors, not {described(value)}")
     for key, t in value.items():
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, not {_kind(t)}")
-    return value
-
-
-def shard(value: T, name: str = "shard") -> T:
-    if value is None:
-        return value  # shard.py is imported only by those who shard
-    from .shard import ShardSpec
-
-    if not isinstance(value, ShardSpec):
-        raise TypeError(f"{name} must be a streamload.ShardSpec, not {_kind(value)}")
+            raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, not {described(t)}")
     return value
 
 
@@ -126,9 +118,9 @@ def verify(value: T, name: str = "verify") -> T:
     if isinstance(value, Mapping):
         for key, digest in value.items():
             if not isinstance(key, str) or not isinstance(digest, str):
-                raise TypeError(f"{name}[{key!r}] must be a SHA-256 hex digest (text), not {_kind(digest)}")
+                raise TypeError(f"{name}[{key!r}] must be a SHA-256 hex digest (text), not {described(digest)}")
         return value
-    raise TypeError(f"{name} must be True, False or {{file name: SHA-256 hex}}, not {_kind(value)}")
+    raise TypeError(f"{name} must be True, False or {{file name: SHA-256 hex}}, not {described(value)}")
 
 
 def peers(value: T, name: str = "peers") -> T:
@@ -140,8 +132,8 @@ def peers(value: T, name: str = "peers") -> T:
         bad = next((i for i, v in enumerate(value) if not isinstance(v, str)), None)  # an index: None is an entry
         if bad is None:
             return value
-        raise TypeError(f"{name} must be URLs or host names (text), not {_kind(value[bad])} ({name}[{bad}])")
-    raise TypeError(f"{name} must be a URL, a host name or a list of them, not {_kind(value)}")
+        raise TypeError(f"{name} must be URLs or host names (text), not {described(value[bad])} ({name}[{bad}])")
+    raise TypeError(f"{name} must be a URL, a host name or a list of them, not {described(value)}")
 
 
-__all__ = ["count", "into", "parse_size", "path", "patterns", "peers", "shard", "size", "source", "verify"]
+__all__ = ["count", "described", "into", "parse_size", "path", "patterns", "peers", "size", "source", "verify"]

@@ -38,6 +38,16 @@ def _checked_where_used(value: T, name: str) -> T:
     return value
 
 
+def _shard(value: T, name: str = "shard") -> T:
+    if value is None:
+        return value  # shard.py is imported only by those who shard
+    from .shard import ShardSpec
+
+    if not isinstance(value, ShardSpec):
+        raise TypeError(f"{name} must be a streamload.ShardSpec, not {arguments.described(value)}")
+    return value
+
+
 class Option(NamedTuple):
     """One keyword option of `iter`."""
 
@@ -60,7 +70,7 @@ TABLE: dict[str, Option] = {
         Option("include", arguments.patterns),
         Option("exclude", arguments.patterns),
         Option("into", arguments.into),
-        Option("shard", arguments.shard),
+        Option("shard", _shard),
         Option("verify", arguments.verify, (bool, dict)),
         Option("order", _checked_where_used),
         Option("cooperative", _checked_where_used),  # a process group: vLLM's config has a switch of its own
