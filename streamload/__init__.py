@@ -11,8 +11,8 @@ import typing as _typing
 
 if _typing.TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports each name
     # ruff: noqa: F401
-    from .api import inspect, iter, load
-    from .errors import (
+    from streamload.api import inspect, iter, load
+    from streamload.errors import (
         HeaderError,
         IntegrityError,
         MissingFileError,
@@ -21,18 +21,18 @@ if _typing.TYPE_CHECKING:  # for type checkers and editors; at run time __getatt
         StreamloadError,
         UnsupportedError,
     )
-    from .fleet import Fleet
-    from .format import FileHeader, TensorInfo
-    from .integrations import from_pretrained
-    from .layer_keys import Layer, group_of, layer_of
-    from .layer_stream import LayerStream, layers
-    from .limits import Usage, set_limits, usage
-    from .module import LoadResult, aload_into, empty_weights, load_into
-    from .offloaded import Offloaded, offload
-    from .shard import ShardSpec
-    from .source import Checkpoint
-    from .stats import Stats
-    from .stream import TensorStream
+    from streamload.fleet import Fleet
+    from streamload.format import FileHeader, TensorInfo
+    from streamload.integrations import from_pretrained
+    from streamload.layer_keys import Layer, group_of, layer_of
+    from streamload.layer_stream import LayerStream, layers
+    from streamload.limits import Usage, set_limits, usage
+    from streamload.module import LoadResult, aload_into, empty_weights, load_into
+    from streamload.offloaded import Offloaded, offload
+    from streamload.shard import ShardSpec
+    from streamload.source import Checkpoint
+    from streamload.stats import Stats
+    from streamload.stream import TensorStream
 
 # name -> the module that defines it
 _WHERE = {

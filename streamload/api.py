@@ -11,30 +11,30 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from . import device as devices
-from . import options, progress
-from .defaults import Tuning
-from .errors import IntegrityError, UnsupportedError
-from .limits import check_fits
-from .options import Options, ReadOptions
-from .pipeline import Pipeline
-from .plan import DTypeOption, Order, Patterns, Plan, Share, make_plan
-from .routes import Into, ReaderName, route
-from .source import Checkpoint, PathLike, Source, open_checkpoint
-from .stats import Stats
-from .stream import TensorStream
+from streamload import device as devices
+from streamload import options, progress
+from streamload.defaults import Tuning
+from streamload.errors import IntegrityError, UnsupportedError
+from streamload.limits import check_fits
+from streamload.options import Options, ReadOptions
+from streamload.pipeline import Pipeline
+from streamload.plan import DTypeOption, Order, Patterns, Plan, Share, make_plan
+from streamload.routes import Into, ReaderName, route
+from streamload.source import Checkpoint, PathLike, Source, open_checkpoint
+from streamload.stats import Stats
+from streamload.stream import TensorStream
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from typing_extensions import Unpack
 
-    from .device import Device
-    from .exchange import Exchange
-    from .fleet import Fleet
-    from .pipeline import Check
-    from .read import Reader
-    from .shard import ShardSpec
-    from .verify import Known, Verify
+    from streamload.device import Device
+    from streamload.exchange import Exchange
+    from streamload.fleet import Fleet
+    from streamload.pipeline import Check
+    from streamload.read import Reader
+    from streamload.shard import ShardSpec
+    from streamload.verify import Known, Verify
 
 log = logging.getLogger("streamload")
 
@@ -145,7 +145,7 @@ def _left(cooperative: bool | ProcessGroup | Fleet, joined: bool, exchange: Exch
         return
     if cooperative is False or cooperative is None:
         return
-    from .exchange import leave_early
+    from streamload.exchange import leave_early
 
     try:
         group = _group(cooperative)
@@ -168,7 +168,7 @@ def _with_peers(checkpoint: Checkpoint, peers: str | Sequence[str] | None) -> Ch
     """The checkpoint read from `peers` first, where it is remote and any are named (storage/peers.py)."""
     if not peers:
         return checkpoint
-    from .storage.peers import with_peers
+    from streamload.storage.peers import with_peers
 
     return checkpoint._replace(storage=with_peers(checkpoint.storage, peers))
 
@@ -205,7 +205,7 @@ def _route(
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
     if exchange is None:
         return _Route(tuning, read, make, None, None)
-    from .exchange import cooperative as cooperative_pair  # the parameter keeps its name
+    from streamload.exchange import cooperative as cooperative_pair  # the parameter keeps its name
 
     read, make = cooperative_pair(read, make, exchange)
     layout = f"{tuning.slot_bytes}/{order}/{checkpoint.storage.first_batch}"  # what packs shared batches
@@ -226,7 +226,7 @@ def _plan(
     """What is read, in which order and batches, and the digests it is checked against (None: unchecked)."""
     digests = None
     if verify or checkpoint.checks:  # True, or a non-empty mapping (False, None, {}: nothing to verify)
-        from .verify import choose, needs_file_order
+        from streamload.verify import choose, needs_file_order
 
         chosen = choose(checkpoint, verify) if verify else {}
         pinned = chosen if isinstance(verify, Mapping) else {}  # the caller's own digests are never replaced
@@ -303,11 +303,11 @@ def _stream(checkpoint: Checkpoint, plan: Plan, way: _Route, digests: Mapping[Pu
 
 
 def _verifier(plan: Plan, digests: Mapping[PurePath, Known], way: _Route) -> Check:
-    from .verify import Verifier
+    from streamload.verify import Verifier
 
     if way.exchange is None:
         return Verifier(plan, digests)
-    from .exchange import CooperativeCheck
+    from streamload.exchange import CooperativeCheck
 
     # A shared batch's hashing waits on a verifier thread for its exchange: enough threads that every
     # batch in flight can wait (threads start only when needed).
@@ -381,7 +381,7 @@ def _lands(exchange: Exchange | None, verify: Verify) -> tuple[tuple[Into, ...],
 def _exchange(cooperative: bool | ProcessGroup | Fleet, dev: torch.device) -> Exchange | None:
     if cooperative is False or cooperative is None:
         return None
-    from .exchange import Exchange
+    from streamload.exchange import Exchange
 
     exchange = Exchange(_group(cooperative), dev)
     return exchange if exchange.world > 1 else None  # alone, there is nothing to divide
@@ -391,7 +391,7 @@ def _group(cooperative: bool | ProcessGroup | Fleet) -> ProcessGroup | Fleet | N
     """The group a cooperative load divides its reads among (None: torch.distributed's default group)."""
     group = None if cooperative is True else cooperative
     if group is None and not _group_initialised():
-        from .fleet import ENVIRONMENT, Fleet
+        from streamload.fleet import ENVIRONMENT, Fleet
 
         group = Fleet.from_env()
         if group is None:

@@ -172,7 +172,7 @@ def parallel_read(files: list[str], direct: bool, pinned: bool) -> Callable[[], 
     if pinned:
         import torch
 
-        from .read.base import writable_bytes
+        from streamload.read.base import writable_bytes
 
         tensors = [torch.empty(READ_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(READ_THREADS)]
         buffers = [writable_bytes(t) for t in tensors]
@@ -391,7 +391,7 @@ def bench(
 
     >>> summaries = bench("model/", device="cpu", modes=("cold", "warm"), runs=5)  # doctest: +SKIP
     """
-    from .source import open_checkpoint
+    from streamload.source import open_checkpoint
 
     compile_streamload()
 
@@ -462,8 +462,8 @@ def sweep(
 
     >>> best = min(sweep("model/", device="cuda"), key=lambda s: s.seconds)  # doctest: +SKIP
     """
-    from . import defaults
-    from .source import open_checkpoint
+    from streamload import defaults
+    from streamload.source import open_checkpoint
 
     compile_streamload()
 
@@ -600,7 +600,7 @@ def hash_rates(nbytes: int = 256 << 20) -> dict[str, float]:
     """GB/s of one core for each digest verify= checks, on `nbytes` already in memory."""
     import hashlib
 
-    from .verify import block_digest
+    from streamload.verify import block_digest
 
     data = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
     rates = {}

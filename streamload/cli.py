@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import pins
-from .arguments import parse_size
-from .errors import StreamloadError
-from .storage.base import redacted
+from streamload import pins
+from streamload.arguments import parse_size
+from streamload.errors import StreamloadError
+from streamload.storage.base import redacted
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from streamload import __version__
 
     parser = _Parser(prog="streamload", description="Stream safetensors checkpoints into CPU or GPU memory.")
     parser.add_argument("--version", action="version", version=f"streamload {__version__}")
@@ -270,7 +270,7 @@ def _verbose(on: bool) -> Iterator[None]:
 def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "demo":
-            from .demo import run
+            from streamload.demo import run
 
             run(device=args.device, cold=not args.warm, keep=args.keep)
         elif args.command == "inspect":
@@ -286,7 +286,7 @@ def _run(args: argparse.Namespace) -> int:
         elif args.command == "vllm-check":
             return _vllm_check(args)
         elif args.command == "seed":
-            from .storage.seed import serve as seed
+            from streamload.storage.seed import serve as seed
 
             seed(args.cache_dir, args.host, args.port, args.rate, args.connections, token_file=args.token_file,
                  cert=args.cert, key=args.key)  # fmt: skip
@@ -296,8 +296,8 @@ def _run(args: argparse.Namespace) -> int:
             if not args.checkpoint.is_dir():  # publish makes its folder: a mistyped path would get one, silently
                 raise StreamloadError(f"{args.checkpoint}: no such checkpoint directory (publish goes beside it)")
             try:
-                from .integrations.vllm.startup import compiled as compiled_cache
-                from .integrations.vllm.startup.recorded import recorded
+                from streamload.integrations.vllm.startup import compiled as compiled_cache
+                from streamload.integrations.vllm.startup.recorded import recorded
             except ImportError as exc:
                 raise StreamloadError(f"compile-cache needs vLLM: pip install -e '.[vllm]' ({exc})") from None
             try:
@@ -320,7 +320,7 @@ def _run(args: argparse.Namespace) -> int:
             except FileNotFoundError as exc:
                 raise StreamloadError(str(exc)) from None
         elif args.command == "serve":
-            from .serve import serve
+            from streamload.serve import serve
 
             command = args.server[1:] if args.server[:1] == ["--"] else args.server
             seeding = {"token_file": args.seed_token_file, "cert": args.seed_cert, "key": args.seed_key}
@@ -345,7 +345,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _prefetch(source: str, cache_dir: Path | None, threads: int | None, peers: list[str] | None = None) -> None:
-    from .prefetch import fetch
+    from streamload.prefetch import fetch
 
     started = time.perf_counter()
     report = fetch(source, cache_dir, None, threads, peers)
@@ -372,7 +372,7 @@ def _vllm_check(args: argparse.Namespace) -> int:
         # a path, not a hub id: said now, not after vLLM's ~20 s of imports (check() says it for other callers)
         raise StreamloadError(f"{args.model}: no such directory")
     try:
-        from .integrations.vllm.check import check
+        from streamload.integrations.vllm.check import check
     except ImportError as exc:
         raise StreamloadError(f"vllm-check needs vLLM: pip install -e '.[vllm]' ({exc})") from None
     engine = {"dtype": args.dtype, **(args.engine or {})}
@@ -382,10 +382,10 @@ def _vllm_check(args: argparse.Namespace) -> int:
 
 
 def _inspect(path: str, as_json: bool) -> None:
-    from .api import inspect
-    from .layer_keys import layer_of, layer_rank
-    from .quantization import describe
-    from .verify import known_digests
+    from streamload.api import inspect
+    from streamload.layer_keys import layer_of, layer_rank
+    from streamload.quantization import describe
+    from streamload.verify import known_digests
 
     ckpt = inspect(path)
     digests = known_digests(ckpt, strict=False)  # a broken digest file is shown, not raised
@@ -465,8 +465,8 @@ def _digest_text(row: dict[str, Any]) -> str:
 def _digest(path: str, out: str | None) -> None:
     import time
 
-    from .api import inspect
-    from .verify import write_digests
+    from streamload.api import inspect
+    from streamload.verify import write_digests
 
     started = time.perf_counter()
     ckpt = inspect(path)
@@ -480,7 +480,7 @@ def _digest(path: str, out: str | None) -> None:
 
 
 def _row(t: Any) -> dict[str, Any]:
-    from .layer_keys import layer_of
+    from streamload.layer_keys import layer_of
 
     layer = layer_of(t.name)
     return {"name": t.name, "file": str(t.path), "dtype": t.dtype.name, "shape": list(t.shape),
@@ -501,9 +501,9 @@ def _load(
     verify: bool = False,
     peers: list[str] | None = None,
 ) -> None:
-    from . import progress
-    from .api import iter as stream_iter
-    from .storage.peers import TALLY
+    from streamload import progress
+    from streamload.api import iter as stream_iter
+    from streamload.storage.peers import TALLY
 
     tallied = TALLY.read()
     # A dtype's name is resolved (and an unknown one refused) by the API, as for any caller.
@@ -536,7 +536,7 @@ def _load(
 
 def _peers_served(before: tuple[int, int], after: tuple[int, int]) -> str:
     """What the peers served of one load, from the process's tally before and after it."""
-    from .progress import size
+    from streamload.progress import size
 
     peers, source = after[0] - before[0], after[1] - before[1]
     if not peers + source:  # no load read through peers: the warnings above say why (or a cache held it all)
@@ -546,8 +546,8 @@ def _peers_served(before: tuple[int, int], after: tuple[int, int]) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from . import bench
-    from .source import open_checkpoint
+    from streamload import bench
+    from streamload.source import open_checkpoint
 
     if args.list:
         return _list_loaders(args, bench)
@@ -558,7 +558,7 @@ def _bench(args: argparse.Namespace) -> int:
         if out is not None and (why := _unwritable(out)):  # before the runs, not after minutes of them
             print(f"streamload: error: {flag} {out}: cannot write there: {why}", file=sys.stderr)
             return 1
-    from . import device, routes
+    from streamload import device, routes
 
     routes.usable(device.resolve(args.device))  # before any run, not in each run's failure
     if args.sweep:
@@ -578,7 +578,7 @@ def _bench(args: argparse.Namespace) -> int:
     modes = tuple(m for m, on in (("cold", args.cold), ("warm", args.warm or not args.cold)) if on)
     loaders = args.loaders
     if args.verify:
-        from .verify import choose
+        from streamload.verify import choose
 
         try:  # before the runs: a checkpoint without digests would fail every verify run alike
             choose(open_checkpoint(args.path), True)

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import UnsupportedError
-from .shard import SKIP, ShardSpec, Slice
+from streamload.errors import UnsupportedError
+from streamload.shard import SKIP, ShardSpec, Slice
 
 # ("select", dim, index, 0), ("narrow", dim, start, length) or ("transpose", dim0, dim1, 0)
 Step = tuple[str, int, int, int]

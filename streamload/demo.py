@@ -89,8 +89,8 @@ def _make_folder(directory: Path) -> None:
 def run(device: str | None = None, cold: bool = True, keep: Path | None = None) -> None:
     from rich.console import Console
 
-    from .bench import evict
-    from .progress import progress_bar
+    from streamload.bench import evict
+    from streamload.progress import progress_bar
 
     console = Console()
     with tempfile.TemporaryDirectory(prefix="streamload-demo-") as tmp:

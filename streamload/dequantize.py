@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import StreamloadError
+from streamload.errors import StreamloadError
 
 if TYPE_CHECKING:
-    from .format import TensorInfo
-    from .plan import DTypeOption
+    from streamload.format import TensorInfo
+    from streamload.plan import DTypeOption
 
 
 def fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

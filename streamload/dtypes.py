@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from .errors import UnsupportedError
+from streamload.errors import UnsupportedError
 
 if TYPE_CHECKING:
     import torch

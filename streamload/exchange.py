@@ -58,17 +58,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .device import Delivered, Device
-from .errors import StreamloadError, UnsupportedError
-from .format import FileHeader
-from .plan import Batch, Item
-from .read import Reader, Work
-from .source import Checkpoint
+from streamload.device import Delivered, Device
+from streamload.errors import StreamloadError, UnsupportedError
+from streamload.format import FileHeader
+from streamload.plan import Batch, Item
+from streamload.read import Reader, Work
+from streamload.source import Checkpoint
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Work
 
-    from .fleet import Fleet
+    from streamload.fleet import Fleet
 
     Read = Callable[[Batch], None]  # reads a window of a batch into its slot, blocking
 
@@ -239,7 +239,7 @@ def _loopback_host(url: str) -> tuple[str, ...]:
 def known_claims(checkpoint: Checkpoint, headers: Sequence[FileHeader]) -> list[bytes]:
     """Per file, 32 bytes: its known whole-file digest (8 bytes naming the algorithm, 24 of the digest),
     or zeros where none is known."""
-    from .verify import known_digests
+    from streamload.verify import known_digests
 
     known = known_digests(checkpoint, strict=False)
     out = []
@@ -316,7 +316,7 @@ def leave_early(group: ProcessGroup | Fleet | None) -> None:
     tells the others at once, where the group has a store, so that they read its share themselves."""
     import torch.distributed as dist
 
-    from .fleet import Fleet
+    from streamload.fleet import Fleet
 
     number = next(_LOADS)  # a load all the same: every rank counts them alike
     store, rank = None, 0
@@ -343,7 +343,7 @@ class Exchange:
     def __init__(self, group: ProcessGroup | Fleet | None, device: torch.device) -> None:
         import torch.distributed as dist
 
-        from .fleet import Fleet
+        from streamload.fleet import Fleet
 
         self.device = device
         self._buffer: torch.Tensor | None = None
@@ -383,7 +383,7 @@ class Exchange:
                 f"(gloo), not {backend!r}"
             )
         if self.on_device:
-            from .device.cuda import loader_stream
+            from streamload.device.cuda import loader_stream
 
             self._stream = loader_stream(device)
         self._pg = group if group is not None else dist.group.WORLD
@@ -497,7 +497,7 @@ class Exchange:
         target = slot
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             if self.on_device and not slot.is_cuda:
-                from .device.cuda import pin_host
+                from streamload.device.cuda import pin_host
 
                 pin_host(slot, batch.extent)
                 if self._buffer is None:

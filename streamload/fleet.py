@@ -94,7 +94,7 @@ _LOCK = threading.Lock()
 def _form(fleet: Fleet) -> tuple[Any, Any]:
     import torch.distributed as dist
 
-    from .errors import StreamloadError
+    from streamload.errors import StreamloadError
 
     host, _, port = fleet.address.rpartition(":")
     me = f"rank {fleet.rank} of {fleet.world_size}"

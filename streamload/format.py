@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import PurePath
 from typing import Any, NamedTuple
 
-from .dtypes import DTYPES, DType
-from .errors import HeaderError
+from streamload.dtypes import DTYPES, DType
+from streamload.errors import HeaderError
 
 HEADER_LIMIT = 100_000_000  # the reference implementation's cap on N
 TENSOR_LIMIT = 1_000_000  # per file; the largest public checkpoints hold under 100,000 in all their files

@@ -9,16 +9,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .api import iter as stream_tensors
-from .layer_keys import group_of
-from .source import Source
-from .stats import Stats
-from .stream import TensorStream
+from streamload.api import iter as stream_tensors
+from streamload.layer_keys import group_of
+from streamload.source import Source
+from streamload.stats import Stats
+from streamload.stream import TensorStream
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .options import Options
+    from streamload.options import Options
 
 Group = tuple[str, dict[str, torch.Tensor]]
 

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import arguments, defaults
+from streamload import arguments, defaults
 
 GiB = 1 << 30
 

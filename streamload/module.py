@@ -12,21 +12,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import progress
-from .convert import Conversion
-from .device import resolve
-from .errors import StreamloadError, UnsupportedError, listed
-from .layer_keys import layer_of
-from .layer_stream import LayerStream, layers
-from .pages import Release
-from .plan import Item, cannot_convert, scaled
-from .source import Checkpoint, Source, open_checkpoint
+from streamload import progress
+from streamload.convert import Conversion
+from streamload.device import resolve
+from streamload.errors import StreamloadError, UnsupportedError, listed
+from streamload.layer_keys import layer_of
+from streamload.layer_stream import LayerStream, layers
+from streamload.pages import Release
+from streamload.plan import Item, cannot_convert, scaled
+from streamload.source import Checkpoint, Source, open_checkpoint
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .dequantize import Dequantization
-    from .options import Options
+    from streamload.dequantize import Dequantization
+    from streamload.options import Options
 
 OnLayer = Callable[[str, "nn.Module | None"], "Awaitable[None] | None"]
 

@@ -20,20 +20,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from . import device as devices
-from .api import iter as stream_tensors
-from .convert import Conversion
-from .errors import StreamloadError, UnsupportedError, listed
-from .format import TensorInfo
-from .layer_keys import group_of, layer_of, layer_rank
-from .limits import shared_limits
-from .plan import DTypeOption, DTypeRules, out_dtype
-from .source import Checkpoint, Source, open_checkpoint
+from streamload import device as devices
+from streamload.api import iter as stream_tensors
+from streamload.convert import Conversion
+from streamload.errors import StreamloadError, UnsupportedError, listed
+from streamload.format import TensorInfo
+from streamload.layer_keys import group_of, layer_of, layer_rank
+from streamload.limits import shared_limits
+from streamload.plan import DTypeOption, DTypeRules, out_dtype
+from streamload.source import Checkpoint, Source, open_checkpoint
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .options import Options
+    from streamload.options import Options
 
 
 class _KeptOpen:
@@ -162,7 +162,7 @@ class Offloaded:
         # (one stream for every fetch: blocks freed there are reused there)
         self._copies = None
         if host_cache:
-            from .device.cuda import loader_stream
+            from streamload.device.cuda import loader_stream
 
             self._copies = loader_stream(device)
         self._lock = threading.Lock()
@@ -436,7 +436,7 @@ def offload(
             break
     streamed = layer_keys[len(resident) :]
     keep = fixed + [n for k in resident for n in by_key[k]]
-    from .module import Filler, load_into
+    from streamload.module import Filler, load_into
 
     # what the model needs and the checkpoint lacks (tied weights count as present), before any read
     if convert.regions:

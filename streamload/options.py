@@ -15,18 +15,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict, TypeVar
 
-from . import arguments, defaults
+from streamload import arguments, defaults
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
-    from .fleet import Fleet
-    from .plan import DTypeOption, Order, Patterns
-    from .routes import ReaderName
-    from .shard import ShardSpec
-    from .source import PathLike
-    from .verify import Verify
+    from streamload.fleet import Fleet
+    from streamload.plan import DTypeOption, Order, Patterns
+    from streamload.routes import ReaderName
+    from streamload.shard import ShardSpec
+    from streamload.source import PathLike
+    from streamload.verify import Verify
 
 T = TypeVar("T")
 
@@ -41,7 +41,7 @@ def _checked_where_used(value: T, name: str) -> T:
 def _shard(value: T, name: str = "shard") -> T:
     if value is None:
         return value  # shard.py is imported only by those who shard
-    from .shard import ShardSpec
+    from streamload.shard import ShardSpec
 
     if not isinstance(value, ShardSpec):
         raise TypeError(f"{name} must be a streamload.ShardSpec, not {arguments.described(value)}")

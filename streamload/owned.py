@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import atomic
+from streamload import atomic
 
 RECORD = ".owner.json"
 _UNRECORDED_GRACE = 60.0  # s: a directory made but not yet recorded (or by an older release) is young

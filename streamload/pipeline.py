@@ -23,17 +23,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from .collector import collector_paused
-from .defaults import Tuning
-from .device import Delivered, Device
-from .errors import IntegrityError, ReadError, StreamloadError
-from .integrity.whole import WholeFileMismatch
-from .limits import Staging, shared_limits
-from .plan import Batch, Plan
-from .read import Reader
-from .read.pool import ReaderPool, Reads
-from .stats import Stats
-from .storage import Files, Storage
+from streamload.collector import collector_paused
+from streamload.defaults import Tuning
+from streamload.device import Delivered, Device
+from streamload.errors import IntegrityError, ReadError, StreamloadError
+from streamload.integrity.whole import WholeFileMismatch
+from streamload.limits import Staging, shared_limits
+from streamload.plan import Batch, Plan
+from streamload.read import Reader
+from streamload.read.pool import ReaderPool, Reads
+from streamload.stats import Stats
+from streamload.storage import Files, Storage
 
 if TYPE_CHECKING:  # protocols cost import time to define, and only a type checker reads them
 

@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 
-from .collector import collector_paused
-from .dtypes import DTYPES, as_torch_dtype, torch_shape
-from .errors import UnsupportedError
-from .format import FileHeader, TensorInfo
-from .layer_keys import layer_rank
-from .source import Checkpoint
-from .torch_device import same
+from streamload.collector import collector_paused
+from streamload.dtypes import DTYPES, as_torch_dtype, torch_shape
+from streamload.errors import UnsupportedError
+from streamload.format import FileHeader, TensorInfo
+from streamload.layer_keys import layer_rank
+from streamload.source import Checkpoint
+from streamload.torch_device import same
 
 if TYPE_CHECKING:
-    from .shard import ShardSpec, Slice
+    from streamload.shard import ShardSpec, Slice
 
 Patterns = str | Sequence[str] | Callable[[str], bool] | None
 DTypeOption = torch.dtype | str | Mapping[str, torch.dtype | str | None] | None  # a name: "float16"
@@ -289,7 +289,7 @@ def _item(info: TensorInfo, dtype: DTypeOption | DTypeRules, shard: ShardSpec | 
     whole = ((info.begin, info.nbytes),)
     if shard is None:
         return Item(info, shape, stored, out, whole, info.nbytes)
-    from .shard import SKIP, Slice, byte_ranges
+    from streamload.shard import SKIP, Slice, byte_ranges
 
     part = shard.slice(info.name, shape)
     if part == SKIP:

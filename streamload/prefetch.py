@@ -38,13 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import atomic, owned
-from .storage.base import redacted
+from streamload import atomic, owned
+from streamload.storage.base import redacted
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .format import FileHeader
+    from streamload.format import FileHeader
 
 ENV = "STREAMLOAD_FETCH"  # the fetch this process (or the one that started it) began: JSON, see `ahead`
 
@@ -135,8 +135,8 @@ def ahead(
     weights (also the value of `ENV`). `compile_cache`: the digests of the compiled-artifact archives
     published beside the weights that this node trusts (`pins.py`), fetched before the weights; none
     is fetched without. `peers`: nodes seeding the weights, read from first (storage/peers.py)."""
-    from .pins import pins
-    from .storage.peers import names
+    from streamload.pins import pins
+    from streamload.storage.peers import names
 
     pinned = pins(compile_cache)
     remote = "://" in source
@@ -203,9 +203,9 @@ def stage_compile_caches(source: str, into: Path, pinned: frozenset[str]) -> lis
     torch versions, Python, machine) pick the candidates, and only those of a `pinned` digest are kept
     (`pins.py`: the worker checks again). `into/ready.json`, written last, lists what was published
     and what was fetched; each archive is whole under its name (renamed into place)."""
-    from .pins import digest
-    from .storage import is_hex, storage_for
-    from .storage.cache import keep  # whole under its name: written under the writer's own, renamed
+    from streamload.pins import digest
+    from streamload.storage import is_hex, storage_for
+    from streamload.storage.cache import keep  # whole under its name: written under the writer's own, renamed
 
     storage = storage_for(source)
     raw = storage.sidecar(beside(source), f"{COMPILE_CACHE}/index.json")
@@ -277,7 +277,7 @@ def install_model_infos(source: str) -> int:
     archive that is not an uncompressed tar installs nothing (one warning), never failing the load."""
     import logging
 
-    from .storage import storage_for
+    from streamload.storage import storage_for
 
     storage = storage_for(source)
     data = storage.sidecar(beside(source), MODEL_INFOS)
@@ -390,7 +390,7 @@ def _plain_model_info(raw: bytes) -> bool:
 def beside(source: str) -> Path | Any:
     """A path next to which files published beside the weights sit (storages' `sidecar` takes its parent)."""
     if "://" in source:
-        from .storage.remote import ObjectPath
+        from streamload.storage.remote import ObjectPath
 
         return ObjectPath(source if source.endswith((".safetensors", ".json")) else source.rstrip("/") + "/config.json")
     path = Path(source)
@@ -473,9 +473,9 @@ def _fetch_objects(
     import shutil
     from concurrent.futures import ThreadPoolExecutor
 
-    from .defaults import reader_threads
-    from .source import open_checkpoint
-    from .storage.peers import with_peers
+    from streamload.defaults import reader_threads
+    from streamload.source import open_checkpoint
+    from streamload.storage.peers import with_peers
 
     checkpoint = open_checkpoint(source, cache_dir)
     if checkpoint.storage.kind == "local":  # every file is in the cache already
@@ -508,7 +508,7 @@ def _in_cache(cache_dir: Path, headers: Sequence[FileHeader]) -> dict[str, objec
     """What the cache holds of the checkpoint, looked at once the fetch has ended: the complete copies
     (`cached`, their bytes `cached_bytes`), and the objects it holds no complete copy of (`not_cached`:
     read, but not kept, each warned of: a full disk, a link in the way, a writer still at it)."""
-    from .storage.cache import cache_path, kept
+    from streamload.storage.cache import cache_path, kept
 
     whole = {h.path for h in kept(cache_dir, headers)}
     return {
@@ -521,7 +521,7 @@ def _in_cache(cache_dir: Path, headers: Sequence[FileHeader]) -> dict[str, objec
 def _fetch_local(source: Path, budget: int | None) -> dict[str, object]:
     """Local files into the page cache, file by file, without torch (a process that starts in
     milliseconds): the files a load of `source` reads (its index's, else every *.safetensors)."""
-    from .storage.base import INDEX_NAME, parse_index
+    from streamload.storage.base import INDEX_NAME, parse_index
 
     index = source / INDEX_NAME if source.is_dir() else source
     if source.is_dir() and not index.is_file():

@@ -15,7 +15,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, ParamSpec, TextIO, TypeVar
 
 if TYPE_CHECKING:
-    from .stats import Stats
+    from streamload.stats import Stats
 
 P = ParamSpec("P")
 R = TypeVar("R")

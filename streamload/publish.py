@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .dtypes import DTYPES
-from .read.base import writable_bytes
-from .storage import INDEX_NAME
+from streamload.dtypes import DTYPES
+from streamload.read.base import writable_bytes
+from streamload.storage import INDEX_NAME
 
 _NAMES = {d.torch_dtype: name for name, d in DTYPES.items() if d.torch_dtype is not None and d.packed == 1}
 SHARD_BYTES = 5 << 30  # as transformers' save_pretrained shards
@@ -58,8 +58,8 @@ def publish(
         total = sum(t.numel() * t.element_size() for _, t in pairs)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (temporary / INDEX_NAME).write_text(json.dumps(index, indent=1))
-        from .source import open_checkpoint
-        from .verify import write_digests
+        from streamload.source import open_checkpoint
+        from streamload.verify import write_digests
 
         write_digests(open_checkpoint(temporary))
         _sync(temporary)

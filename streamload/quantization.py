@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .source import Checkpoint
+from streamload.source import Checkpoint
 
 # Tensor-name endings that hold scales, zero points or packing indices beside a quantized weight, by
 # the formats that write them: FP8 (DeepSeek-V3, Qwen3-FP8), compressed-tensors, GPTQ/AWQ, MXFP4

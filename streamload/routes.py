@@ -15,11 +15,11 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from . import defaults
-from .defaults import Tuning
-from .device import Device, MappedCPU, StagedCPU
-from .errors import UnsupportedError
-from .read import Reader
+from streamload import defaults
+from streamload.defaults import Tuning
+from streamload.device import Device, MappedCPU, StagedCPU
+from streamload.errors import UnsupportedError
+from streamload.read import Reader
 
 ReaderName = Literal["auto", "mmap", "posix", "direct", "kvikio", "range"]
 Into = Literal["host", "mapped", "device"]
@@ -49,7 +49,7 @@ def _kvikio(load: Load) -> Reader | None:
     """kvikio where it can use GPUDirect Storage (auto), or whenever named; in its POSIX mode it
     bounces through host memory just as the posix row's pinned path does."""
     try:
-        from .read.kvikio import KvikioReader
+        from streamload.read.kvikio import KvikioReader
 
         kv = KvikioReader(load.tuning.threads, load.tuning.chunk_bytes)
     except UnsupportedError as exc:
@@ -76,7 +76,7 @@ def _mmap(load: Load) -> Reader | None:
     """On the CPU, mapping wins (measured, docs/benchmarks.md): tensors are views of the page cache.
     Not under auto where the bytes are copied into tensors of their own anyway: the mapped pages
     would hold the checkpoint in the process a second time until the load ends."""
-    from .read import MmapReader
+    from streamload.read import MmapReader
 
     if load.copies and not load.chosen:
         return None
@@ -86,7 +86,7 @@ def _mmap(load: Load) -> Reader | None:
 def _direct(load: Load) -> Reader | None:
     """O_DIRECT: under auto only for a checkpoint larger than the memory available, whose pages the
     page cache could not keep anyway (where it can, buffered reads measured faster)."""
-    from .read import DirectReader
+    from streamload.read import DirectReader
 
     memory = defaults.available_memory()
     if load.chosen or (memory is not None and load.total_bytes > memory):
@@ -95,13 +95,13 @@ def _direct(load: Load) -> Reader | None:
 
 
 def _posix(load: Load) -> Reader:
-    from .read import PosixReader
+    from streamload.read import PosixReader
 
     return PosixReader(load.tuning.chunk_bytes)
 
 
 def _range(load: Load) -> Reader:
-    from .read.ranges import RangeReader
+    from streamload.read.ranges import RangeReader
 
     return RangeReader(load.tuning.chunk_bytes)
 
@@ -117,7 +117,7 @@ READERS: tuple[ReaderRow, ...] = (
 
 def _cuda(host_slots: bool) -> Callable[[torch.device], Device]:
     def make(dev: torch.device) -> Device:
-        from .device.cuda import CudaDevice
+        from streamload.device.cuda import CudaDevice
 
         return CudaDevice(dev, host_slots=host_slots)
 

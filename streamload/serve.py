@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import pins, prefetch
-from .errors import StreamloadError
+from streamload import pins, prefetch
+from streamload.errors import StreamloadError
 
 # Passed on to the server (a supervisor signals this process only). Not SIGINT: a terminal's Ctrl-C
 # reaches the whole process group, the server included, and passed on it would be a second Ctrl-C.
@@ -109,7 +109,7 @@ class _Seeding:
 def _seeder(seed: str, cache_dir: Path | None, options: dict[str, Any]) -> _Seeding:
     """The seeder of `cache_dir` at `seed` (`[HOST:]PORT`), bound (not yet serving). Raises ValueError
     naming a token, certificate or key file that cannot be used."""
-    from .storage.seed import Seeder, address, described
+    from streamload.storage.seed import Seeder, address, described
 
     if cache_dir is None:
         raise ValueError("streamload serve: --seed serves the complete copies kept in --cache-dir: give --cache-dir "

@@ -10,12 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePath
 from typing import NamedTuple
 
-from . import arguments
-from .collector import collector_paused
-from .errors import SourceError
-from .format import FileHeader, TensorInfo
-from .integrity.digests import Known
-from .storage import INDEX_NAME, LocalStorage, PathLike, Source, Storage, storage_for
+from streamload import arguments
+from streamload.collector import collector_paused
+from streamload.errors import SourceError
+from streamload.format import FileHeader, TensorInfo
+from streamload.integrity.digests import Known
+from streamload.storage import INDEX_NAME, LocalStorage, PathLike, Source, Storage, storage_for
 
 
 class Checkpoint(NamedTuple):

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 
-from .device import Delivered
-from .errors import StreamloadError
-from .pipeline import Pipeline, Stopped
-from .plan import Plan
-from .source import Checkpoint
-from .stats import Stats
+from streamload.device import Delivered
+from streamload.errors import StreamloadError
+from streamload.pipeline import Pipeline, Stopped
+from streamload.plan import Plan
+from streamload.source import Checkpoint
+from streamload.stats import Stats
 
 if TYPE_CHECKING:
     from typing_extensions import Self

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UnsupportedError
+from streamload.errors import UnsupportedError
 
 
 def resolve(device: str | torch.device | None) -> torch.device:

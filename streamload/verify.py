@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from .errors import IntegrityError, StreamloadError, UnsupportedError
-from .format import FileHeader, TensorInfo
-from .integrity.digests import (
+from streamload.errors import IntegrityError, StreamloadError, UnsupportedError
+from streamload.format import FileHeader, TensorInfo
+from streamload.integrity.digests import (
     BLOCK_BYTES,
     BLOCK_HASH,
     DIGEST_FILE,
@@ -46,16 +46,16 @@ from .integrity.digests import (
     made_from,
     parse,
 )
-from .pipeline import Hashing
-from .plan import Batch, Item, Piece, Plan
-from .read.base import writable_bytes
-from .source import Checkpoint
-from .stats import Stats
-from .storage import Digest, Files, is_hex
+from streamload.pipeline import Hashing
+from streamload.plan import Batch, Item, Piece, Plan
+from streamload.read.base import writable_bytes
+from streamload.source import Checkpoint
+from streamload.stats import Stats
+from streamload.storage import Digest, Files, is_hex
 
 Verify = bool | Mapping[str, str]
 if TYPE_CHECKING:
-    from .pipeline import Waitable
+    from streamload.pipeline import Waitable
 log = logging.getLogger("streamload")
 
 

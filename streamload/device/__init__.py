@@ -3,8 +3,8 @@ torch device a caller's `device=` means (`resolve`, `same`: torch_device.py), fo
 
 from __future__ import annotations
 
-from ..torch_device import resolve, same
-from .base import Delivered, Device
-from .cpu import MappedCPU, StagedCPU
+from streamload.device.base import Delivered, Device
+from streamload.device.cpu import MappedCPU, StagedCPU
+from streamload.torch_device import resolve, same
 
 __all__ = ["Delivered", "Device", "MappedCPU", "StagedCPU", "resolve", "same"]

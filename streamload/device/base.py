@@ -8,10 +8,10 @@ from typing import Protocol
 
 import torch
 
-from ..dtypes import torch_shape
-from ..limits import shared_limits
-from ..plan import Batch, Item, Piece
-from ..storage import Files
+from streamload.dtypes import torch_shape
+from streamload.limits import shared_limits
+from streamload.plan import Batch, Item, Piece
+from streamload.storage import Files
 
 Delivered = tuple[str, torch.Tensor]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from ..dtypes import torch_shape
-from ..format import TensorInfo
-from ..pages import Release
-from ..plan import Batch, Item
-from ..storage import Files, LocalFiles
-from .base import Assembler, Delivered, HostRing, convert
+from streamload.device.base import Assembler, Delivered, HostRing, convert
+from streamload.dtypes import torch_shape
+from streamload.format import TensorInfo
+from streamload.pages import Release
+from streamload.plan import Batch, Item
+from streamload.storage import Files, LocalFiles
 
 
 class StagedCPU:

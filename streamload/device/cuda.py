@@ -27,10 +27,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..limits import shared_limits
-from ..plan import Batch
-from ..storage import Files
-from .base import Assembler, Delivered, HostRing
+from streamload.device.base import Assembler, Delivered, HostRing
+from streamload.limits import shared_limits
+from streamload.plan import Batch
+from streamload.storage import Files
 
 log = logging.getLogger("streamload")
 

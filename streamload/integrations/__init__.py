@@ -12,19 +12,17 @@ from torch import nn
 
 from streamload import progress
 from streamload.errors import SourceError
+from streamload.integrations.device_map import DeviceMap, mapped_modules, one_device
 from streamload.module import OnLayer
 from streamload.options import TABLE
 from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
 
-from .device_map import DeviceMap, mapped_modules, one_device
-
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from streamload.integrations.diffusers import Dtype
     from streamload.options import Options
-
-    from .diffusers import Dtype
 
 
 @progress.shown  # a bar on a terminal, where transformers draws its "Loading weights"
@@ -87,7 +85,7 @@ def from_pretrained(
     if not is_url(str(path)):
         path = _hub_snapshot(path, options.get("cache_dir"))
         _check_folder(Path(path))
-    from . import diffusers
+    from streamload.integrations import diffusers
 
     if diffusers.kind(path if is_url(str(path)) else Path(path)) is not None:
         if model_class is not None or trust_remote_code:
@@ -95,7 +93,7 @@ def from_pretrained(
             raise ValueError(f"{redacted(path)}: {given} is for transformers models, not diffusers folders")
         return diffusers.from_pretrained(path, device=device, dtype=dtype, variant=variant, on_layer=on_layer,
                                          strict=strict, mapped=mapped_modules(device_map), **options)  # fmt: skip
-    from . import transformers
+    from streamload.integrations import transformers
 
     if variant is not None:
         raise ValueError(

@@ -25,12 +25,11 @@ from torch import nn
 from streamload import device as devices
 from streamload.dtypes import as_torch_dtype
 from streamload.errors import MissingFileError, SourceError, UnsupportedError
+from streamload.integrations.device_map import check_mapped
 from streamload.module import OnLayer, empty_weights, load_into
 from streamload.source import Checkpoint, merged, open_checkpoint
 from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
-
-from .device_map import check_mapped
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -266,7 +265,7 @@ def _build(cls: type, folder: Path, dtype: torch.dtype | None) -> tuple[nn.Modul
         return model, _diffusers_dtypes(cls, dtype)
     import transformers
 
-    from . import transformers_internals as internals
+    from streamload.integrations import transformers_internals as internals
 
     config = cls.config_class.from_pretrained(folder)  # type: ignore[attr-defined]
     dtype = dtype or internals.default_dtype(transformers, config)

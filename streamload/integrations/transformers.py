@@ -23,12 +23,11 @@ from streamload.convert import Conversion, Region, Step
 from streamload.dequantize import FORMATS, Dequantization, Format
 from streamload.dtypes import as_torch_dtype
 from streamload.errors import StreamloadError, UnsupportedError, listed
+from streamload.integrations import transformers_internals as internals
+from streamload.integrations.device_map import check_mapped
 from streamload.module import Filler, OnLayer, empty_weights, fill, make_filler
 from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
-
-from . import transformers_internals as internals
-from .device_map import check_mapped
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

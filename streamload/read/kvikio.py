@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedError
-from ..plan import Batch
-from ..storage import LocalFiles
-from .base import Job, Span, eof_error, read_error, span_groups
+from streamload.errors import UnsupportedError
+from streamload.plan import Batch
+from streamload.read.base import Job, Span, eof_error, read_error, span_groups
+from streamload.storage import LocalFiles
 
 
 def _configure(defaults: Any, wanted: dict[str, int]) -> None:

@@ -19,11 +19,11 @@ import os
 
 import torch
 
-from ..pages import PAGE, madvise
-from ..plan import Batch
-from ..storage import LocalFiles
-from .base import Span, Work, extents, read_error, span_groups
-from .resident import resident
+from streamload.pages import PAGE, madvise
+from streamload.plan import Batch
+from streamload.read.base import Span, Work, extents, read_error, span_groups
+from streamload.read.resident import resident
+from streamload.storage import LocalFiles
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: fault pages in without touching them from user space
 

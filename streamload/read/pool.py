@@ -11,8 +11,8 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from ..limits import shared_limits
-from .base import Job, Work
+from streamload.limits import shared_limits
+from streamload.read.base import Job, Work
 
 
 class Reads:

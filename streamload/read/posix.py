@@ -18,10 +18,10 @@ from collections.abc import Iterator
 
 import torch
 
-from ..plan import Batch
-from ..storage import LocalFiles
-from .base import Job, Span, eof_error, extents, read_error, span_groups, writable_bytes
-from .resident import cached
+from streamload.plan import Batch
+from streamload.read.base import Job, Span, eof_error, extents, read_error, span_groups, writable_bytes
+from streamload.read.resident import cached
+from streamload.storage import LocalFiles
 
 COLD_BYTES = 32 << 20  # the largest request for bytes not in the page cache
 DIRECT_BYTES = 16 << 20  # the largest O_DIRECT request: each reader thread that makes one keeps a buffer this size

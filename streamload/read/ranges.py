@@ -6,9 +6,9 @@ import functools
 
 import torch
 
-from ..plan import Batch
-from ..storage.remote import ObjectFiles
-from .base import Job, Span, spans, writable_bytes
+from streamload.plan import Batch
+from streamload.read.base import Job, Span, spans, writable_bytes
+from streamload.storage.remote import ObjectFiles
 
 
 class RangeReader:

@@ -8,19 +8,19 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .base import INDEX_NAME, Digest, Files, Listing, PathLike, Source, Storage, is_hex, redacted
-from .hub import hub_id
-from .local import LocalFiles, LocalStorage
+from streamload.storage.base import INDEX_NAME, Digest, Files, Listing, PathLike, Source, Storage, is_hex, redacted
+from streamload.storage.hub import hub_id
+from streamload.storage.local import LocalFiles, LocalStorage
 
 
 def _objects(root: str, cache_dir: Path | None) -> Storage:
-    from .remote import ObjectStorage  # obstore is imported only for URLs
+    from streamload.storage.remote import ObjectStorage  # obstore is imported only for URLs
 
     return ObjectStorage(root, cache_dir)
 
 
 def _hub(root: str, cache_dir: Path | None) -> Storage:
-    from .hub import HubStorage  # huggingface_hub is imported only for hub ids
+    from streamload.storage.hub import HubStorage  # huggingface_hub is imported only for hub ids
 
     return HubStorage(cache_dir)
 
@@ -41,7 +41,7 @@ def storage_for(source: Source, cache_dir: PathLike | None = None) -> Storage:
             raise ValueError(
                 f"{redacted(first)}: no storage for {scheme}:// (known: {', '.join(STORAGES)}, or a local path)"
             )
-        from .remote import ObjectPath
+        from streamload.storage.remote import ObjectPath
 
         return make(ObjectPath(first).root, None if cache_dir is None else Path(cache_dir))
     if hub_id(source) is not None:  # "org/name[@revision]" naming nothing local: the hub cache, else the hub

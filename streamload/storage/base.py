@@ -14,9 +14,9 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path, PurePath
 from typing import NamedTuple, Protocol
 
-from ..errors import SourceError
-from ..format import FileHeader
-from ..integrity.digests import Digest, Known
+from streamload.errors import SourceError
+from streamload.format import FileHeader
+from streamload.integrity.digests import Digest, Known
 
 PathLike = str | os.PathLike[str]
 Source = PathLike | Sequence[PathLike]

@@ -36,11 +36,18 @@ from pathlib import Path, PurePath
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from ..errors import IntegrityError, MissingFileError, ReadError, SourceError, StreamloadError, UnsupportedError
-from ..format import FIRST_READ, FileHeader, header_from
-from ..integrity.whole import WholeFile, WholeFileMismatch
-from .base import INDEX_NAME, Copied, Digest, Listing, Partly, Source, is_hex, parse_index
-from .local import LocalFiles, LocalStorage
+from streamload.errors import (
+    IntegrityError,
+    MissingFileError,
+    ReadError,
+    SourceError,
+    StreamloadError,
+    UnsupportedError,
+)
+from streamload.format import FIRST_READ, FileHeader, header_from
+from streamload.integrity.whole import WholeFile, WholeFileMismatch
+from streamload.storage.base import INDEX_NAME, Copied, Digest, Listing, Partly, Source, is_hex, parse_index
+from streamload.storage.local import LocalFiles, LocalStorage
 
 SINGLE_NAME = "model.safetensors"
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?"  # a hub user, org or repo name
@@ -125,7 +132,7 @@ class HubStorage:
     @property
     def first_batch(self) -> int:
         """A first tensor as soon as its own bytes are in, as for objects."""
-        from .pace import SMALLEST  # (pace imports statistics: only a load of a hub id needs it)
+        from streamload.storage.pace import SMALLEST  # (pace imports statistics: only a load of a hub id needs it)
 
         return SMALLEST
 

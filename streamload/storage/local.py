@@ -8,9 +8,9 @@ import threading
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
-from ..errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError
-from ..format import FIRST_READ, FileHeader, header_from
-from .base import INDEX_NAME, Copied, Digest, Listing, Partly, Source, file_list, is_hex, parse_index
+from streamload.errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError
+from streamload.format import FIRST_READ, FileHeader, header_from
+from streamload.storage.base import INDEX_NAME, Copied, Digest, Listing, Partly, Source, file_list, is_hex, parse_index
 
 if TYPE_CHECKING:
     import torch

@@ -67,14 +67,14 @@ from pathlib import Path, PurePath
 from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
 
-from ..errors import SourceError
-from ..format import FileHeader
-from ..integrity.blocks import Outcome, Unit, Units, origin_units
-from ..integrity.digests import DIGEST_FILE, version_of
-from . import cache, peer_proof
-from .base import Copied, Digest, Listing, Partly, Source, redacted
-from .cache import cache_path
-from .remote import ObjectFiles, ObjectPath, ObjectStorage, origin_digests
+from streamload.errors import SourceError
+from streamload.format import FileHeader
+from streamload.integrity.blocks import Outcome, Unit, Units, origin_units
+from streamload.integrity.digests import DIGEST_FILE, version_of
+from streamload.storage import cache, peer_proof
+from streamload.storage.base import Copied, Digest, Listing, Partly, Source, redacted
+from streamload.storage.cache import cache_path
+from streamload.storage.remote import ObjectFiles, ObjectPath, ObjectStorage, origin_digests
 
 log = logging.getLogger("streamload")
 

@@ -58,11 +58,11 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from ..errors import IntegrityError, MissingFileError, ReadError, SourceError, UnsupportedError
-from ..format import FIRST_READ, FileHeader, header_from
-from ..integrity.blocks import origin_known
-from ..integrity.digests import DIGEST_FILE, parse, version_of
-from .base import (
+from streamload.errors import IntegrityError, MissingFileError, ReadError, SourceError, UnsupportedError
+from streamload.format import FIRST_READ, FileHeader, header_from
+from streamload.integrity.blocks import origin_known
+from streamload.integrity.digests import DIGEST_FILE, parse, version_of
+from streamload.storage.base import (
     INDEX_NAME,
     Copied,
     Digest,
@@ -75,11 +75,11 @@ from .base import (
     parse_index,
     redacted,
 )
-from .local import file_identity
-from .pace import SMALLEST, Pace, Timer, pace_of
+from streamload.storage.local import file_identity
+from streamload.storage.pace import SMALLEST, Pace, Timer, pace_of
 
 if TYPE_CHECKING:
-    from .cache import Copies
+    from streamload.storage.cache import Copies
 
 T = TypeVar("T")
 SCHEMES = ("s3", "http", "https")
@@ -239,7 +239,7 @@ class ObjectStorage:
         """The cache's complete copies, each checked by the integrity layer against the origin's digest file
         where it publishes one bound to these versions; else only where every copy is this user's own (another
         user's copy could hold anything: the load then reads from the origin, one warning)."""
-        from .cache import RECORD, lookup
+        from streamload.storage.cache import RECORD, lookup
 
         if self.cache_dir is None or (_unvalidated(headers) and not _unvalidated_allowed()):
             return None  # a copy is only as sure as the load that made it: open() says why
@@ -282,7 +282,7 @@ class ObjectStorage:
             log.warning("streamload: %s: taken as absent: %s", path, exc)
             return None
         if self.cache_dir is not None:
-            from .cache import cache_path, keep
+            from streamload.storage.cache import cache_path, keep
 
             keep(cache_path(self.cache_dir, path), bytes(data), root=self.cache_dir)
         return bytes(data)
@@ -456,7 +456,7 @@ class ObjectFiles:
         _loop().call_soon_threadsafe(storage.pace.restart)
         self._copies: Copies | None = None
         if storage.cache_dir is not None:
-            from .cache import Copies
+            from streamload.storage.cache import Copies
 
             self._copies = Copies(storage.cache_dir, headers, partly() if partly else ())
 
@@ -610,7 +610,7 @@ def _forked() -> None:
     global _LOOP, _LOOP_LOCK, _NATIVE_LOCK
     _LOOP_LOCK, _NATIVE_LOCK = threading.Lock(), threading.Lock()  # a parent's thread may have held them
     _LOOP = None  # the parent's: its selector stays open, unused (closing it would need asyncio's internals)
-    from .pace import restart_all
+    from streamload.storage.pace import restart_all
 
     restart_all()
 

@@ -60,11 +60,11 @@ from urllib.parse import unquote, urlsplit
 
 import h11
 
-from ..atomic import PARTIAL
-from ..format import HEADER_LIMIT
-from .cache import LOCK, RECORD, Folders, Place, open_copy, own, record_of
-from .peer_proof import HEADER, Proofs, read_key, token
-from .peers import DEFAULT_PORT, PREFIX, version_tag
+from streamload.atomic import PARTIAL
+from streamload.format import HEADER_LIMIT
+from streamload.storage.cache import LOCK, RECORD, Folders, Place, open_copy, own, record_of
+from streamload.storage.peer_proof import HEADER, Proofs, read_key, token
+from streamload.storage.peers import DEFAULT_PORT, PREFIX, version_tag
 
 log = logging.getLogger("streamload")
 CONNECTIONS = 32  # connections served at once (default)

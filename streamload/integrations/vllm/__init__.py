@@ -53,9 +53,9 @@ from typing import TYPE_CHECKING, Any
 from streamload.errors import StreamloadError
 
 if TYPE_CHECKING:
-    from .loader import StreamloadModelLoader
-    from .options import FORMAT, OPTIONS, check_options
-    from .report import Report, last_load
+    from streamload.integrations.vllm.loader import StreamloadModelLoader
+    from streamload.integrations.vllm.options import FORMAT, OPTIONS, check_options
+    from streamload.integrations.vllm.report import Report, last_load
 
 TESTED_VLLM = ("0.32.0",)  # the releases the integration (its hook, loaders and reloads) is tested on
 
@@ -97,9 +97,9 @@ def _register_tested() -> None:
     """The load format, the config hook, the weight-transfer engine and `vllm-check`'s hook."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
 
-    from . import check, config_hook
-    from .loader import StreamloadModelLoader
-    from .options import FORMAT
+    from streamload.integrations.vllm import check, config_hook
+    from streamload.integrations.vllm.loader import StreamloadModelLoader
+    from streamload.integrations.vllm.options import FORMAT
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(FORMAT) is not StreamloadModelLoader:
         register_model_loader(FORMAT)(StreamloadModelLoader)
@@ -126,8 +126,7 @@ def _register_refusal(version: str) -> None:
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     from streamload.errors import UnsupportedError
-
-    from .options import FORMAT
+    from streamload.integrations.vllm.options import FORMAT
 
     class Untested(BaseModelLoader):
         def __init__(self, load_config: object) -> None:

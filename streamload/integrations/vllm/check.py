@@ -216,7 +216,7 @@ def _run(model: str, fmt: str, tp: int, loader: dict[str, Any], engine: dict[str
         kwargs.setdefault("distributed_executor_backend", "mp")
     llm = LLM(model=model, load_format=fmt, tensor_parallel_size=tp, **loader, **kwargs)
     try:
-        from .report import last_load
+        from streamload.integrations.vllm.report import last_load
 
         return dict(vars(last_load)) if tp == 1 else {}
     finally:

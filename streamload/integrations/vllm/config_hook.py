@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .options import FORMAT, check_options
-from .startup import ahead
+from streamload.integrations.vllm.options import FORMAT, check_options
+from streamload.integrations.vllm.startup import ahead
 
 
 def install() -> None:

@@ -13,13 +13,12 @@ from torch import nn
 
 from streamload import api
 from streamload.dtypes import torch_shape
+from streamload.integrations.vllm.files import Part
+from streamload.integrations.vllm.placement.dryrun import Diverged, Learned, Replay
+from streamload.integrations.vllm.ranks import tp_rank_world
 from streamload.shard import SKIP, ShardSpec, Slice
 from streamload.source import Checkpoint
 from streamload.stats import Stats
-
-from .files import Part
-from .placement.dryrun import Diverged, Learned, Replay
-from .ranks import tp_rank_world
 
 
 def feed(

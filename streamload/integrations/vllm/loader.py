@@ -17,12 +17,11 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from streamload.collector import collector_paused
-
-from . import direct, reload, restore, seeding
-from .options import check_options
-from .report import last_load
-from .startup import ahead, install_compiled, overlap, recorded
-from .state import LoadState
+from streamload.integrations.vllm import direct, reload, restore, seeding
+from streamload.integrations.vllm.options import check_options
+from streamload.integrations.vllm.report import last_load
+from streamload.integrations.vllm.startup import ahead, install_compiled, overlap, recorded
+from streamload.integrations.vllm.state import LoadState
 
 
 class StreamloadModelLoader(BaseModelLoader):

@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from streamload import options, pins
+from streamload.integrations.vllm.seeding import seed_options
 from streamload.storage.remote import is_url
-
-from .seeding import seed_options
 
 FORMAT = "streamload"  # the load format's name: `load_format="streamload"`
 

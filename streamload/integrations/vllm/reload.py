@@ -43,14 +43,13 @@ from torch import nn
 from vllm.config import ModelConfig
 
 from streamload.errors import StreamloadError
-
-from . import restore
-from .direct import PREDICTED
-from .feed import feed
-from .files import Part, checkpoints, shapes
-from .ranks import Decision, Ranks, tp_group, tp_rank_world
-from .report import record
-from .state import LoadState
+from streamload.integrations.vllm import restore
+from streamload.integrations.vllm.direct import PREDICTED
+from streamload.integrations.vllm.feed import feed
+from streamload.integrations.vllm.files import Part, checkpoints, shapes
+from streamload.integrations.vllm.ranks import Decision, Ranks, tp_group, tp_rank_world
+from streamload.integrations.vllm.report import record
+from streamload.integrations.vllm.state import LoadState
 
 log = logging.getLogger("vllm.streamload")
 

@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from streamload.integrations.vllm.files import Part
+    from streamload.integrations.vllm.placement.dryrun import Learned
     from streamload.stats import Stats
-
-    from .files import Part
-    from .placement.dryrun import Learned
 
 
 @dataclass

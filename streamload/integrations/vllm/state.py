@@ -13,12 +13,11 @@ from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from streamload.integrations.vllm import restore
+from streamload.integrations.vllm.files import Files, Part, checkpoints
+from streamload.integrations.vllm.options import STREAM
 from streamload.stats import Stats
 from streamload.torch_device import resolve
-
-from . import restore
-from .files import Files, Part, checkpoints
-from .options import STREAM
 
 
 class LoadState:

@@ -66,7 +66,7 @@ class StreamloadWeightTransferEngine(WeightTransferEngine[StreamloadInitInfo, St
         self.options: dict[str, Any] = {}
 
     def init_transfer_engine(self, init_info: StreamloadInitInfo) -> None:
-        from .options import check_options
+        from streamload.integrations.vllm.options import check_options
 
         self.options = check_options(init_info.options)
 
@@ -87,8 +87,8 @@ class StreamloadWeightTransferEngine(WeightTransferEngine[StreamloadInitInfo, St
         self._reload(update_info.path, update_info.verify)
 
     def _reload(self, path: str, verify: bool | dict[str, str]) -> None:
-        from .loader import StreamloadModelLoader
-        from .options import FORMAT
+        from streamload.integrations.vllm.loader import StreamloadModelLoader
+        from streamload.integrations.vllm.options import FORMAT
 
         options = {**self.options, **({"verify": verify} if verify else {})}
         loader = StreamloadModelLoader(LoadConfig(load_format=FORMAT, model_loader_extra_config=options))

@@ -29,9 +29,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from .learned import Copy, Diverged, Learned, Pairs, Shapes, Unpredictable
-from .recorder import Recorder, copy_of
-from .standin import stand_in, watching
+from streamload.integrations.vllm.placement.learned import Copy, Diverged, Learned, Pairs, Shapes, Unpredictable
+from streamload.integrations.vllm.placement.recorder import Recorder, copy_of
+from streamload.integrations.vllm.placement.standin import stand_in, watching
 
 T = TypeVar("T")
 

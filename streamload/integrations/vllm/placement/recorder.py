@@ -8,10 +8,9 @@ from collections.abc import Iterable
 
 import torch
 
+from streamload.integrations.vllm.placement.learned import Copy, Diverged, Learned
+from streamload.integrations.vllm.placement.standin import StandIn
 from streamload.shard import Slice
-
-from .learned import Copy, Diverged, Learned
-from .standin import StandIn
 
 # a view's identity: storage, offset, shape, stride, dtype
 ViewKey = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]

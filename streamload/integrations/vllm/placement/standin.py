@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .learned import Diverged, Learned, Unpredictable
+from streamload.integrations.vllm.placement.learned import Diverged, Learned, Unpredictable
 
 
 class Watcher(Protocol):

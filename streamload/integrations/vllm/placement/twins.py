@@ -34,10 +34,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from streamload.integrations.vllm.placement.dryrun import Copy, Learned, Shapes, dry_run
+from streamload.integrations.vllm.placement.recorder import view_key
 from streamload.layer_keys import layer_of
-
-from .dryrun import Copy, Learned, Shapes, dry_run
-from .recorder import view_key
 
 log = logging.getLogger("vllm.streamload")
 _Signature = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]

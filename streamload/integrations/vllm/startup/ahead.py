@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamload import prefetch
+from streamload.integrations.vllm.ranks import Ranks
+from streamload.integrations.vllm.report import last_load
 from streamload.storage import redacted
 
-from ..ranks import Ranks
-from ..report import last_load
-
 if TYPE_CHECKING:
-    from ..state import LoadState
+    from streamload.integrations.vllm.state import LoadState
 
 log = logging.getLogger("vllm.streamload")
 

@@ -37,12 +37,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from streamload import atomic, pins
+from streamload.integrations.vllm.startup.recorded import recorded
+from streamload.integrations.vllm.startup.unpack import unpack
+from streamload.integrations.vllm.startup.vllm_cache import CACHE, cache_root
 from streamload.prefetch import COMPILE_CACHE, MODEL_INFOS, STAGED_INDEX, beside
 from streamload.storage import redacted
-
-from .recorded import recorded
-from .unpack import unpack
-from .vllm_cache import CACHE, cache_root
 
 log = logging.getLogger("vllm.streamload")
 

@@ -20,7 +20,7 @@ def start(options: dict[str, Any], model_config: Any) -> concurrent.futures.Futu
     pinned = pins.pins(options.get("compile_cache"))
     if not pinned:  # off unless the user trusts an archive by its digest: it runs as code
         return None
-    from . import compiled
+    from streamload.integrations.vllm.startup import compiled
 
     source = str(options.get("source") or model_config.model)
     if "://" not in source and not os.path.isdir(source):

@@ -34,18 +34,17 @@ from torch import nn
 
 from streamload.collector import collector_paused
 from streamload.errors import UnsupportedError
-
-from .. import restore
-from ..feed import feed, load_weights_from
-from ..files import Part
-from ..ranks import tp_rank_world
-from ..report import last_load, record
-from .worker import METHOD, worker_loading
+from streamload.integrations.vllm import restore
+from streamload.integrations.vllm.feed import feed, load_weights_from
+from streamload.integrations.vllm.files import Part
+from streamload.integrations.vllm.ranks import tp_rank_world
+from streamload.integrations.vllm.report import last_load, record
+from streamload.integrations.vllm.startup.worker import METHOD, worker_loading
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
 
-    from ..state import LoadState
+    from streamload.integrations.vllm.state import LoadState
 
 log = logging.getLogger("vllm.streamload")
 

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from streamload import atomic
-
-from .vllm_cache import CACHE, cache_root
-from .worker import METHOD, worker_loading
+from streamload.integrations.vllm.startup.vllm_cache import CACHE, cache_root
+from streamload.integrations.vllm.startup.worker import METHOD, worker_loading
 
 log = logging.getLogger("vllm.streamload")
 
