@@ -87,7 +87,7 @@ def prepare(mode: str, folder: Path, scratch: Path) -> Path:
                 while fh.read(64 << 20):
                     pass
     elif mode == "evicted":
-        from streamload.bench import evict
+        from streamload.commands.bench import evict
 
         evict([str(f) for f in files])
     elif mode == "cold":

@@ -78,7 +78,7 @@ def one(loader: str, folder: str) -> None:
 
 
 def run(loader: str, folder: Path, cold: bool) -> dict[str, float]:
-    from streamload.bench import evict, parallel_read
+    from streamload.commands.bench import evict, parallel_read
 
     files = [str(f) for f in folder.rglob("*.safetensors")]
     if cold:
@@ -108,7 +108,7 @@ def main() -> None:
         return one(args.one, str(args.folder))
     if args.folder is None:
         parser.error("give a pipeline folder (make one with --make)")
-    from streamload.bench import compile_streamload
+    from streamload.commands.bench import compile_streamload
 
     compile_streamload()  # as installed: no run compiles our modules
     times: dict[str, dict[str, list[dict[str, float]]]] = {m: {n: [] for n in LOADERS} for m in args.modes.split(",")}

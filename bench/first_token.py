@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from streamload.bench import evict
+from streamload.commands.bench import evict
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "first_token.py"
 MODES = ("transformers", "streamload", "sequential", "overlapped")

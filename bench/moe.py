@@ -153,7 +153,7 @@ print(json.dumps({"seconds": seconds, "tensors": len(state), "with_touch": time.
 
 def core(folder: Path, runs: int) -> None:
     """iter/load against load_file over the shards, warm, fresh processes taking turns."""
-    from streamload.bench import compile_streamload
+    from streamload.commands.bench import compile_streamload
 
     compile_streamload()
     got: dict[str, list[dict[str, float]]] = {"load_file": [], "streamload": []}

@@ -45,7 +45,7 @@ PORT = 8470
 
 
 def make(folder: Path, layers: int) -> None:
-    from streamload.demo import Shape, write_checkpoint
+    from streamload.commands.demo import Shape, write_checkpoint
 
     folder.mkdir(parents=True, exist_ok=True)
     write_checkpoint(folder, Shape(vocab=32000, hidden=2048, intermediate=5632, layers=layers), 2)

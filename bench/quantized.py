@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from streamload.bench import evict
+from streamload.commands.bench import evict
 
 BLOCK = 128
 

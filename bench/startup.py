@@ -23,7 +23,7 @@ PAGE = 4096
 
 
 def _touch(t: object) -> None:
-    """streamload.bench's page touch, repeated: importing it would import streamload before the clock."""
+    """streamload.commands.bench's page touch, repeated: importing it would import streamload before the clock."""
     import torch
 
     assert isinstance(t, torch.Tensor)
@@ -105,8 +105,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.path, args.device, args.child)))
         return
-    from streamload.bench import compile_streamload, parallel_read
-    from streamload.source import open_checkpoint
+    from streamload.commands.bench import compile_streamload, parallel_read
+    from streamload.plan.checkpoint import open_checkpoint
 
     compile_streamload()
 

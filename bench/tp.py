@@ -27,10 +27,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import streamload
-import streamload.verify
+import streamload.pipeline.verify
 from streamload import ShardSpec
-from streamload.bench import _touch, evict
-from streamload.exchange import all_gather
+from streamload.commands.bench import _touch, evict
+from streamload.cooperative.exchange import all_gather
 
 RULES = {
     "*.q_proj.weight": 0, "*.k_proj.weight": 0, "*.v_proj.weight": 0,
@@ -98,8 +98,8 @@ def main() -> None:
     ap.add_argument("--verify", action="store_true", help="each mode also with verify=True")
     args = ap.parse_args()
     files = [str(f.path) for f in streamload.inspect(args.path).files]
-    if args.verify and not (Path(args.path) / streamload.verify.DIGEST_FILE).exists():
-        streamload.verify.write_digests(streamload.inspect(args.path))
+    if args.verify and not (Path(args.path) / streamload.pipeline.verify.DIGEST_FILE).exists():
+        streamload.pipeline.verify.write_digests(streamload.inspect(args.path))
     total = sum(os.path.getsize(f) for f in files)
     print(f"{total / 1e9:.2f} GB, cold page cache, median of {args.runs} runs\n")
     print("| ranks | mode | bytes read per rank (mean) | all ranks together | slowest rank | vs. alone |")
@@ -124,7 +124,7 @@ def main() -> None:
                 per_rank[mode].append(statistics.mean(r["bytes_read"] for r in results))
         alone = statistics.median(slowest[(False, False)])
         if world > 1:
-            slot = streamload.defaults.tuning("cpu", 0).slot_bytes
+            slot = streamload.base.tuning.tuning("cpu", 0).slot_bytes
             ceilings.append(f"{world} ranks: {exchange_gbps(world, slot):.2f} GB/s of slot bytes")
         for mode in modes:
             s, b = statistics.median(slowest[mode]), statistics.median(per_rank[mode])

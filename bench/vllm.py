@@ -113,7 +113,7 @@ def one(fmt: str, model: str, tp: int, dtype: str, extra: dict[str, Any], reload
         report = llm.collective_rpc(_streamload_report)
     reloads: dict[str, float] = {}
     if reload:
-        from streamload.bench import evict
+        from streamload.commands.bench import evict
 
         for how in ("warm", "cold"):
             if how == "cold":
@@ -135,7 +135,7 @@ def _streamload_report(worker: Any) -> dict[str, Any]:
 
 
 def run(fmt: str, model: Path, tp: int, dtype: str, cold: bool, extra: str, reload: bool = False) -> dict[str, Any]:
-    from streamload.bench import evict, parallel_read
+    from streamload.commands.bench import evict, parallel_read
 
     files = [str(f) for f in model.glob("*.safetensors")]
     if cold:
@@ -190,7 +190,7 @@ def main() -> None:
     if args.model is None:
         parser.error("give a model directory (make one with --make)")
     formats = args.formats.split(",")
-    from streamload.bench import compile_streamload
+    from streamload.commands.bench import compile_streamload
 
     compile_streamload()  # as installed: no run compiles our modules
     results: dict[str, dict[str, list[dict[str, Any]]]] = {m: {f: [] for f in formats} for m in args.modes.split(",")}

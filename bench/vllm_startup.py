@@ -9,7 +9,7 @@ creation to its first token:
 - `download`: `streamload.load(url)` alone, imports included;
 - `streamload, prefetch off`: the loader reads when vLLM calls it (after the engine has started);
 - `streamload`: the plugin alone: the weights start moving where vLLM builds its load config (ahead.py);
-- `streamload, ahead`: the script's first line is `streamload.prefetch.ahead(url)`, before vLLM's
+- `streamload, ahead`: the script's first line is `streamload.integrations.startup.prefetch.ahead(url)`, before vLLM's
   import (what `streamload serve -- vllm serve ...` does for a server); the format adopts that fetch;
 - `streamload, overlap`: as `ahead`, with `"overlap": true`: vLLM profiles, compiles and warms up
   while the weights arrive; they are loaded in place after warm-up (integrations/vllm/startup/overlap.py).
@@ -78,7 +78,7 @@ def since_start() -> float:
 
 def one(case: str, model: str, url: str, tp: int, compiled: bool) -> None:
     if case in ("streamload, ahead", "streamload, overlap") or case in COMPILE_CASES:  # the script's first line
-        from streamload import prefetch
+        from streamload.integrations.startup import prefetch
 
         prefetch.ahead(url, compile_cache=_pinned(case))
     if case == "download":
@@ -168,7 +168,7 @@ def main() -> None:
         env["VLLM_CACHE_ROOT"] = str(caches / "warm")
     local = _run(["--one", "local", str(model), ""], flags, env, None)
     if args.compile_cache:
-        from streamload import pins
+        from streamload.integrations.startup import pinned_digests as pins
         from streamload.integrations.vllm.startup import compiled
 
         archive = compiled.publish(model, caches / "warm")

@@ -1,5 +1,5 @@
 import sys
 
-from streamload.cli import main
+from streamload.commands.cli import main
 
 sys.exit(main())

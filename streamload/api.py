@@ -1,4 +1,4 @@
-"""The public face: `iter`, `load`, `inspect`. The stream's two faces are in stream.py."""
+"""The public face: `iter`, `load`, `inspect`. The stream's two faces are in pipeline/stream.py."""
 
 from __future__ import annotations
 
@@ -12,29 +12,30 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from streamload import device as devices
-from streamload import options, progress
-from streamload.defaults import Tuning
-from streamload.errors import IntegrityError, UnsupportedError
-from streamload.limits import check_fits
+from streamload import options
+from streamload.base import progress
+from streamload.base.errors import IntegrityError, UnsupportedError
+from streamload.base.limits import check_fits
+from streamload.base.stats import Stats
+from streamload.base.tuning import Tuning
 from streamload.options import Options, ReadOptions
-from streamload.pipeline import Pipeline
-from streamload.plan import DTypeOption, Order, Patterns, Plan, Share, make_plan
-from streamload.routes import Into, ReaderName, route
-from streamload.source import Checkpoint, PathLike, Source, open_checkpoint
-from streamload.stats import Stats
-from streamload.stream import TensorStream
+from streamload.pipeline.pipeline import Pipeline
+from streamload.pipeline.reader_choice import Into, ReaderName, route
+from streamload.pipeline.stream import TensorStream
+from streamload.plan.checkpoint import Checkpoint, PathLike, Source, open_checkpoint
+from streamload.plan.plan import DTypeOption, Order, Patterns, Plan, Share, make_plan
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from typing_extensions import Unpack
 
+    from streamload.cooperative.exchange import Exchange
+    from streamload.cooperative.fleet import Fleet
     from streamload.device import Device
-    from streamload.exchange import Exchange
-    from streamload.fleet import Fleet
-    from streamload.pipeline import Check
+    from streamload.pipeline.pipeline import Check
+    from streamload.pipeline.verify import Known, Verify
+    from streamload.plan.shard import ShardSpec
     from streamload.read import Reader
-    from streamload.shard import ShardSpec
-    from streamload.verify import Known, Verify
 
 log = logging.getLogger("streamload")
 
@@ -70,7 +71,7 @@ def iter(
         include, exclude: select tensors by pattern(s) or predicate; unselected bytes are never read.
         order: "layer" (layer i before layer i+1 across all files) or "file".
         reader: "auto", or one of `routes.READERS` ("mmap", "posix", "direct", "kvikio", "range").
-        ring_bytes, slots, threads, chunk_bytes: the tuning (default: from the machine, defaults.py);
+        ring_bytes, slots, threads, chunk_bytes: the tuning (default: from the machine, base/tuning.py);
             sizes in bytes or with a unit ("1GiB", "8MiB").
         shard: a `ShardSpec`: keep only this rank's part of each tensor, reading only its bytes.
         cooperative: True (the default group; where none is initialised, the fleet that torch's
@@ -145,7 +146,7 @@ def _left(cooperative: bool | ProcessGroup | Fleet, joined: bool, exchange: Exch
         return
     if cooperative is False or cooperative is None:
         return
-    from streamload.exchange import leave_early
+    from streamload.cooperative.exchange import leave_early
 
     try:
         group = _group(cooperative)
@@ -205,7 +206,7 @@ def _route(
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
     if exchange is None:
         return _Route(tuning, read, make, None, None)
-    from streamload.exchange import cooperative as cooperative_pair  # the parameter keeps its name
+    from streamload.cooperative.exchange import cooperative as cooperative_pair  # the parameter keeps its name
 
     read, make = cooperative_pair(read, make, exchange)
     layout = f"{tuning.slot_bytes}/{order}/{checkpoint.storage.first_batch}"  # what packs shared batches
@@ -226,7 +227,7 @@ def _plan(
     """What is read, in which order and batches, and the digests it is checked against (None: unchecked)."""
     digests = None
     if verify or checkpoint.checks:  # True, or a non-empty mapping (False, None, {}: nothing to verify)
-        from streamload.verify import choose, needs_file_order
+        from streamload.pipeline.verify import choose, needs_file_order
 
         chosen = choose(checkpoint, verify) if verify else {}
         pinned = chosen if isinstance(verify, Mapping) else {}  # the caller's own digests are never replaced
@@ -303,11 +304,11 @@ def _stream(checkpoint: Checkpoint, plan: Plan, way: _Route, digests: Mapping[Pu
 
 
 def _verifier(plan: Plan, digests: Mapping[PurePath, Known], way: _Route) -> Check:
-    from streamload.verify import Verifier
+    from streamload.pipeline.verify import Verifier
 
     if way.exchange is None:
         return Verifier(plan, digests)
-    from streamload.exchange import CooperativeCheck
+    from streamload.cooperative.exchange import CooperativeCheck
 
     # A shared batch's hashing waits on a verifier thread for its exchange: enough threads that every
     # batch in flight can wait (threads start only when needed).
@@ -381,7 +382,7 @@ def _lands(exchange: Exchange | None, verify: Verify) -> tuple[tuple[Into, ...],
 def _exchange(cooperative: bool | ProcessGroup | Fleet, dev: torch.device) -> Exchange | None:
     if cooperative is False or cooperative is None:
         return None
-    from streamload.exchange import Exchange
+    from streamload.cooperative.exchange import Exchange
 
     exchange = Exchange(_group(cooperative), dev)
     return exchange if exchange.world > 1 else None  # alone, there is nothing to divide
@@ -391,7 +392,7 @@ def _group(cooperative: bool | ProcessGroup | Fleet) -> ProcessGroup | Fleet | N
     """The group a cooperative load divides its reads among (None: torch.distributed's default group)."""
     group = None if cooperative is True else cooperative
     if group is None and not _group_initialised():
-        from streamload.fleet import ENVIRONMENT, Fleet
+        from streamload.cooperative.fleet import ENVIRONMENT, Fleet
 
         group = Fleet.from_env()
         if group is None:

@@ -15,18 +15,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict, TypeVar
 
-from streamload import arguments, defaults
+from streamload.base import argument_checks as arguments
+from streamload.base import tuning as defaults
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
-    from streamload.fleet import Fleet
-    from streamload.plan import DTypeOption, Order, Patterns
-    from streamload.routes import ReaderName
-    from streamload.shard import ShardSpec
-    from streamload.source import PathLike
-    from streamload.verify import Verify
+    from streamload.cooperative.fleet import Fleet
+    from streamload.pipeline.reader_choice import ReaderName
+    from streamload.pipeline.verify import Verify
+    from streamload.plan.checkpoint import PathLike
+    from streamload.plan.plan import DTypeOption, Order, Patterns
+    from streamload.plan.shard import ShardSpec
 
 T = TypeVar("T")
 
@@ -40,8 +41,8 @@ def _checked_where_used(value: T, name: str) -> T:
 
 def _shard(value: T, name: str = "shard") -> T:
     if value is None:
-        return value  # shard.py is imported only by those who shard
-    from streamload.shard import ShardSpec
+        return value  # plan/shard.py is imported only by those who shard
+    from streamload.plan.shard import ShardSpec
 
     if not isinstance(value, ShardSpec):
         raise TypeError(f"{name} must be a streamload.ShardSpec, not {arguments.described(value)}")

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from streamload import pins, prefetch
+from streamload.integrations.startup import pinned_digests as pins
+from streamload.integrations.startup import prefetch
 from streamload.integrations.vllm.startup import compiled
 
 LLAMA = "vllm-models-llama-LlamaForCausalLM.json"

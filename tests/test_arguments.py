@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import streamload
-from streamload import arguments
+from streamload.base import argument_checks as arguments
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_iter_options_are_declared_once() -> None:
     ],
 )
 def test_set_limits_refuses_a_thread_count_that_is_not_a_whole_number(value: object, error: type, message: str) -> None:
-    from streamload import limits
+    from streamload.base import limits
 
     before = limits.usage().reader_threads
     try:

@@ -1,5 +1,5 @@
 """A cache directory filled and read by several processes at once (`storage/cache.py`): real processes
-(`python -m streamload.prefetch`, as servers start it), a store capped per connection, SIGKILL at
+(`python -m streamload.integrations.startup.prefetch`, as servers start it), a store capped per connection, SIGKILL at
 several points of a write. Every copy that looks complete is the store's file byte for byte, and every
 later load is bit-exact."""
 
@@ -77,8 +77,17 @@ def reference(store: Path) -> dict[str, torch.Tensor]:
 
 
 def prefetch(url: str, cache: Path, done: Path) -> subprocess.Popen[bytes]:
-    """`python -m streamload.prefetch`, reporting into `done` (kept as the process's `done`)."""
-    cmd = [sys.executable, "-m", "streamload.prefetch", url, "--done", str(done), "--cache-dir", str(cache)]
+    """`python -m streamload.integrations.startup.prefetch`, reporting into `done` (kept as the process's `done`)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamload.integrations.startup.prefetch",
+        url,
+        "--done",
+        str(done),
+        "--cache-dir",
+        str(cache),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     proc.done = done  # type: ignore[attr-defined]
     return proc
@@ -295,7 +304,7 @@ def test_a_second_user_loads_from_the_cache_the_first_filled(
     copy, the second user's load reads from the store, and neither reads the first's other copy unchecked
     there (the cache's root is everyone's, as /tmp is, but the folders under it are the first user's)."""
     from streamload.integrity.digests import DIGEST_FILE
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     url, cache = f"{server.url}/model/", shared_dir / "cache"
     write_digests(streamload.inspect(url), out=store / "model" / DIGEST_FILE)
@@ -426,8 +435,8 @@ def test_complete_copies_behind_a_link_are_not_read(
 
 
 def test_a_fetch_writes_nothing_through_a_link(nested: tuple[RangeServer, str], tmp_path: Path) -> None:
-    """`python -m streamload.prefetch` fills the cache through the same walk: a link for the scheme's
-    folder leaves its target empty, the fetch succeeds, and its one warning names the link."""
+    """`python -m streamload.integrations.startup.prefetch` fills the cache through the same walk: a link for the
+    scheme's folder leaves its target empty, the fetch succeeds, and its one warning names the link."""
     _, url = nested
     cache, outside = tmp_path / "cache", tmp_path / "outside"
     link = plant(cache, url, "scheme", outside)
@@ -639,7 +648,7 @@ def test_two_loads_of_one_object_in_one_process_wait_for_neither(
     import asyncio
     import threading
 
-    from streamload import limits
+    from streamload.base import limits
 
     monkeypatch.setattr(cache_module, "WRITER_STALL", 20.0)
     before = limits.usage().reader_threads

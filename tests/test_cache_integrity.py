@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import streamload
-from streamload.errors import IntegrityError
+from streamload.base.errors import IntegrityError
 from streamload.integrity.digests import DIGEST_FILE
 from streamload.storage import cache as cache_module
 

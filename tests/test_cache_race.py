@@ -1,5 +1,6 @@
 """Two fetches into one cache directory, the one that writes SIGKILLed mid-write (`storage/cache.py`):
-real processes (`python -m streamload.prefetch`, and the `streamload prefetch` command a user types)
+real processes (`python -m streamload.integrations.startup.prefetch`, and the `streamload prefetch` command a user
+types)
 from a loopback store capped per connection, the race run again and again. The survivor takes the
 dead writer's place (it writes the copies itself), never aborts, and reports only what the cache
 holds: every file under a copy's name is the store's, byte for byte.
@@ -139,7 +140,8 @@ def test_the_survivor_of_a_killed_writer_writes_the_copies_and_reports_only_thos
     server: Store, store: Path, tmp_path: Path, run: int
 ) -> None:
     url, cache, point = f"{server.url}/model/", tmp_path / "cache", POINTS[run % len(POINTS)]
-    command = lambda i: ["streamload.prefetch", url, "--done", str(tmp_path / f"{i}.json"), "--cache-dir", str(cache)]  # noqa: E731
+    command = lambda i: ["streamload.integrations.startup.prefetch", url, "--done", str(tmp_path / f"{i}.json"),  # noqa: E731
+                         "--cache-dir", str(cache)]  # fmt: skip
     index, status, _, err = race(server, store, tmp_path, point, command)
     assert status == 0, f"the survivor ended with {status}: {err}"
     report = json.loads((tmp_path / f"{index}.json").read_text())

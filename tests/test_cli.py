@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import streamload
-from streamload.cli import main
-from streamload.demo import Shape, llama_tensors, write_checkpoint
+from streamload.commands.cli import main
+from streamload.commands.demo import Shape, llama_tensors, write_checkpoint
 
 from .conftest import same_bits
 
@@ -147,7 +147,7 @@ def _interrupted(script: str, ready: str, settle: float = 0.0) -> tuple[int, str
 
 def test_ctrl_c_during_load_is_one_line_and_exit_130(small_model: Path) -> None:
     code, err = _interrupted(
-        "import sys, time, streamload.cli as c, streamload.stream as s\n"
+        "import sys, time, streamload.commands.cli as c, streamload.pipeline.stream as s\n"
         "real = s.TensorStream.__next__\n"
         "def slow(self):\n    time.sleep(0.2)\n    return real(self)\n"
         "s.TensorStream.__next__ = slow\n"
@@ -212,7 +212,7 @@ def test_bench_runs_loaders_and_writes_json_and_plot(small_model: Path, tmp_path
 def test_bench_failures_are_one_line_and_fail_the_command(
     small_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from streamload import bench
+    from streamload.commands import bench
 
     dump = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: Expected a torch.device " \
            "with a specified index or an integer, but got:cuda\n" + "arg = 0x7f" * 500  # fmt: skip
@@ -240,7 +240,7 @@ def test_bench_failures_are_one_line_and_fail_the_command(
 
 
 def test_bench_skip_hint_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    from streamload import bench
+    from streamload.commands import bench
 
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)  # as where kvikio is missing
     _, notes = bench.available(["streamload-kvikio"], "cuda:0")
@@ -250,7 +250,8 @@ def test_bench_skip_hint_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_bench_sweep_prints_one_line_per_setting_and_the_best_as_options(
     small_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from streamload import bench, defaults
+    from streamload.base import tuning as defaults
+    from streamload.commands import bench
 
     files = [str(f.path) for f in streamload.inspect(small_model).files]
     options = {"ring_bytes": 1 << 20, "slots": 2, "threads": 2, "chunk_bytes": 1 << 16}
@@ -303,7 +304,7 @@ def test_digest_then_load_verify_and_inspect_shows_the_digests(
 def test_sizes_take_units_and_bad_numbers_say_what_is_wrong(
     small_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from streamload.cli import _size
+    from streamload.commands.cli import _size
 
     assert [_size(s) for s in ("4096", "4MiB", "4M", "4MB", "1.5GiB", "512 KiB")] == [
         4096, 4 << 20, 4 << 20, 4_000_000, 3 << 29, 512 << 10]  # fmt: skip
@@ -334,7 +335,7 @@ def test_the_progress_bar_shows_the_rate_the_summary_prints(small_model: Path) -
     from rich.console import Console
 
     import streamload
-    from streamload.progress import progress_bar
+    from streamload.base.progress import progress_bar
 
     console = Console(file=io.StringIO(), force_terminal=True, width=150)
     stream = streamload.iter(small_model, device="cpu", reader="posix", ring_bytes=65536)
@@ -366,7 +367,7 @@ def test_ctrl_c_while_torch_is_importing_is_one_line(small_model: Path) -> None:
         "        for _ in range(3000): time.sleep(0.01)\n"  # not one sleep: a signal just before it waited 30 s
         "    return real(name, *a, **k)\n"
         "builtins.__import__ = slow\n"
-        "from streamload.cli import main\n"
+        "from streamload.commands.cli import main\n"
         f"sys.exit(main(['load', {str(small_model)!r}, '--device', 'cpu']))",
         "importing",
     )  # fmt: skip
@@ -391,7 +392,7 @@ def test_bench_plot_without_matplotlib_fails_before_running(
 ) -> None:
     import importlib.util
 
-    from streamload import bench
+    from streamload.commands import bench
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
@@ -455,7 +456,7 @@ def test_a_url_with_nothing_after_its_scheme_is_one_line_naming_it(
 def test_seed_port_out_of_range_is_a_usage_error_naming_it(
     tmp_path: Path, port: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from streamload.cli import _parser
+    from streamload.commands.cli import _parser
 
     with pytest.raises(SystemExit) as info:  # parsed only: a port taken would start a seeder serving for ever
         _parser().parse_args(["seed", "--cache-dir", str(tmp_path), "--host", "127.0.0.1", "--port", port])
@@ -488,13 +489,13 @@ def test_seed_refuses_a_cache_dir_that_is_no_folder_before_serving(tmp_path: Pat
 def test_seed_rate_needs_a_unit_and_at_least_a_kb_a_second(
     tmp_path: Path, rate: str, says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from streamload.cli import _parser
+    from streamload.commands.cli import _parser
 
     with pytest.raises(SystemExit) as info:  # parsed only: a rate taken would start a seeder serving for ever
         _parser().parse_args(["seed", "--cache-dir", str(tmp_path), "--port", "0", "--rate", rate])
     err = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2 and len(err) == 1 and "--rate" in err[0] and says in err[0], err
-    from streamload.cli import _rate
+    from streamload.commands.cli import _rate
 
     assert [_rate(r) for r in ("200MB", "50MiB", "1KB", "2 GB")] == [200_000_000, 50 << 20, 1000, 2_000_000_000]
 
@@ -515,7 +516,7 @@ def test_verbose_shows_the_info_lines_and_leaves_logging_as_it_was(
 
 
 def test_reader_help_names_every_reader(capsys: pytest.CaptureFixture[str]) -> None:
-    from streamload.routes import READERS
+    from streamload.pipeline.reader_choice import READERS
 
     with pytest.raises(SystemExit):
         main(["load", "--help"])
@@ -529,7 +530,7 @@ def test_reader_help_names_every_reader(capsys: pytest.CaptureFixture[str]) -> N
 def test_demo_on_mapped_views_says_so_and_times_a_touch_of_every_page(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import streamload.demo as demo
+    import streamload.commands.demo as demo
 
     small = Shape(vocab=256, hidden=64, intermediate=96, layers=2)
     monkeypatch.setattr(demo, "write_checkpoint", lambda directory: write_checkpoint(directory, small))

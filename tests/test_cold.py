@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import streamload
-from streamload.bench import evict
+from streamload.commands.bench import evict
 from streamload.read import mmap as mmap_reader
 from streamload.read import posix
 from streamload.read.resident import cached

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from streamload import pins
+from streamload.integrations.startup import pinned_digests as pins
 from streamload.integrations.vllm.startup import compiled
 
 from .servers import RangeServer
@@ -94,7 +94,7 @@ def test_publish_says_it_packs_every_model_compiled_under_the_cache_root(
 ) -> None:
     """vLLM's compiled folders are named by hashes that do not say which model they compiled, so publish
     packs a cache root's every one: it says so, and how to publish one model's alone."""
-    from streamload.cli import main
+    from streamload.commands.cli import main
 
     model = tmp_path / "model"
     model.mkdir()
@@ -118,7 +118,7 @@ def test_publish_packs_the_folders_an_engine_recorded_for_the_model(
     again where no record names the model or the recorded folder is gone."""
     import tarfile
 
-    from streamload.cli import main
+    from streamload.commands.cli import main
     from streamload.integrations.vllm.startup.recorded import record, recorded
 
     model, other = tmp_path / "model", tmp_path / "other"
@@ -163,7 +163,7 @@ def test_vllms_model_inspections_are_installed_by_the_fetch_started_first(
     """vLLM inspects a model's class (in a subprocess, before any load format runs) unless its cache
     root holds the answer: published with the compiled artifacts, the fetch started before vLLM's
     import puts it there; one the node has is kept."""
-    from streamload import prefetch
+    from streamload.integrations.startup import prefetch
 
     node = tmp_path / "node-a"
     _cache(node)
@@ -207,7 +207,7 @@ def test_the_fetch_started_first_stages_this_nodes_archive_before_the_weights(
     import torch
     from safetensors.torch import save_file
 
-    from streamload import prefetch
+    from streamload.integrations.startup import prefetch
 
     key = compiled.node_key()  # the candidates are picked by the factors known without torch: the same
     assert prefetch._node_without_torch() == {f: key[f] for f in ("vllm", "torch", "python", "machine")}
@@ -265,7 +265,7 @@ def test_a_published_archive_is_neither_fetched_nor_installed_without_the_opt_in
     alone is refused, saying why."""
     from vllm.config.load import LoadConfig
 
-    from streamload import prefetch
+    from streamload.integrations.startup import prefetch
     from streamload.integrations.vllm import StreamloadModelLoader
 
     model, archive = _published(tmp_path)
@@ -310,7 +310,7 @@ def test_a_tampered_archive_is_refused_with_both_digests_and_nothing_of_it_lands
 
     from vllm.config.load import LoadConfig
 
-    from streamload import prefetch
+    from streamload.integrations.startup import prefetch
     from streamload.integrations.vllm import StreamloadModelLoader
 
     model, archive = _published(tmp_path)
@@ -365,7 +365,7 @@ def test_model_inspections_are_installed_only_as_the_plain_data_vllm_parses(
     vLLM's own reader); an odd name, a nested object or a file that is not JSON is left out."""
     from vllm.model_executor.models.registry import _LazyRegisteredModel, _ModelInfo
 
-    from streamload import prefetch
+    from streamload.integrations.startup import prefetch
 
     lazy = _LazyRegisteredModel("vllm.model_executor.models.llama", "LlamaForCausalLM")
     written = tmp_path / "node-a"

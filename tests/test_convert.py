@@ -1,4 +1,4 @@
-"""Converting while streaming (`streamload.convert`, transformers 5's conversion rules): tiny models of
+"""Converting while streaming (`streamload.plan.placement`, transformers 5's conversion rules): tiny models of
 the types transformers converts, saved by transformers itself (experts one by one, multimodal models
 under their older names) and in the model's own fused layout, loaded by `streamload.from_pretrained`:
 the same names, every value bit-equal to transformers' own `from_pretrained`, the same logits."""
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import streamload
-from streamload.convert import Conversion, Region
-from streamload.errors import UnsupportedError
+from streamload.base.errors import UnsupportedError
+from streamload.plan.placement import Conversion, Region
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.conversion_mapping", reason="transformers 5 converts checkpoints while loading")

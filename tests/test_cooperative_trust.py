@@ -135,7 +135,7 @@ def _as_host(host: dict[str, Any], result: dict[str, Any]) -> None:
     of the one (device, inode, mtime) of an image provisioned alike on every host (`CLONED`), its file
     system a network one (`host["mount"]`: type, source) where given; `result["fingerprinted"]` says
     whether it had to compare the files' bytes with the others'."""
-    from streamload import exchange
+    from streamload.cooperative import exchange
     from streamload.storage import local
 
     device, inode, mtime = CLONED
@@ -200,7 +200,7 @@ def test_versions_that_differ_in_the_middle_are_refused_by_their_digests(
     versions: dict[str, Path], tmp_path: Path
 ) -> None:
     """One byte of a tensor in the middle of the file differs: the digest files next to them tell."""
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     for n in ("a", "m"):
         shutil.copytree(versions[n].parent, tmp_path / n)
@@ -275,7 +275,7 @@ def test_network_file_systems_are_told_from_a_hosts_own(tmp_path: Path, monkeypa
     """Read from the mount table: NFS (its export and server address), CephFS and Lustre are network
     file systems; a disk, an overlay, tmpfs and FUSE (its inode numbers are each host's daemon's) are
     not, nor is a line that cannot be read."""
-    from streamload import exchange
+    from streamload.cooperative import exchange
 
     table = tmp_path / "mountinfo"
     table.write_text(
@@ -303,7 +303,7 @@ def test_an_object_on_a_loopback_server_is_each_hosts_own(monkeypatch: pytest.Mo
     whose ETags are often its files' mtime and size): there the version names the host too."""
     from types import SimpleNamespace
 
-    from streamload import exchange
+    from streamload.cooperative import exchange
 
     objects = SimpleNamespace(storage=SimpleNamespace(kind="object"))
 

@@ -187,7 +187,7 @@ def test_load_into_in_place_on_cuda(tmp_path: Path, reader: str) -> None:
 def test_staging_slots_are_really_pinned_and_a_refused_registration_falls_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from streamload.limits import shared_limits
+    from streamload.base.limits import shared_limits
 
     state = {f"w{i}": random_tensor(torch.float16, (256, 256), seed=i) for i in range(4)}
     save_file(state, tmp_path / "m.safetensors")

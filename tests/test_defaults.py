@@ -1,4 +1,4 @@
-"""The defaults derived from the machine: the rule in defaults.py, and that iter() applies it."""
+"""The defaults derived from the machine: the rule in base/tuning.py, and that iter() applies it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import streamload
-from streamload import defaults
+from streamload.base import tuning as defaults
 
 MiB, GiB = 1 << 20, 1 << 30
 

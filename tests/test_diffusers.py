@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import streamload
-from streamload.errors import StreamloadError
+from streamload.base.errors import StreamloadError
 
 from . import diffusers_pipelines as made
 from .conftest import assert_torch_layout, in_torch_layout, same_bits

@@ -148,7 +148,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     """A working folder where the pages' paths exist, its servers running; yields the substitutions."""
     from safetensors import safe_open
 
-    from streamload.cli import main
+    from streamload.commands.cli import main
 
     from .diffusers_pipelines import stable_diffusion
     from .servers import RangeServer, s3_server, upload

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from streamload.integrations.vllm.placement.dryrun import Diverged, Unpredictable, dry_run, replay
-from streamload.shard import Slice
+from streamload.plan.shard import Slice
 
 Pairs = Iterable[tuple[str, torch.Tensor]]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from streamload.format import FIRST_READ
+from streamload.format.header import FIRST_READ
 from tests.fleet_node import start
 from tests.netsim import Net
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import streamload
-from streamload.format import HEADER_LIMIT
+from streamload.format.header import HEADER_LIMIT
 from streamload.storage.local import LocalStorage
 
 from .conftest import write_header, write_raw
@@ -142,8 +142,8 @@ def test_fifo_is_refused_not_read(tmp_path: Path) -> None:
 def test_tensor_count_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     entries = {f"t{i}": ("U8", [1], bytes([i])) for i in range(6)}
     path = write_raw(tmp_path / "many.safetensors", entries)
-    monkeypatch.setattr(streamload.format, "TENSOR_LIMIT", 5)
+    monkeypatch.setattr(streamload.format.header, "TENSOR_LIMIT", 5)
     with pytest.raises(streamload.HeaderError, match=r"many\.safetensors: header lists 6 tensors, more than the limit"):
         read_header(path)
-    monkeypatch.setattr(streamload.format, "TENSOR_LIMIT", 6)
+    monkeypatch.setattr(streamload.format.header, "TENSOR_LIMIT", 6)
     assert len(read_header(path).tensors) == 6

@@ -84,8 +84,8 @@ def test_every_e8m0_byte_scales_as_transformers_own_operation(
     """Each of the 256 bytes as a block's scale (0: 2**-127, 254: 2**127, 255: inf as uint8, NaN as
     float8_e8m0fnu) times float8 values, through both of `fp8_blocks`' ways (torch's conversion for few
     values, the widening by bits in chunks for many): transformers' `Fp8Dequantize` bit for bit."""
-    from streamload import dequantize
-    from streamload.dequantize import fp8_blocks
+    from streamload.quant import dequantize
+    from streamload.quant.dequantize import fp8_blocks
 
     monkeypatch.setattr(dequantize, "_CHUNK", 2 * 256)  # two rows a chunk: many chunks
     op = theirs_op()

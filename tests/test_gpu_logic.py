@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from streamload import UnsupportedError, routes
-from streamload.defaults import Tuning
+from streamload import UnsupportedError
+from streamload.base.tuning import Tuning
+from streamload.pipeline import reader_choice as routes
 from streamload.read import kvikio as kvikio_reader
 
 
@@ -106,8 +107,8 @@ class FakeCudart:
 
 
 def test_a_refused_registration_clears_cudas_error_and_is_not_retried(monkeypatch: Any) -> None:
+    from streamload.base.limits import HostSlots
     from streamload.device import cuda
-    from streamload.limits import HostSlots
 
     cudart = FakeCudart(register_error=1)  # cudaErrorInvalidValue, as for memory CUDA cannot lock
     cleared: list[bool] = []
@@ -121,8 +122,8 @@ def test_a_refused_registration_clears_cudas_error_and_is_not_retried(monkeypatc
 
 
 def test_only_the_bytes_used_are_registered_and_a_dropped_slot_is_forgotten(monkeypatch: Any) -> None:
+    from streamload.base.limits import HostSlots
     from streamload.device import cuda
-    from streamload.limits import HostSlots
 
     cudart = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
@@ -155,8 +156,8 @@ def test_cuda_is_resolved_to_the_callers_current_device(monkeypatch: Any) -> Non
 def test_a_slot_dropped_without_being_given_back_is_unregistered(monkeypatch: Any) -> None:
     import gc
 
+    from streamload.base.limits import HostSlots
     from streamload.device import cuda
-    from streamload.limits import HostSlots
 
     cudart = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
@@ -217,7 +218,7 @@ def exchange(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     import torch.distributed as dist
 
-    from streamload import exchange as exchange_module
+    from streamload.cooperative import exchange as exchange_module
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -240,7 +241,7 @@ def test_a_collective_past_its_deadline_is_an_error_naming_the_tensors_and_abort
     from safetensors.torch import save_file
 
     import streamload
-    from streamload.plan import make_plan
+    from streamload.plan.plan import make_plan
     from tests.conftest import random_tensor
 
     save_file({"layers.0.w": random_tensor(torch.float32, (64, 64))}, tmp_path / "model.safetensors")
@@ -267,7 +268,7 @@ def test_a_collective_past_its_deadline_is_an_error_naming_the_tensors_and_abort
 
 
 def test_a_failed_collective_raises_the_backends_error() -> None:
-    from streamload.exchange import wait
+    from streamload.cooperative.exchange import wait
 
     class Failed:
         def is_completed(self) -> bool:

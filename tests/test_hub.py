@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import streamload
-from streamload.errors import MissingFileError, SourceError, StreamloadError
+from streamload.base.errors import MissingFileError, SourceError, StreamloadError
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 constants = pytest.importorskip("huggingface_hub.constants")

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import streamload
-from streamload.errors import IntegrityError, MissingFileError
+from streamload.base.errors import IntegrityError, MissingFileError
 
 from .test_hub import COMMIT, REPO, StandIn, _downloads_ended, _online, _original, _same
 from .test_hub import hub as hub  # the fixture: the stand-in, online, with a hub cache of the test's own
@@ -277,7 +277,7 @@ def test_a_blob_another_user_wrote_in_the_hub_cache_is_refused_not_hashed_agains
     os.chown(blob, 65534, 65534)
     for online in (True, False):
         _online(monkeypatch, online)
-        with pytest.raises(streamload.errors.SourceError, match="another user") as caught:
+        with pytest.raises(streamload.base.errors.SourceError, match="another user") as caught:
             streamload.load(REPO, device="cpu")
         assert str(blob.name) in str(caught.value)
     os.chown(blob, os.geteuid(), os.getegid())

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import streamload
-from streamload.errors import StreamloadError, UnsupportedError
+from streamload.base.errors import StreamloadError, UnsupportedError
 
 from .conftest import same_bits
 
@@ -108,7 +108,7 @@ def test_into_rank_parts_read_whole_or_sliced(tmp_path: Path, reader: str) -> No
 
 def test_an_explicit_slice_outside_the_tensor_is_refused(tmp_path: Path) -> None:
     save_file({"w": torch.zeros(8, 4)}, str(tmp_path / "m.safetensors"))
-    from streamload.shard import Slice
+    from streamload.plan.shard import Slice
 
     for bad in (Slice(0, 6, 4), Slice(2, 0, 1), Slice(1, -1, 2)):
         spec = streamload.ShardSpec(lambda name, shape, bad=bad: bad, rank=0, world_size=2)
@@ -203,7 +203,7 @@ def test_destinations_in_host_memory_are_read_straight_into(tmp_path: Path, cold
     read itself (`Item.read_in_place`): no slot holds them and nothing copies them. Tensors larger than a slot
     and than a request, small ones side by side, views inside one larger tensor, a transposed view
     and another dtype (those two through the slot): all bit-exact against load_file."""
-    from streamload.bench import evict
+    from streamload.commands.bench import evict
 
     g = torch.Generator().manual_seed(3)
     tensors = {"big": torch.randn(300, 70, generator=g), "t": torch.randn(8, 6, generator=g),

@@ -19,7 +19,7 @@ PACKAGE = ROOT / "streamload"
 # Attributes of other libraries' objects that a module of ours reads, and that one of our own classes
 # also happens to name: (module, attribute) -> why.
 FOREIGN = {
-    ("exchange.py", "_timeout"): "torch's: a process group backend's options (the exchange's deadline)",
+    ("cooperative/exchange.py", "_timeout"): "torch's: a process group backend's options (the exchange's deadline)",
 }
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import streamload
-from streamload.layer_keys import group_of
+from streamload.plan.layer_keys import group_of
 
 pytestmark = pytest.mark.anyio
 
@@ -148,13 +148,13 @@ def test_on_layer_fires_before_the_last_bytes(
 ) -> None:
     _, path = tiny_checkpoint
     streams = []
-    real = streamload.module.layers
+    real = streamload.nn.load_into.layers
 
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
         streams.append(real(*args, **kwargs))
         return streams[-1]
 
-    monkeypatch.setattr(streamload.module, "layers", spy)
+    monkeypatch.setattr(streamload.nn.load_into, "layers", spy)
     progress = []
     model = Tiny()
     streamload.load_into(model, path, device="cpu", reader="posix", ring_bytes=8 * 1024, slots=2,

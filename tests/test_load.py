@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import streamload
-from streamload.plan import SLOT_ALIGN, make_plan
-from streamload.source import open_checkpoint
+from streamload.plan.checkpoint import open_checkpoint
+from streamload.plan.plan import SLOT_ALIGN, make_plan
 
 from .conftest import random_tensor, same_bits, write_raw
 
@@ -260,7 +260,7 @@ def test_the_package_shows_only_its_public_names() -> None:
 def test_every_face_verifies(tmp_path: Path) -> None:
     from torch import nn
 
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     state = {"layers.0.w": torch.randn(8, 8), "layers.1.w": torch.randn(8, 8)}
     save_file(state, tmp_path / "m.safetensors")

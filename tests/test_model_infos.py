@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from streamload import prefetch
+from streamload.integrations.startup import prefetch
 
 LLAMA = "vllm-model_executor-models-llama-LlamaForCausalLM.json"
 GPT2 = "vllm-model_executor-models-gpt2-GPT2LMHeadModel.json"

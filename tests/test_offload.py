@@ -209,7 +209,7 @@ def test_mapped_blocks_are_kept_as_views_across_passes(llama: Path, monkeypatch:
     """CPU, mapped reader: a streamed block is views of the kept file mappings (no memory of its own),
     so only the first pass streams it; outputs stay identical. Converted blocks are copies: streamed
     every pass, never kept."""
-    from streamload.offloaded import Offloaded
+    from streamload.nn.offload import Offloaded
 
     whole = streamload.from_pretrained(llama, device="cpu")
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Working directories and their owners (`owned.py`) where a folder is shared by hosts (a home over NFS,
+"""Working directories and their owners (`base/leftovers.py`) where a folder is shared by hosts (a home over NFS,
 as on most Slurm clusters): only this host's leftovers are removed, another host's are left to it; and
 the fetch of an engine killed without its exit handlers removes the folder it was writing in."""
 
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from streamload import owned, prefetch
+from streamload.base import leftovers as owned
+from streamload.integrations.startup import prefetch
 
 from .conftest import write_raw
 from .servers import RangeServer
@@ -34,7 +35,7 @@ def _recorded(parent: Path, **changes: object) -> Path:
 
 
 def _made_by_a_process_that_ended(parent: Path) -> Path:
-    code = "import sys; from streamload import owned; print(owned.make(sys.argv[1], sys.argv[2]))"
+    code = "import sys; from streamload.base import leftovers as owned; print(owned.make(sys.argv[1], sys.argv[2]))"
     said = subprocess.run([sys.executable, "-c", code, PREFIX, str(parent)], capture_output=True, text=True, check=True)
     return Path(said.stdout.strip())
 
@@ -80,7 +81,7 @@ def test_a_process_under_another_host_name_keeps_its_directory(tmp_path: Path) -
     """A real second "host": a process in a UTS namespace of its own, named otherwise, makes its
     directory; this host's sweep leaves it alone while it runs and after it has ended (its host judges it)."""
     code = (
-        "import socket, sys; socket.sethostname('streamload-node-2'); from streamload import owned; "
+        "import socket, sys; socket.sethostname('streamload-node-2'); from streamload.base import leftovers as owned; "
         "print(owned.make(sys.argv[1], sys.argv[2]), flush=True); sys.stdin.read()"
     )
     other = subprocess.Popen(["unshare", "--uts", sys.executable, "-c", code, PREFIX, str(tmp_path)],
@@ -128,7 +129,7 @@ def test_the_fetch_of_a_killed_engine_removes_its_staging(tmp_path: Path) -> Non
     temp, cache = tmp_path / "tmp", tmp_path / "cache"
     temp.mkdir()
     code = (
-        "import sys; from streamload import prefetch; "
+        "import sys; from streamload.integrations.startup import prefetch; "
         "s = prefetch.ahead(sys.argv[1], *sys.argv[2:]); print(s['pid'], s['done'], flush=True); sys.stdin.read()"
     )
     env = {**os.environ, "TMPDIR": str(temp)}

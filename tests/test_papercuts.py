@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import streamload
-from streamload.demo import Shape, write_checkpoint
-from streamload.shard import ShardSpec
+from streamload.commands.demo import Shape, write_checkpoint
+from streamload.plan.shard import ShardSpec
 
 from .conftest import Mount
 from .servers import RangeServer
@@ -205,7 +205,7 @@ def test_vllm_check_of_a_path_that_is_not_there_is_one_line_before_vllm_is_impor
 
 def test_vllm_check_api_names_a_missing_path_and_a_file(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    from streamload.errors import MissingFileError, SourceError
+    from streamload.base.errors import MissingFileError, SourceError
     from streamload.integrations.vllm.check import check
 
     with pytest.raises(MissingFileError, match=r"^/nope: no such directory \(nor a Hugging Face model id\)$"):
@@ -270,7 +270,7 @@ def test_shard_rules_that_match_no_tensor_are_named(tmp_path: Path) -> None:
 
 
 def test_publish_names_what_is_not_a_tensor_and_writes_nothing(tmp_path: Path) -> None:
-    from streamload.publish import publish
+    from streamload.commands.publish import publish
 
     cases: list[tuple[object, str]] = [
         ({"a": 3}, "tensor 'a': must be a torch.Tensor, not int 3"),
@@ -433,7 +433,7 @@ def test_a_member_waiting_for_rank_0_says_so_and_gives_up_at_its_timeout(
 ) -> None:
     import datetime
 
-    from streamload import fleet as fleets
+    from streamload.cooperative import fleet as fleets
 
     monkeypatch.setattr(fleets, "_SAY_AFTER", 0.5)
     monkeypatch.setattr(fleets, "_SAY_EVERY", 1.0)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import streamload
-from streamload.demo import Shape, write_checkpoint
+from streamload.commands.demo import Shape, write_checkpoint
 
 from .conftest import Mount
 
@@ -115,13 +115,13 @@ def test_an_index_that_maps_no_tensor_is_warned_of(tmp_path: Path) -> None:
 def test_bench_into_a_folder_it_cannot_write_fails_before_any_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], mount: Mount
 ) -> None:
-    import streamload.bench
-    from streamload.cli import main
+    import streamload.commands.bench
+    from streamload.commands.cli import main
 
     def ran(*args: object, **kwargs: object) -> None:
         raise AssertionError("the benchmark ran before its output's folder was checked")
 
-    monkeypatch.setattr(streamload.bench, "bench", ran)
+    monkeypatch.setattr(streamload.commands.bench, "bench", ran)
     (tmp_path / "model").mkdir()
     folder = small_checkpoint(tmp_path / "model")
     missing = tmp_path / "no-such-folder" / "b.json"
@@ -135,7 +135,7 @@ def test_bench_into_a_folder_it_cannot_write_fails_before_any_run(
 
 def test_the_readme_summary_of_load_names_each_of_its_options() -> None:
     """The README's command-line block shows `load` with every option its parser takes (--cache-dir was left out)."""
-    from streamload.cli import _parser
+    from streamload.commands.cli import _parser
 
     block = (ROOT / "README.md").read_text().split("## Command line", 1)[1].split("```", 2)[1]
     line = next(x for x in block.splitlines() if x.startswith("streamload load "))

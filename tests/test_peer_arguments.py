@@ -1,5 +1,5 @@
 """`peers=`'s entries: each one text (a peer's URL, `host[:port]` or a name), or the load is refused in
-one line naming the entry, whatever entry point takes it (storage/peers.py `names`, `resolve`; arguments.py)."""
+one line naming the entry, whatever entry point takes it (storage/peers.py `names`, `resolve`; argument_checks.py)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 import streamload
-from streamload.errors import IntegrityError
+from streamload.base.errors import IntegrityError
 from streamload.integrity.digests import DIGEST_FILE
 
 from .servers import RangeServer
@@ -45,7 +45,7 @@ def _lines(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list
 def test_no_line_names_a_peers_password(
     served: tuple[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     url, folder = served
     write_digests(streamload.inspect(url), out=folder / DIGEST_FILE)

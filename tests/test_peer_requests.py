@@ -23,11 +23,11 @@ from typing import NamedTuple
 import pytest
 
 import streamload
+from streamload.servers.seed import Seeder
 from streamload.storage import peer_proof
 from streamload.storage.cache import version_of
 from streamload.storage.peers import url_path, version_tag
 from streamload.storage.remote import ObjectPath
-from streamload.storage.seed import Seeder
 
 from .test_peers import Store, assert_same, sent, store, warnings_of
 

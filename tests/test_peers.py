@@ -25,9 +25,9 @@ from safetensors.torch import load_file, save_file
 
 import streamload
 from streamload.integrity.digests import DIGEST_FILE
+from streamload.servers.seed import Seeder
 from streamload.storage.peers import resolve, url_path, version_tag
 from streamload.storage.remote import ObjectPath
-from streamload.storage.seed import Seeder
 
 from .conftest import same_bits
 from .servers import RangeServer
@@ -56,7 +56,7 @@ def _write(folder: Path, digests: bool) -> None:
         index.update(dict.fromkeys(state, name))
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
     if digests:
-        from streamload.verify import write_digests
+        from streamload.pipeline.verify import write_digests
 
         write_digests(streamload.inspect(folder))
 
@@ -64,7 +64,7 @@ def _write(folder: Path, digests: bool) -> None:
 def publish_digests(url: str, folder: Path) -> None:
     """The digest file of the checkpoint at `url`, made by reading it from the store (so that each entry names
     the version of the object it was made from), published beside the objects."""
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     write_digests(streamload.inspect(url), out=folder / DIGEST_FILE)
 
@@ -177,7 +177,7 @@ def test_three_peers_serve_everything_exactly(store: Store, tmp_path: Path, capl
 
 
 def test_prefetch_fetch_and_a_name_whose_addresses_are_the_peers(store: Store, tmp_path: Path) -> None:
-    from streamload.prefetch import fetch
+    from streamload.integrations.startup.prefetch import fetch
 
     before = sent(store)
     with seeders(store.seeded) as (peer,):

@@ -129,7 +129,7 @@ def test_serve_fetches_from_peers_then_seeds_until_its_server_exits(store: Store
 
 
 def test_serve_seed_is_checked_before_the_server_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from streamload.cli import main
+    from streamload.commands.cli import main
 
     ran = tmp_path / "ran"
     touch = ["--", sys.executable, "-c", f"open({str(ran)!r}, 'w')"]
@@ -195,7 +195,7 @@ def test_a_loaded_worker_seeds_until_its_model_is_freed(
 def test_load_with_peers_prints_what_the_peers_served(
     store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from streamload.cli import main
+    from streamload.commands.cli import main
 
     with seeders(store.seeded) as (a,):
         assert main(["load", store.url, "--device", "cpu", "--cache-dir", str(tmp_path / "c"), "--peers", a.url]) == 0

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import streamload
+from streamload.base.limits import shared_limits
 from streamload.device import StagedCPU
-from streamload.limits import shared_limits
 
 from .conftest import open_fds, own_threads, random_tensor, same_bits
 
@@ -375,7 +375,7 @@ def test_host_slots_are_kept_for_the_next_stream_within_the_cap(model: Path) -> 
 
 
 def test_host_slots_are_pinned_once_and_unpinned_when_dropped() -> None:
-    from streamload.limits import HostSlots
+    from streamload.base.limits import HostSlots
 
     host, registered, undone = HostSlots(), [], []
 

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import streamload
-from streamload import prefetch
-from streamload.bench import evict
+from streamload.commands.bench import evict
+from streamload.integrations.startup import prefetch
 from tests.servers import RangeServer
 
 
@@ -105,7 +105,7 @@ def test_the_prefetch_dies_with_the_process_that_started_it(tmp_path: Path) -> N
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; from streamload import prefetch; "
+            "import sys, time; from pathlib import Path; from streamload.integrations.startup import prefetch; "
             "p = prefetch.start(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])); "
             "print(p.pid, flush=True); time.sleep(120)",
             f"{server.url}/m/",
@@ -179,7 +179,7 @@ def test_a_fetch_from_object_storage_imports_no_torch_and_completes_file_after_f
     (store / "model.safetensors.index.json").write_text(json.dumps(index))
     server = RangeServer(tmp_path / "store", rate=2 << 20)  # 2 MiB a file: a second each, one read at a time
     cache, done = tmp_path / "cache", tmp_path / "done.json"
-    code = ("import sys; from streamload import prefetch; rc = prefetch.main(sys.argv[1:]); "
+    code = ("import sys; from streamload.integrations.startup import prefetch; rc = prefetch.main(sys.argv[1:]); "
             "print('torch' in sys.modules); sys.exit(rc)")  # fmt: skip
     try:
         argv = [f"{server.url}/m/", "--done", str(done), "--cache-dir", str(cache), "--threads", "1"]
@@ -203,7 +203,7 @@ def _ahead_then_killed(tmp_path: Path, url: str, engines: int) -> list[Path]:
     """Processes that start a fetch ahead (as an engine's does), each with a part-written file in its
     staging, all SIGKILLed mid-download: no exit handler runs. Their staging directories."""
     code = (
-        "import sys, time; from streamload import prefetch; s = prefetch.ahead(sys.argv[1]); "
+        "import sys, time; from streamload.integrations.startup import prefetch; s = prefetch.ahead(sys.argv[1]); "
         "open(s['cache_dir'] + '/x.safetensors.partial.h.1.r', 'wb').write(b'half'); "
         "print(s['cache_dir'], s['pid'], flush=True); time.sleep(120)"
     )
@@ -229,7 +229,7 @@ def test_a_killed_engines_staging_is_removed_by_the_next_start(tmp_path: Path, m
     process that runs, also one recorded under a reused process id (another start time) is removed."""
     import tempfile
 
-    from streamload import owned
+    from streamload.base import leftovers as owned
 
     _checkpoint(tmp_path / "store" / "m")
     server = RangeServer(tmp_path / "store")
@@ -239,7 +239,7 @@ def test_a_killed_engines_staging_is_removed_by_the_next_start(tmp_path: Path, m
     try:
         left = _ahead_then_killed(temp, f"{server.url}/m/", 3)
         assert all(p.is_dir() and any(p.rglob("*.partial.*")) for p in left)
-        running = subprocess.Popen([sys.executable, "-c", "import sys, time; from streamload import owned; "
+        running = subprocess.Popen([sys.executable, "-c", "import sys, time; from streamload.base import leftovers as owned; "
                                     "print(owned.make('streamload-prefetch-', sys.argv[1]), flush=True); "
                                     "time.sleep(60)", str(temp)], stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:

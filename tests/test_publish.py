@@ -1,4 +1,4 @@
-"""A trainer's steps written atomically (streamload.publish): what a server reads is what was written,
+"""A trainer's steps written atomically (streamload.commands.publish): what a server reads is what was written,
 bit for bit, with the digest file `verify=` checks; a step is never half there, and never rewritten."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import streamload
-from streamload.publish import publish
+from streamload.commands.publish import publish
 
 from .conftest import same_bits
 

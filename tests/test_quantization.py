@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import streamload
-from streamload.cli import main
-from streamload.quantization import describe
+from streamload.commands.cli import main
+from streamload.quant.identify import describe
 
 from .conftest import same_bits, write_raw
 
@@ -236,8 +236,8 @@ def test_every_float8_value_times_any_scale_is_transformers_own_product(
     vectorized conversion), not by torch's float8 one, which bounded a load's time: every one of the 256
     values times scales from subnormal to where the shortcut steps aside gives transformers' formula's
     bits (float32 product, cast once), NaN included."""
-    from streamload import dequantize
-    from streamload.dequantize import fp8_blocks
+    from streamload.quant import dequantize
+    from streamload.quant.dequantize import fp8_blocks
 
     monkeypatch.setattr(dequantize, "_CHUNK", 128 * 256)  # a block row at a time: two chunks here
     rows = torch.stack([torch.arange(256, dtype=torch.uint8).roll(i) for i in range(256)])  # each value in each column
@@ -255,8 +255,8 @@ def test_every_float8_value_times_any_scale_is_transformers_own_product(
 def test_stacked_fp8_matrices_take_one_scale_grid_or_one_each(monkeypatch: pytest.MonkeyPatch) -> None:
     """Experts stacked [E, rows, cols] with one scale, one block grid for all, or one grid each: each
     block times its own scale, over several chunks, as the broadcast product gives it."""
-    from streamload import dequantize
-    from streamload.dequantize import fp8_blocks
+    from streamload.quant import dequantize
+    from streamload.quant.dequantize import fp8_blocks
 
     monkeypatch.setattr(dequantize, "_CHUNK", 128 * 512)  # a block row at a time
     weight = (torch.randn(4, 256, 512, generator=torch.Generator().manual_seed(0)) * 50).to(torch.float8_e4m3fn)
@@ -286,7 +286,7 @@ def test_released_tensors_file_pages_leave_the_process_and_nothing_else_does(tmp
     its pages leave the process (the mapped reader's views kept the whole checkpoint's pages resident to
     the end: 1.59x of the model's bytes, docs/benchmarks.md); a page it shares with a neighbour goes once
     the neighbour is released too, never while the neighbour is in use; memory no file maps stays."""
-    from streamload.pages import Release
+    from streamload.base.page_release import Release
 
     data = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB
     (tmp_path / "f").write_bytes(data.numpy().tobytes())

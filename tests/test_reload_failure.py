@@ -121,7 +121,7 @@ def _cut(root: Path, new: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     import streamload
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     target = root / "llama-new-cut"
     shutil.copytree(new, target)

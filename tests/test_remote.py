@@ -353,7 +353,7 @@ def test_s3_etag_md5_verifies_whole_objects(checkpoint: Path, monkeypatch: pytes
     with s3_server(monkeypatch) as s3:
         upload(s3, "models", "llama/", checkpoint)
         ckpt = streamload.inspect("s3://models/llama/")
-        known = streamload.verify.known_digests(ckpt)
+        known = streamload.pipeline.verify.known_digests(ckpt)
         assert [k.whole.hex for k in known.values()] == [hashlib.md5(f.read_bytes()).hexdigest() for f in shards]
         with streamload.iter("s3://models/llama/", device="cpu", verify=True) as stream:
             got = dict(stream)
@@ -367,7 +367,7 @@ def test_s3_etag_md5_verifies_whole_objects(checkpoint: Path, monkeypatch: pytes
 def test_http_digest_file_next_to_the_objects(checkpoint: Path, tmp_path: Path) -> None:
     import shutil
 
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     served = tmp_path / "www"
     shutil.copytree(checkpoint, served / "model")

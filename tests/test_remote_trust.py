@@ -151,7 +151,7 @@ def test_allowed_a_forged_last_modified_is_caught_by_per_tensor_digests(
 ) -> None:
     """What the server says cannot tell this swap; the digest file's blocks, checked before each tensor
     is handed out, do: the load fails on v2's first tensor, having handed out v1's only."""
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     write_digests(streamload.inspect(versions.served))
     monkeypatch.setenv(ALLOW, "1")
@@ -241,7 +241,7 @@ def test_a_urls_password_is_in_no_log_error_or_file_name(
 def test_the_command_line_shows_no_password(
     store: tuple[RangeServer, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from streamload.cli import main
+    from streamload.commands.cli import main
 
     server, _ = store
     base = server.url.replace("http://", f"http://user:{SECRET}@") + "/model"

@@ -105,7 +105,7 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 def write(folder: Path, tensors: dict[str, torch.Tensor], digests: bool = True) -> Path:
     """A checkpoint folder (one file, named as an HTTP store finds it) with its digest file."""
     import streamload
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     folder.mkdir(exist_ok=True)
     temporary = folder / ".model.tmp"
@@ -218,7 +218,7 @@ def test_a_restore_refuses_a_file_rewritten_in_place_with_its_mtime_kept(tmp_pat
     """Same inode, size and mtime (rewritten in place, the mtime set back, its digest file written
     anew): only the digests `verify` checked it against tell, and they are recorded too."""
     import streamload
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     pytest.importorskip("vllm")
     old = weights(1)

@@ -1,4 +1,4 @@
-"""A seeder's arguments (storage/seed.py `Seeder`, `serve`): a cache directory it could never serve from, or
+"""A seeder's arguments (servers/seed.py `Seeder`, `serve`): a cache directory it could never serve from, or
 a port no socket has, refused at construction in one line naming it; nothing is left listening."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from streamload.storage.seed import Seeder
+from streamload.servers.seed import Seeder
 
 
 def _refused(cache_dir: Path, port: int = 0) -> str:
@@ -48,7 +48,7 @@ def test_an_unreadable_folder_is_refused_naming_it(mode: int) -> None:
     try:
         cache = root / "cache"
         cache.mkdir()
-        command = [sys.executable, "-c", "import sys\nfrom streamload.storage.seed import Seeder\n"
+        command = [sys.executable, "-c", "import sys\nfrom streamload.servers.seed import Seeder\n"
                    f"try:\n    Seeder({str(cache)!r}, '127.0.0.1', 0).close()\nexcept ValueError as exc:\n"
                    "    print(exc)\n    sys.exit(3)\n"]  # fmt: skip
         if os.geteuid() == 0:

@@ -1,4 +1,4 @@
-"""Who may read from a seeder (storage/seed.py): every GET and HEAD carries a proof of having read the object
+"""Who may read from a seeder (servers/seed.py): every GET and HEAD carries a proof of having read the object
 from its origin (storage/peer_proof.py), made with the copy's header bytes, its version and, where the cluster
 has one, the peers' token; over TLS where the seeder has a certificate. All on 127.0.0.1, against a cache a
 load filled from tests/servers.py's RangeServer."""
@@ -25,12 +25,12 @@ import torch
 from safetensors.torch import save_file
 
 import streamload
-from streamload.format import FileHeader
+from streamload.format.header import FileHeader
+from streamload.servers.seed import Seeder
 from streamload.storage.cache import cache_path, version_of
 from streamload.storage.peer_proof import HEADER, proof, read_key
 from streamload.storage.peers import url_path, version_tag
 from streamload.storage.remote import ObjectPath
-from streamload.storage.seed import Seeder
 
 from .servers import RangeServer
 
@@ -313,7 +313,7 @@ def test_records_name_the_version_a_proof_is_made_for(cached: Cached) -> None:
 
 
 def test_serve_seed_passes_the_token_and_tls_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from streamload.cli import main
+    from streamload.commands.cli import main
 
     ran = tmp_path / "ran"
     touch = ["--", sys.executable, "-c", f"open({str(ran)!r}, 'w')"]

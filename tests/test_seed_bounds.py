@@ -1,4 +1,4 @@
-"""A seeder (storage/seed.py) under hostile clients and a hostile cache: what one costs it is bounded (threads,
+"""A seeder (servers/seed.py) under hostile clients and a hostile cache: what one costs it is bounded (threads,
 connection slots, the time a request's headers, an idle connection and a response may take), and it serves
 only regular files with one link that the cache's records vouch for; the cache's own reads (storage/cache.py)
 neither block on a FIFO nor trust a hard-linked copy. All on 127.0.0.1."""
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import streamload
-from streamload.storage import seed
+from streamload.servers import seed
 from streamload.storage.cache import Copies, lookup
 from streamload.storage.peer_proof import HEADER, proof, read_key
 from streamload.storage.peers import version_tag

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from streamload import prefetch
-from streamload.serve import _weights
+from streamload.commands.serve import _weights
+from streamload.integrations.startup import prefetch
 
 from .servers import RangeServer
 
@@ -27,7 +27,7 @@ SERVE = [sys.executable, "-m", "streamload", "serve"]
 SERVER = """
 import json, os, sys
 import torch, streamload
-from streamload import prefetch
+from streamload.integrations.startup import prefetch
 started = prefetch.adopt(sys.argv[1])
 assert started is not None and started["owned"], os.environ.get(prefetch.ENV)
 state = streamload.load(sys.argv[1], device="cpu", cache_dir=started["cache_dir"])

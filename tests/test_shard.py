@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 import streamload
 from streamload import ShardSpec
-from streamload.layer_keys import layer_rank
-from streamload.plan import Plan, make_plan
+from streamload.plan.layer_keys import layer_rank
+from streamload.plan.plan import Plan, make_plan
 
 from .conftest import random_tensor, same_bits, start_ranks
 
@@ -60,7 +60,7 @@ def expected(full: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, 
 @pytest.fixture(params=["strided", "whole"])
 def strided_reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both ways a later-dim split is read: the rank's blocks only, or whole tensors then sliced."""
-    monkeypatch.setattr(streamload.plan, "MIN_STRIDED_READ", 0 if request.param == "strided" else 1 << 30)
+    monkeypatch.setattr(streamload.plan.plan, "MIN_STRIDED_READ", 0 if request.param == "strided" else 1 << 30)
     return request.param
 
 
@@ -144,7 +144,7 @@ def test_bad_specs_are_clear(model: Path) -> None:
 
 def _rank_main(rank: int, world: int, model: str, out: str, options: dict[str, Any]) -> None:
     """One rank: load its shard with `options`, write what it got (or the error it met) to a file."""
-    streamload.plan.MIN_STRIDED_READ = options.pop("min_strided_read", streamload.plan.MIN_STRIDED_READ)
+    streamload.plan.plan.MIN_STRIDED_READ = options.pop("min_strided_read", streamload.plan.plan.MIN_STRIDED_READ)
     fail_after = options.pop("fail_after", {}).get(str(rank))  # this rank stops after so many tensors
     options |= options.pop("differ", {}).get(str(rank), {})  # options only this rank uses
     backend = options.pop("backend", "gloo")
@@ -164,7 +164,7 @@ def _rank_main(rank: int, world: int, model: str, out: str, options: dict[str, A
                 if fail_after is not None and len(got) >= fail_after:
                     break
         full = load_file(os.path.join(model, "model.safetensors"))
-        kept = streamload.plan.select(full, options.get("include"), options.get("exclude"))
+        kept = streamload.plan.plan.select(full, options.get("include"), options.get("exclude"))
         parts = expected(full, rank, world) if split else full
         want = {n: t for n, t in parts.items() if n in kept and (n in got or fail_after is None)}
         result = {"ok": all(n in got and same_bits(got[n], t) for n, t in want.items()),
@@ -210,7 +210,7 @@ def test_cooperative_loads_verify_every_byte_each_rank_hands_out(model: Path, tm
     rank reads for both, is caught on both."""
     import shutil
 
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     from .test_verify import damage
 
@@ -420,7 +420,7 @@ def test_cooperative_jobs_under_torchrun_exit_cleanly(model: Path) -> None:
 def test_a_closed_cooperative_stream_holds_nothing_of_torch_distributed(model: Path, tmp_path: Path) -> None:
     import gc
 
-    from streamload.exchange import Exchange
+    from streamload.cooperative.exchange import Exchange
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:

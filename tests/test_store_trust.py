@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import streamload
-from streamload.errors import UnsupportedError
+from streamload.base.errors import UnsupportedError
 
 from . import diffusers_pipelines as made
 

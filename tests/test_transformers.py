@@ -141,7 +141,7 @@ def test_a_missing_key_is_an_error_before_any_weight_is_read(tmp_path: Path, mon
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     batches = []
-    monkeypatch.setattr(streamload.pipeline.Pipeline, "next_batch", lambda self: batches.append(1))
+    monkeypatch.setattr(streamload.pipeline.pipeline.Pipeline, "next_batch", lambda self: batches.append(1))
     missing = r"missing keys: 'model.layers.1.mlp.up_proj.weight'; nothing was read.*strict=False does not help"
     with pytest.raises(streamload.StreamloadError, match=missing):
         streamload.from_pretrained(tmp_path, device="cpu")
@@ -235,7 +235,7 @@ def test_a_transformers_release_outside_the_tested_range_is_refused_in_one_line_
     import transformers  # now: transformers replaces its module in sys.modules when it first loads a class
 
     batches = []
-    monkeypatch.setattr(streamload.pipeline.Pipeline, "next_batch", lambda self: batches.append(1))
+    monkeypatch.setattr(streamload.pipeline.pipeline.Pipeline, "next_batch", lambda self: batches.append(1))
     monkeypatch.setattr(transformers, "__version__", release)
     low, high = (f"{v[0]}.{v[1]}" for v in (internals.LOWEST, internals.HIGHEST))
     said = rf"tested with transformers {low} to {high} .*this is transformers {release}.*nothing was read"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import streamload
-from streamload.cli import main
+from streamload.commands.cli import main
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tqdm")
@@ -83,7 +83,7 @@ def _segments(out: str) -> dict[str, str]:
 
 
 def _script(llama: Path, *steps: str) -> str:
-    head = ("import os, sys, streamload\nfrom streamload.cli import main\n"
+    head = ("import os, sys, streamload\nfrom streamload.commands.cli import main\n"
             f"folder = {str(llama)!r}\nfile = os.path.join(folder, 'model.safetensors')\n"
             "def mark(name): print('@@', name, file=sys.stderr, flush=True)\n")  # fmt: skip
     return head + "\n".join(steps) + "\nmark('end')\n"
@@ -142,7 +142,7 @@ def test_a_load_on_a_terminal_draws_a_bar(llama: Path, runs: dict[str, Future[st
     for name in ("load", "pretrained"):
         assert BAR in out[name] and "100%" in out[name], (name, out[name])
     assert "loading" in out["cli"] and "100%" in out["cli"], out["cli"]
-    from streamload.progress import size
+    from streamload.base.progress import size
 
     total = size(sum(t.nbytes for t in streamload.inspect(llama).tensors.values()))
     assert total.endswith(" KB")  # a small checkpoint: its bar counts kB, not "0.00 GB"
@@ -185,7 +185,7 @@ def test_sizes_are_shown_in_units_that_suit_them(llama: Path, capsys: pytest.Cap
     lines = [line for line in out.splitlines() if "%" in line]
     assert lines and all(" KB " in line for line in lines), out  # the CLI's lines on a small model
     assert "0.00 GB" not in out and " KB to cpu via " in out
-    from streamload.progress import size
+    from streamload.base.progress import size
 
     assert [size(n) for n in (0, 999, 1000, 1536, 999_400, 999_999, 12_345_678, 1_234_567_890, 5e12)] == [
         "0 B", "999 B", "1.0 KB", "1.5 KB", "999.4 KB", "1.0 MB", "12.3 MB", "1.23 GB", "5.00 TB"]  # fmt: skip

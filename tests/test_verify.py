@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import streamload
 from streamload import IntegrityError, ShardSpec
-from streamload.verify import BLOCK_BYTES, DIGEST_FILE, write_digests
+from streamload.pipeline.verify import BLOCK_BYTES, DIGEST_FILE, write_digests
 
 from .conftest import own_threads, random_tensor, same_bits
 
@@ -118,7 +118,9 @@ def test_hub_cache_blob_names_verify_whole_files_in_file_order(tmp_path: Path) -
     assert stream.stats.bytes_verified == sum(f.size for f in ckpt.files)
     assert all(same_bits(t, ref[n]) for n, t in streamload.load(snapshot, device="cpu", verify=True).items())
 
-    shown = {f.path.name: d for f, d in zip(ckpt.files, streamload.verify.known_digests(ckpt).values(), strict=True)}
+    shown = {
+        f.path.name: d for f, d in zip(ckpt.files, streamload.pipeline.verify.known_digests(ckpt).values(), strict=True)
+    }
     assert all(d.whole is not None and d.whole.algorithm == "sha256" for d in shown.values())
 
     second = ckpt.files[1]
@@ -321,7 +323,7 @@ def test_verify_none_or_empty_verifies_nothing(tmp_path: Path) -> None:
 
 
 def test_inspect_shows_an_unusable_digest_file_instead_of_failing(tmp_path: Path) -> None:
-    from streamload.verify import known_digests
+    from streamload.pipeline.verify import known_digests
 
     model = make_model(tmp_path / "m")
     (model / DIGEST_FILE).write_text("{broken")

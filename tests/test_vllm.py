@@ -498,7 +498,7 @@ def test_secondary_weights_overrides_and_unused_shards_as_vllm_selects_them(tmp_
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     import streamload.integrations.vllm
-    from streamload.errors import UnsupportedError
+    from streamload.base.errors import UnsupportedError
 
     (tmp_path / "extra").mkdir()
     save_file({"body": torch.arange(4.0)}, str(tmp_path / "model-1.safetensors"))
@@ -665,7 +665,7 @@ def test_overlap_refuses_clearly_where_it_is_not_checked(tmp_path: Path, loader_
     from safetensors.torch import save_file
     from torch import nn
 
-    from streamload.errors import UnsupportedError
+    from streamload.base.errors import UnsupportedError
 
     save_file({"w": torch.ones(4)}, str(tmp_path / "model.safetensors"))
     model = nn.Linear(4, 1, bias=False)

@@ -112,7 +112,7 @@ def make_models(root: Path) -> dict[str, Path]:
                     p.mul_(-1.5)
             paths["llama-new"] = root / "llama-new"
             model.save_pretrained(paths["llama-new"], max_shard_size="200KB")
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     for path in paths.values():  # `streamload digest`: what verify=True checks against
         write_digests(streamload.inspect(path))
@@ -198,7 +198,8 @@ def engine_processes() -> set[int]:
 
 
 def fetching_processes(source: str) -> list[int]:
-    """Processes still fetching `source` ahead of a load (streamload.prefetch: detached, not children)."""
+    """Processes still fetching `source` ahead of a load (`streamload.integrations.startup.prefetch`: detached, not
+    children)."""
     import psutil
 
     found = []
@@ -207,7 +208,7 @@ def fetching_processes(source: str) -> list[int]:
             argv = process.cmdline()
         except psutil.Error:
             continue
-        if any("streamload.prefetch" in a for a in argv) and source in argv:
+        if any("streamload.integrations.startup.prefetch" in a for a in argv) and source in argv:
             found.append(process.pid)
     return found
 
@@ -298,7 +299,7 @@ def command(argv: list[str]) -> dict[str, Any]:
     import contextlib
     import io
 
-    from streamload.cli import main
+    from streamload.commands.cli import main
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -434,7 +435,7 @@ def error_of(call: Callable[[], Any]) -> str:
 
 
 TRAINER = """
-import sys, torch, streamload.publish
+import sys, torch, streamload.commands.publish
 from safetensors.torch import load_file
 from pathlib import Path
 root, steps = Path(sys.argv[1]), sys.argv[2:]
@@ -442,7 +443,7 @@ for k, source in enumerate(steps, 1):  # step k: the weights of the model at `so
     tensors = {}
     for f in sorted(Path(source).glob("*.safetensors")):
         tensors.update(load_file(str(f)))
-    streamload.publish.publish(tensors, root, k, shard_bytes=300_000)
+    streamload.commands.publish.publish(tensors, root, k, shard_bytes=300_000)
 """
 
 
@@ -650,7 +651,7 @@ def http_ahead(root: Path, paths: dict[str, Path], out: dict[str, Any]) -> None:
     try:
         # Fetched from before the engine was built (prefetch.ahead; adopted by the format), each file
         # read by the loader as soon as it is complete.
-        from streamload import prefetch
+        from streamload.integrations.startup import prefetch
 
         started = prefetch.ahead(f"{server.url}/llama/")
         llm = engine(paths["llama"], "streamload", model_loader_extra_config={"source": f"{server.url}/llama/"})
@@ -684,8 +685,8 @@ def from_peers(root: Path, paths: dict[str, Path], out: dict[str, Any]) -> None:
     engine 2, started while engine 1 serves, loads with cache_dir node-2 and peers=[engine 1's seeder]."""
     from safetensors.torch import load_file, save_file
 
-    from streamload import prefetch
-    from streamload.verify import write_digests
+    from streamload.integrations.startup import prefetch
+    from streamload.pipeline.verify import write_digests
     from tests.servers import RangeServer
 
     one = root / "store" / "llama"  # one file: the store's share of a peer's load is its header read alone
@@ -884,7 +885,7 @@ def quantized(root: Path) -> dict[str, Any]:
     tensor right after `load_weights` against vLLM's default loader in each mode; where the kernel runs
     here, greedy tokens and an in-place reload of other weights, against vLLM's own loader and reload."""
     from streamload.integrations.vllm.check import check_modes
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     out = Timed()
     paths = quantized_layouts.make(root, SMALL)
@@ -942,7 +943,7 @@ def quantized_moe(root: Path, out: dict[str, Any]) -> None:
     in each mode (and at TP=2); greedy tokens from both loaders on the reference kernels, and after an
     in-place reload of other weights."""
     from streamload.integrations.vllm.check import check_modes
-    from streamload.verify import write_digests
+    from streamload.pipeline.verify import write_digests
 
     paths = quantized_layouts.make_moe(root)
     (root / "reloaded").mkdir()

@@ -8,9 +8,9 @@ from typing import Protocol
 
 import torch
 
-from streamload.dtypes import torch_shape
-from streamload.limits import shared_limits
-from streamload.plan import Batch, Item, Piece
+from streamload.base.limits import shared_limits
+from streamload.format.dtypes import torch_shape
+from streamload.plan.plan import Batch, Item, Piece
 from streamload.storage import Files
 
 Delivered = tuple[str, torch.Tensor]

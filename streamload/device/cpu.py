@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from streamload.base.page_release import Release
 from streamload.device.base import Assembler, Delivered, HostRing, convert
-from streamload.dtypes import torch_shape
-from streamload.format import TensorInfo
-from streamload.pages import Release
-from streamload.plan import Batch, Item
+from streamload.format.dtypes import torch_shape
+from streamload.format.header import TensorInfo
+from streamload.plan.plan import Batch, Item
 from streamload.storage import Files, LocalFiles
 
 

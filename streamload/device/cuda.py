@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import torch
 
+from streamload.base.limits import shared_limits
 from streamload.device.base import Assembler, Delivered, HostRing
-from streamload.limits import shared_limits
-from streamload.plan import Batch
+from streamload.plan.plan import Batch
 from streamload.storage import Files
 
 log = logging.getLogger("streamload")

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from streamload import device as devices
-from streamload.dtypes import as_torch_dtype
-from streamload.errors import MissingFileError, SourceError, UnsupportedError
+from streamload.base.errors import MissingFileError, SourceError, UnsupportedError
+from streamload.format.dtypes import as_torch_dtype
 from streamload.integrations.device_map import check_mapped
-from streamload.module import OnLayer, empty_weights, load_into
-from streamload.source import Checkpoint, merged, open_checkpoint
+from streamload.nn.load_into import OnLayer, empty_weights, load_into
+from streamload.plan.checkpoint import Checkpoint, merged, open_checkpoint
 from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
 

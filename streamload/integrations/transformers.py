@@ -19,13 +19,13 @@ from torch import nn
 
 from streamload import device as devices
 from streamload.api import inspect
-from streamload.convert import Conversion, Region, Step
-from streamload.dequantize import FORMATS, Dequantization, Format
-from streamload.dtypes import as_torch_dtype
-from streamload.errors import StreamloadError, UnsupportedError, listed
+from streamload.base.errors import StreamloadError, UnsupportedError, listed
+from streamload.format.dtypes import as_torch_dtype
 from streamload.integrations import transformers_internals as internals
 from streamload.integrations.device_map import check_mapped
-from streamload.module import Filler, OnLayer, empty_weights, fill, make_filler
+from streamload.nn.load_into import Filler, OnLayer, empty_weights, fill, make_filler
+from streamload.plan.placement import Conversion, Region, Step
+from streamload.quant.dequantize import FORMATS, Dequantization, Format
 from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
 
@@ -498,7 +498,7 @@ def _config(transformers: Any, source: str | Path, trust_remote_code: bool = Fal
         return _read_config(transformers, source, source / "config.json", trust_remote_code)
     import tempfile
 
-    from streamload.prefetch import beside
+    from streamload.integrations.startup.prefetch import beside
     from streamload.storage import storage_for
 
     near = beside(source)

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from streamload.dtypes import as_torch_dtype
-from streamload.errors import UnsupportedError
+from streamload.base.errors import UnsupportedError
+from streamload.format.dtypes import as_torch_dtype
 
 LOWEST = (5, 19)  # the oldest release tested
 HIGHEST = (5, 24)  # the newest release tested; later ones of its major version are taken

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import Any, NamedTuple
 
-from streamload.format import FileHeader
+from streamload.format.header import FileHeader
 from streamload.integrity.digests import CRYPTOGRAPHIC, Known, Version, block_digest, bound, entry_of
 
 PIECE = 8 << 20  # the most one segment of checked units covers (whole blocks)

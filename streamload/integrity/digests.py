@@ -18,8 +18,8 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from streamload.errors import IntegrityError
-from streamload.format import FileHeader
+from streamload.base.errors import IntegrityError
+from streamload.format.header import FileHeader
 
 DIGEST_FILE = "streamload.digests.json"
 FORMAT = "streamload-digests/2"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from streamload.errors import IntegrityError
+from streamload.base.errors import IntegrityError
 
 
 class WholeFileMismatch(IntegrityError):

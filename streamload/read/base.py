@@ -9,8 +9,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from streamload.errors import ReadError
-from streamload.plan import Batch, Piece
+from streamload.base.errors import ReadError
+from streamload.plan.plan import Batch, Piece
 
 Job = Callable[[], int]  # blocking; runs on a reader thread; returns the bytes it brought in
 Work = Job | int  # a job, or the length of a range already in place (resident pages): nothing to run

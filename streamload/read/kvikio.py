@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from streamload.errors import UnsupportedError
-from streamload.plan import Batch
+from streamload.base.errors import UnsupportedError
+from streamload.plan.plan import Batch
 from streamload.read.base import Job, Span, eof_error, read_error, span_groups
 from streamload.storage import LocalFiles
 

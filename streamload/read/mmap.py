@@ -19,8 +19,8 @@ import os
 
 import torch
 
-from streamload.pages import PAGE, madvise
-from streamload.plan import Batch
+from streamload.base.page_release import PAGE, madvise
+from streamload.plan.plan import Batch
 from streamload.read.base import Span, Work, extents, read_error, span_groups
 from streamload.read.resident import resident
 from streamload.storage import LocalFiles

@@ -1,4 +1,4 @@
-"""A stream's use of the process-wide reader threads (see limits.py).
+"""A stream's use of the process-wide reader threads (see base/limits.py).
 
 `submit` never blocks: a batch's jobs queue here, in plan order, and go to the shared thread pool as
 this stream's turns free up, so a stream has at most `threads` requests with the pool at once and one
@@ -11,7 +11,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from streamload.limits import shared_limits
+from streamload.base.limits import shared_limits
 from streamload.read.base import Job, Work
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from streamload.plan import Batch
+from streamload.plan.plan import Batch
 from streamload.read.base import Job, Span, eof_error, extents, read_error, span_groups, writable_bytes
 from streamload.read.resident import cached
 from streamload.storage import LocalFiles

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from streamload.plan import Batch
+from streamload.plan.plan import Batch
 from streamload.read.base import Job, Span, spans, writable_bytes
 from streamload.storage.remote import ObjectFiles
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 
-from streamload.pages import PAGE
+from streamload.base.page_release import PAGE
 
 _SYS_CACHESTAT = 451  # the same number on every architecture
 _SAMPLE_PAGES = 16  # pages looked at in each of three places of a range

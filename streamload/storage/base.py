@@ -14,8 +14,8 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path, PurePath
 from typing import NamedTuple, Protocol
 
-from streamload.errors import SourceError
-from streamload.format import FileHeader
+from streamload.base.errors import SourceError
+from streamload.format.header import FileHeader
 from streamload.integrity.digests import Digest, Known
 
 PathLike = str | os.PathLike[str]
@@ -64,7 +64,7 @@ class Files(Protocol):
 
 class Storage(Protocol):
     kind: str  # what readers declare they serve: "local" or "object"
-    first_batch: int  # bytes of a plan's first batch, doubling up to a slot (0: every batch a slot; plan.py)
+    first_batch: int  # bytes of a plan's first batch, doubling up to a slot (0: every batch a slot; plan/plan.py)
 
     def locate(self, source: Source) -> Listing:
         """The files of `source`: a file, a directory or prefix (its index when present), a list."""

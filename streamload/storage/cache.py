@@ -64,9 +64,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePath
 
-from streamload import atomic
-from streamload.atomic import FOLDER, NEW, PARTIAL, writer_tag
-from streamload.format import FileHeader
+from streamload.base import atomic
+from streamload.base.atomic import FOLDER, NEW, PARTIAL, writer_tag
+from streamload.format.header import FileHeader
 
 RECORD = ".streamload.json"
 _RECORD_MAX = 1 << 16  # bytes of a record read at most (one is ~120)

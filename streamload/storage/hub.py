@@ -36,7 +36,7 @@ from pathlib import Path, PurePath
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from streamload.errors import (
+from streamload.base.errors import (
     IntegrityError,
     MissingFileError,
     ReadError,
@@ -44,7 +44,7 @@ from streamload.errors import (
     StreamloadError,
     UnsupportedError,
 )
-from streamload.format import FIRST_READ, FileHeader, header_from
+from streamload.format.header import FIRST_READ, FileHeader, header_from
 from streamload.integrity.whole import WholeFile, WholeFileMismatch
 from streamload.storage.base import INDEX_NAME, Copied, Digest, Listing, Partly, Source, is_hex, parse_index
 from streamload.storage.local import LocalFiles, LocalStorage

@@ -8,8 +8,8 @@ import threading
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
-from streamload.errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError
-from streamload.format import FIRST_READ, FileHeader, header_from
+from streamload.base.errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError
+from streamload.format.header import FIRST_READ, FileHeader, header_from
 from streamload.storage.base import INDEX_NAME, Copied, Digest, Listing, Partly, Source, file_list, is_hex, parse_index
 
 if TYPE_CHECKING:

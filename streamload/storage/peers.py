@@ -1,5 +1,5 @@
 """Peers: a remote checkpoint's bytes from nodes that hold complete copies of its files, over plain HTTP
-ranges (`streamload seed`, storage/seed.py), each block checked against the source's digests before use;
+ranges (`streamload seed`, servers/seed.py), each block checked against the source's digests before use;
 the source (the object store) serves what no peer has, and everything a peer fails at.
 
 `peers=` (of `iter`, `load`, `prefetch.fetch`, vLLM's options): peer URLs (`http://host:port`,
@@ -67,8 +67,8 @@ from pathlib import Path, PurePath
 from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
 
-from streamload.errors import SourceError
-from streamload.format import FileHeader
+from streamload.base.errors import SourceError
+from streamload.format.header import FileHeader
 from streamload.integrity.blocks import Outcome, Unit, Units, origin_units
 from streamload.integrity.digests import DIGEST_FILE, version_of
 from streamload.storage import cache, peer_proof

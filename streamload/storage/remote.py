@@ -58,8 +58,8 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from streamload.errors import IntegrityError, MissingFileError, ReadError, SourceError, UnsupportedError
-from streamload.format import FIRST_READ, FileHeader, header_from
+from streamload.base.errors import IntegrityError, MissingFileError, ReadError, SourceError, UnsupportedError
+from streamload.format.header import FIRST_READ, FileHeader, header_from
 from streamload.integrity.blocks import origin_known
 from streamload.integrity.digests import DIGEST_FILE, parse, version_of
 from streamload.storage.base import (

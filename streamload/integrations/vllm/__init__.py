@@ -50,7 +50,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from streamload.errors import StreamloadError
+from streamload.base.errors import StreamloadError
 
 if TYPE_CHECKING:
     from streamload.integrations.vllm.loader import StreamloadModelLoader
@@ -125,7 +125,7 @@ def _register_refusal(version: str) -> None:
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    from streamload.errors import UnsupportedError
+    from streamload.base.errors import UnsupportedError
     from streamload.integrations.vllm.options import FORMAT
 
     class Untested(BaseModelLoader):

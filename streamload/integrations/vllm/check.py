@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from streamload.errors import MissingFileError, SourceError
+from streamload.base.errors import MissingFileError, SourceError
 
 ENV = "STREAMLOAD_VLLM_CHECK"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

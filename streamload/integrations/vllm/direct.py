@@ -15,16 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from streamload.format import TensorInfo
+from streamload.base.stats import Stats
+from streamload.format.header import TensorInfo
 from streamload.integrations.vllm.feed import feed, load_weights_from
 from streamload.integrations.vllm.files import Part, shapes
 from streamload.integrations.vllm.placement import twins
 from streamload.integrations.vllm.placement.dryrun import Copy, Diverged, Learned, dry_run, replay
 from streamload.integrations.vllm.ranks import Ranks, tp_group, tp_rank_world
 from streamload.integrations.vllm.report import last_load, record
-from streamload.plan import why_not_into
-from streamload.shard import Slice
-from streamload.stats import Stats
+from streamload.plan.plan import why_not_into
+from streamload.plan.shard import Slice
 
 log = logging.getLogger("vllm.streamload")
 

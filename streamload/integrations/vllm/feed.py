@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from streamload import api
-from streamload.dtypes import torch_shape
+from streamload.base.stats import Stats
+from streamload.format.dtypes import torch_shape
 from streamload.integrations.vllm.files import Part
 from streamload.integrations.vllm.placement.dryrun import Diverged, Learned, Replay
 from streamload.integrations.vllm.ranks import tp_rank_world
-from streamload.shard import SKIP, ShardSpec, Slice
-from streamload.source import Checkpoint
-from streamload.stats import Stats
+from streamload.plan.checkpoint import Checkpoint
+from streamload.plan.shard import SKIP, ShardSpec, Slice
 
 
 def feed(

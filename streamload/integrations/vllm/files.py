@@ -18,10 +18,10 @@ from vllm.model_executor.model_loader.weight_utils import (
     pt_weights_iterator,
 )
 
-from streamload.dtypes import torch_shape
-from streamload.errors import UnsupportedError
-from streamload.plan import ordered
-from streamload.source import Checkpoint, open_checkpoint
+from streamload.base.errors import UnsupportedError
+from streamload.format.dtypes import torch_shape
+from streamload.plan.checkpoint import Checkpoint, open_checkpoint
+from streamload.plan.plan import ordered
 from streamload.storage import redacted
 
 

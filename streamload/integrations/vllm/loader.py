@@ -16,7 +16,7 @@ from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from streamload.collector import collector_paused
+from streamload.base.gc_pause import collector_paused
 from streamload.integrations.vllm import direct, reload, restore, seeding
 from streamload.integrations.vllm.options import check_options
 from streamload.integrations.vllm.report import last_load

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from streamload import options, pins
+from streamload import options
+from streamload.integrations.startup import pinned_digests as pins
 from streamload.integrations.vllm.seeding import seed_options
 from streamload.storage.remote import is_url
 
@@ -23,7 +24,7 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     # fetch while the engine starts (default true; the engine fills in a dict, startup/ahead.py)
     "prefetch": (bool, dict),
     # install the compiled artifacts published beside the weights whose digests are pinned: "sha256:<hex>"
-    # or a list of them (default off: they run as code; startup/compiled.py, pins.py)
+    # or a list of them (default off: they run as code; startup/compiled.py, integrations/startup/pinned_digests.py)
     "compile_cache": (bool, str, list),
     "overlap": bool,  # compile and warm up while the weights arrive, then load them in place (startup/overlap.py)
     "peers": options.CONFIG["peers"],  # nodes seeding the weights, read from first (storage/peers.py)

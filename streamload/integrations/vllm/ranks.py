@@ -14,7 +14,7 @@ a broken group raises or waits as long again).
 
 With `cooperative`, a rank that fails while its peers still exchange batches with it votes while they
 wait in an exchange on the same group: they give up on it after the exchange's deadline and read its
-share themselves (exchange.py) before they vote; the vote itself is not guarded against that
+share themselves (cooperative/exchange.py) before they vote; the vote itself is not guarded against that
 interleaving on every backend (tested: plain tensor parallelism).
 """
 

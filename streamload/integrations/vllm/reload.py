@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from vllm.config import ModelConfig
 
-from streamload.errors import StreamloadError
+from streamload.base.errors import StreamloadError
 from streamload.integrations.vllm import restore
 from streamload.integrations.vllm.direct import PREDICTED
 from streamload.integrations.vllm.feed import feed

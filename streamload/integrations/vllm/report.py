@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from streamload.base.stats import Stats
     from streamload.integrations.vllm.files import Part
     from streamload.integrations.vllm.placement.dryrun import Learned
-    from streamload.stats import Stats
 
 
 @dataclass

@@ -22,11 +22,11 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 
-from streamload.format import FileHeader
-from streamload.source import Checkpoint
+from streamload.format.header import FileHeader
+from streamload.plan.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
-    from streamload.verify import Known
+    from streamload.pipeline.verify import Known
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def _digests(checkpoint: Checkpoint, verify: Any) -> dict[PurePath, str]:
     """{file: fingerprint} of the digests `verify=` checks the checkpoint against, as known now."""
     if not verify:
         return {}
-    from streamload import verify as verifying
+    from streamload.pipeline import verify as verifying
 
     try:
         if isinstance(verify, Mapping):  # the caller's own digests

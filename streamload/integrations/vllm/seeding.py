@@ -1,6 +1,6 @@
 """Seeding while the engine serves (`"seed"` in `model_loader_extra_config`): once the engine's first load
 has its copies complete in `cache_dir`, the node serves them to other nodes' loads with `peers=`
-(storage/seed.py: HTTP ranges of the copies the cache's records vouch for, read-only, to peers that prove
+(servers/seed.py: HTTP ranges of the copies the cache's records vouch for, read-only, to peers that prove
 with each request that they read the object from its origin; `token_file` adds the peers' token to that
 proof, `cert` and `key` serve TLS).
 
@@ -16,7 +16,7 @@ import logging
 import weakref
 from typing import Any
 
-from streamload import arguments
+from streamload.base import argument_checks as arguments
 
 log = logging.getLogger("vllm.streamload")
 
@@ -28,7 +28,7 @@ def seed_options(value: Any) -> dict[str, Any] | None:
     """The "seed" option as the Seeder's arguments (None: off): `true` (port 8470 on every address),
     `"[HOST:]PORT"`, or a dict of `KEYS` (`rate`: bytes a second, or with a unit: "50MB"; `token_file`,
     `cert`, `key`: paths, read where the seeder starts). Raises ValueError naming what is wrong."""
-    from streamload.storage.seed import address
+    from streamload.servers.seed import address
 
     if value is False or value is None:
         return None
@@ -64,7 +64,7 @@ def start(options: dict[str, Any], model: Any) -> str:
     spec = seed_options(options.get("seed"))
     if spec is None or _local_rank() != 0:
         return ""
-    from streamload.storage.seed import Seeder, described
+    from streamload.servers.seed import Seeder, described
 
     folder = options["cache_dir"]  # checked with the options: seeding needs one
     try:

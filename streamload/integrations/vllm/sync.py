@@ -1,7 +1,7 @@
 """The "streamload" weight-transfer engine: vLLM's weight-sync life-cycle, from a checkpoint.
 
 An RL loop (or anyone hot-swapping weights) publishes each step as a checkpoint — a directory, or an
-`s3://` / `http(s)://` prefix; `streamload.publish.publish` writes one atomically — and tells every
+`s3://` / `http(s)://` prefix; `streamload.commands.publish.publish` writes one atomically — and tells every
 engine where it is. Each worker then reloads in place through vLLM's own layerwise reload, reading
 only its rank's part of each tensor (`StreamloadModelLoader.get_all_weights`), with the options of
 the streamload load format (threads, cooperative, ...):

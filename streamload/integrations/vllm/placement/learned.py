@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from streamload.shard import Slice
+from streamload.plan.shard import Slice
 
 Pairs = Iterable[tuple[str, torch.Tensor]]
 Shapes = Mapping[str, tuple[tuple[int, ...], torch.dtype]]

@@ -10,7 +10,7 @@ import torch
 
 from streamload.integrations.vllm.placement.learned import Copy, Diverged, Learned
 from streamload.integrations.vllm.placement.standin import StandIn
-from streamload.shard import Slice
+from streamload.plan.shard import Slice
 
 # a view's identity: storage, offset, shape, stride, dtype
 ViewKey = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]

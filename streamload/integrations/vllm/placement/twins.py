@@ -36,7 +36,7 @@ from torch import nn
 
 from streamload.integrations.vllm.placement.dryrun import Copy, Learned, Shapes, dry_run
 from streamload.integrations.vllm.placement.recorder import view_key
-from streamload.layer_keys import layer_of
+from streamload.plan.layer_keys import layer_of
 
 log = logging.getLogger("vllm.streamload")
 _Signature = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]

@@ -1,16 +1,16 @@
 """The weights on their way while the engine starts: fetching begins where vLLM builds the engine's
 load config (in the process that starts the engine), seconds before the loader is called.
 
-vLLM calls a loader only after it has imported itself, spawned its engine and worker processes and
-built the model; fetching from then on makes a server's start-up the sum of the two. So the
-`create_load_config` hook (config_hook.py) adopts the fetch the process began before importing vLLM
-(`streamload.prefetch.ahead`, `streamload serve`), else starts `streamload.prefetch` in a child
-process: local files are read into the page cache; weights in object storage (`source` or an
-object-storage model) are written into `cache_dir`, or, without one, into a private staging directory
-on local disk, file after file. The loader, in each worker, reads each file as soon as the fetch has
-completed it (so no byte is downloaded twice, and the tail after the last byte is one file's read); it
-does not wait for the page cache. A private staging directory is removed once
-every rank has loaded, and with the process that made it; the prefetch ends with that process.
+vLLM calls a loader only after it has imported itself, spawned its engine and worker processes and built the model;
+fetching from then on makes a server's start-up the sum of the two. So the `create_load_config` hook
+(config_hook.py) adopts the fetch the process began before importing vLLM
+(`streamload.integrations.startup.prefetch.ahead`, `streamload serve`), else starts
+`streamload.integrations.startup.prefetch` in a child process: local files are read into the page cache; weights in
+object storage (`source` or an object-storage model) are written into `cache_dir`, or, without one, into a private
+staging directory on local disk, file after file. The loader, in each worker, reads each file as soon as the fetch
+has completed it (so no byte is downloaded twice, and the tail after the last byte is one file's read); it does not
+wait for the page cache. A private staging directory is removed once every rank has loaded, and with the process
+that made it; the prefetch ends with that process.
 
 Host memory: none held (the page cache's, and only where the checkpoint fits half the memory
 available); disk: the checkpoint's size in the staging directory until the load ends. The private
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from streamload import prefetch
+from streamload.integrations.startup import prefetch
 from streamload.integrations.vllm.ranks import Ranks
 from streamload.integrations.vllm.report import last_load
 from streamload.storage import redacted

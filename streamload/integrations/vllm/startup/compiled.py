@@ -15,7 +15,7 @@ and how they differ are logged instead.
 
 Installed artifacts run as code (vLLM imports generated Python and unpickles graphs), so nothing is
 installed unless the user pinned the archive's digest, which `publish` prints; an archive whose bytes
-have another digest is refused before any of it is unpacked (`streamload/pins.py`). A pinned archive
+have another digest is refused before any of it is unpacked (`pinned_digests.py`). A pinned archive
 is still written member by member, never `extractall`-ed: one holding anything but files and folders
 under plain names (a link, a device, `..`) is refused whole (`unpack.py`).
 
@@ -36,11 +36,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from streamload import atomic, pins
+from streamload.base import atomic
+from streamload.integrations.startup import pinned_digests as pins
+from streamload.integrations.startup.prefetch import COMPILE_CACHE, MODEL_INFOS, STAGED_INDEX, beside
 from streamload.integrations.vllm.startup.recorded import recorded
 from streamload.integrations.vllm.startup.unpack import unpack
 from streamload.integrations.vllm.startup.vllm_cache import CACHE, cache_root
-from streamload.prefetch import COMPILE_CACHE, MODEL_INFOS, STAGED_INDEX, beside
 from streamload.storage import redacted
 
 log = logging.getLogger("vllm.streamload")

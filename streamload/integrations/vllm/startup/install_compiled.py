@@ -9,7 +9,8 @@ import logging
 import os
 from typing import Any
 
-from streamload import pins, prefetch
+from streamload.integrations.startup import pinned_digests as pins
+from streamload.integrations.startup import prefetch
 
 log = logging.getLogger("vllm.streamload")
 

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from streamload.collector import collector_paused
-from streamload.errors import UnsupportedError
+from streamload.base.errors import UnsupportedError
+from streamload.base.gc_pause import collector_paused
 from streamload.integrations.vllm import restore
 from streamload.integrations.vllm.feed import feed, load_weights_from
 from streamload.integrations.vllm.files import Part

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from streamload import atomic
+from streamload.base import atomic
 from streamload.integrations.vllm.startup.vllm_cache import CACHE, cache_root
 from streamload.integrations.vllm.startup.worker import METHOD, worker_loading
 

@@ -1,6 +1,6 @@
 """Archives unpacked as data where they are installed (compiled.py's `install`): `unpack` writes an
 archive's files and folders one by one (never `extractall`: no links, devices, or names leaving the
-folder) into a folder of this process's own inside a root (`streamload/owned.py`) and renames into
+folder) into a folder of this process's own inside a root (`streamload/base/leftovers.py`) and renames into
 place what the root lacks. What fails leaves nothing of it behind."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import tarfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from streamload import atomic, owned
+from streamload.base import atomic
+from streamload.base import leftovers as owned
 
-INSTALLING = ".streamload-installing-"  # an archive being unpacked into a root (owned.py)
+INSTALLING = ".streamload-installing-"  # an archive being unpacked into a root (base/leftovers.py)
 
 
 def unpack(data: bytes, root: Path, pick: Callable[[Path], Iterable[Path]], what: str = "an archive") -> list[Path]:

@@ -1,0 +1,1 @@
+"""The `streamload` command and its subcommands (nothing imports them)."""

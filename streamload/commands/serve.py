@@ -1,0 +1,179 @@
+"""`streamload serve -- vllm serve ...`: a server's weights fetched from the moment its command starts.
+
+The fetch starts first (`prefetch.ahead`: no torch, its first request out within a fraction of a
+second; from `peers` first where given), then the server runs as a child process with the fetch named
+in its environment, where streamload's vLLM load format adopts it; a server started without this prefix
+fetches only once vLLM has imported itself and built its load config (seconds later). This process
+stays to forward signals to the server and to clean up after it: the fetch and a private staging
+directory end with it. With `seed`, it also serves the complete copies in the cache directory to other
+nodes (servers/seed.py) from the moment the fetch has ended until the server exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess  # nosec B404 # runs the command the user typed, as an argv list, no shell
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from streamload.base.errors import StreamloadError
+from streamload.integrations.startup import pinned_digests as pins
+from streamload.integrations.startup import prefetch
+
+# Passed on to the server (a supervisor signals this process only). Not SIGINT: a terminal's Ctrl-C
+# reaches the whole process group, the server included, and passed on it would be a second Ctrl-C.
+FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def serve(
+    command: Sequence[str],
+    source: str | None = None,
+    cache_dir: Path | None = None,
+    compile_cache: str | Sequence[str] | None = None,
+    peers: str | Sequence[str] | None = None,
+    seed: str | None = None,
+    seeding: dict[str, Any] | None = None,
+) -> int:
+    """Run `command` with its weights (`source`, else found in its arguments) fetched from now on;
+    its exit status (128 + the signal's number where a signal ended it). `compile_cache`: the pinned
+    digests of compiled-artifact archives to fetch first (else the command's "compile_cache" option;
+    `pinned_digests.py`). `peers`: nodes seeding the weights, read from first (else the command's "peers" option;
+    storage/peers.py). `seed`: `[HOST:]PORT` to serve the cache directory's complete copies at, once
+    the fetch has ended, until the command exits; `seeding`: the Seeder's `token_file`, `cert`, `key`."""
+    if not command:
+        raise ValueError(
+            "streamload serve: give the server's command after --, e.g. streamload serve -- vllm serve MODEL"
+        )
+    source, cache_dir, extra = _weights(command, source, cache_dir)
+    pinned = list(compile_cache) if compile_cache else extra.get("compile_cache")
+    pins.pins(pinned)  # a bad pin fails here, in one line, before the server starts
+    peers = peers or extra.get("peers")  # type: ignore[assignment]
+    # bound now: a port in use (or a certificate that cannot be used) fails before the server starts
+    seeder = _seeder(seed, cache_dir, seeding or {}) if seed else None
+    try:
+        return _run(command, source, cache_dir, pinned, peers, seeder)
+    finally:
+        if seeder is not None:
+            seeder.close()
+
+
+def _run(command: Sequence[str], source: str | None, cache_dir: Path | None, pinned: Any,
+         peers: str | Sequence[str] | None, seeder: _Seeding | None) -> int:  # fmt: skip
+    fetching = None
+    if source is None:
+        print("streamload serve: no weights to fetch ahead found in the command (pass --source); running it as it is",
+              file=sys.stderr)  # fmt: skip
+    elif "://" not in source and not os.path.exists(source):
+        raise ValueError(f"streamload serve: {source}: no such file or directory, nor a URL")
+    else:
+        fetching = prefetch.ahead(source, cache_dir, pinned, peers)  # cleaned up at this process's exit (atexit)
+    if seeder is not None:
+        _seed_after(seeder, fetching)
+    try:
+        child = subprocess.Popen(list(command))  # nosec B603 # the user's own command line (streamload serve -- ...)
+    except OSError as exc:
+        raise StreamloadError(f"streamload serve: cannot run {command[0]!r}: {exc.strerror or exc}") from None
+    previous = {sig: signal.signal(sig, lambda sig, _: _forward(child, sig)) for sig in FORWARDED}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server has it: wait for it
+    try:
+        status = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - status if status < 0 else status
+
+
+class _Seeding:
+    """A seeder bound now and serving later (`start`, from another thread), or never once `close`d."""
+
+    def __init__(self, seeder: Any) -> None:
+        self.seeder, self.url = seeder, seeder.url
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self.seeder.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self.seeder.close()
+
+
+def _seeder(seed: str, cache_dir: Path | None, options: dict[str, Any]) -> _Seeding:
+    """The seeder of `cache_dir` at `seed` (`[HOST:]PORT`), bound (not yet serving). Raises ValueError
+    naming a token, certificate or key file that cannot be used."""
+    from streamload.servers.seed import Seeder, address, described
+
+    if cache_dir is None:
+        raise ValueError("streamload serve: --seed serves the complete copies kept in --cache-dir: give --cache-dir "
+                         "(a private staging directory is removed once the engine has loaded)")  # fmt: skip
+    host, port = address(seed)
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        seeder = Seeder(cache_dir, host, port, **options)
+    except OSError as exc:
+        raise StreamloadError(f"streamload serve: cannot seed on {seed}: {exc.strerror or exc}") from None
+    print(f"streamload serve: seeding the complete copies in {cache_dir} at {seeder.url} once the weights are "
+          f"fetched (to {described(seeder)})", file=sys.stderr, flush=True)  # fmt: skip
+    return _Seeding(seeder)
+
+
+def _seed_after(seeder: _Seeding, fetching: dict[str, Any] | None) -> None:
+    """Serve once the fetch has ended (its report written, or its process gone): the node's own download
+    first; at once where nothing is fetched. Only complete copies are ever served (servers/seed.py)."""
+    if fetching is None:
+        seeder.start()
+        return
+
+    def after_the_fetch() -> None:
+        prefetch.wait(Path(fetching["done"]), int(fetching["pid"]))
+        seeder.start()
+
+    threading.Thread(target=after_the_fetch, name="streamload-seed-after-fetch", daemon=True).start()
+
+
+def _forward(child: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        child.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _weights(
+    command: Sequence[str], source: str | None, cache_dir: Path | None
+) -> tuple[str | None, Path | None, dict[str, object]]:
+    """The weights' source and cache directory: as given, else from vLLM's arguments in `command`
+    (`--model-loader-extra-config` JSON: "source", "cache_dir"; else the model: `serve MODEL`,
+    `--model`); and that JSON."""
+    args = list(command)
+    extra: dict[str, object] = {}
+    model = None
+    for i, arg in enumerate(args):
+        value = args[i + 1] if i + 1 < len(args) else None
+        if arg.startswith("--model-loader-extra-config"):
+            text = arg.split("=", 1)[1] if "=" in arg else value
+            try:
+                extra = dict(json.loads(text or ""))
+            except (ValueError, TypeError):
+                raise ValueError(
+                    f"streamload serve: --model-loader-extra-config is not a JSON object: {text!r}"
+                ) from None
+        elif arg == "--model" or arg.startswith("--model="):
+            model = arg.split("=", 1)[1] if "=" in arg else value
+        elif arg == "serve" and model is None and value is not None and not value.startswith("-"):
+            model = value
+    if cache_dir is None and extra.get("cache_dir"):
+        cache_dir = Path(str(extra["cache_dir"]))
+    if source or extra.get("source"):
+        return str(source or extra["source"]), cache_dir, extra
+    if model is not None and ("://" in model or os.path.exists(model)):
+        return model, cache_dir, extra
+    return None, cache_dir, extra  # a hub id: vLLM downloads it itself

@@ -1,0 +1,1 @@
+"""Loads shared by ranks (a process group: who reads which share, a lost rank) and by fleets of nodes."""

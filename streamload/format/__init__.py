@@ -1,0 +1,1 @@
+"""The safetensors format: headers parsed and validated, dtypes. No I/O policy, no CUDA."""

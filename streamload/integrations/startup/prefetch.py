@@ -1,0 +1,646 @@
+"""A checkpoint fetched ahead of its load, by a process of its own, while something else goes on (a
+server importing, spawning workers, building its model): local files into the page cache, object
+storage into a cache directory. The load that follows then reads from memory or local disk.
+
+    python -m streamload.integrations.startup.prefetch SOURCE --done FILE [--cache-dir DIR] [--budget BYTES]
+
+A server's weights, fetched from the moment its process starts (`ahead`: one line before `from vllm
+import LLM`, or `streamload serve -- vllm serve ...`), are published in the environment (`ENV`) for
+the load format to adopt instead of starting a fetch of its own.
+
+The process reads local files into the page cache, the files a load reads (without torch: it
+starts in milliseconds; mapped, so pages cached already cost no copy), and object storage as a load
+does (`streamload.iter` on the CPU, handing nothing on: each file is written whole into `cache_dir`,
+`storage/cache.py`), so the load that follows finds exactly what it looks for. Memory is the page
+cache's: nothing is held. A checkpoint larger than `budget` (local: half the memory available;
+remote: the cache directory's free space) is not fetched. It ends by writing FILE (JSON:
+`{"ok": true, "bytes": n}`, or `"ok": false` with the reason), and it ends with the process that
+started it (`start`), so a server that fails or is stopped mid-start-up leaves no fetch running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import json
+import mmap
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess  # nosec B404 # this package's own fetch process, an argv list, no shell
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from streamload.base import atomic
+from streamload.base import leftovers as owned
+from streamload.storage.base import redacted
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from streamload.format.header import FileHeader
+
+ENV = "STREAMLOAD_FETCH"  # the fetch this process (or the one that started it) began: JSON, see `ahead`
+
+
+@dataclass
+class Prefetch:
+    """A prefetch under way, as the process that started it sees it: its process id, and `done`,
+    where it reports."""
+
+    pid: int
+    done: Path
+
+    def stop(self) -> None:
+        """End it now if it still runs (idempotent). Once it has reported, or where the id is no longer
+        a prefetch's (it ended long ago and the id went to another process), nothing is signalled."""
+        if self.done.exists() or not _is_prefetch(self.pid):
+            return
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 5
+        while _alive(self.pid):
+            if time.monotonic() > deadline:
+                os.kill(self.pid, signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+
+def start(
+    source: str,
+    done: Path,
+    cache_dir: Path | None = None,
+    budget: int | None = None,
+    model_infos: bool = False,
+    compile_caches: Path | None = None,
+    pinned: frozenset[str] = frozenset(),
+    work: Path | None = None,
+    peers: Sequence[str] = (),
+) -> Prefetch:
+    """Start fetching `source` in a process of its own; it ends when this process does (or `stop`).
+    `work`: a directory this process made (`owned.make`) for the fetch to write in, which the fetch
+    removes when it sees this process ended (its exit handlers, which would remove it, did not run).
+
+    It is not this process's child (a child that ends before its parent stays a zombie until reaped,
+    and nothing here would reap it while a server runs): a short-lived child starts it and exits."""
+    argv = [
+        sys.executable,
+        "-m",
+        "streamload.integrations.startup.prefetch",
+        source,
+        "--done",
+        str(done),
+        "--watch",
+        str(os.getpid()),
+    ]
+    if cache_dir is not None:
+        argv += ["--cache-dir", str(cache_dir)]
+    if budget is not None:
+        argv += ["--budget", str(budget)]
+    if model_infos:
+        argv += ["--model-infos"]
+    if compile_caches is not None:
+        argv += ["--compile-caches", str(compile_caches), *(f"--pin={pin}" for pin in sorted(pinned))]
+    if work is not None:
+        argv += ["--work", str(work)]
+    argv += [f"--peers={peer}" for peer in peers]
+    starter = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # nosec B603 # argv built here
+    assert starter.stdout is not None
+    with starter.stdout:
+        line = starter.stdout.readline()
+    starter.wait()
+    if not line.strip().isdigit():
+        raise RuntimeError(f"the prefetch of {redacted(source)} did not start (exit status {starter.returncode})")
+    prefetch = Prefetch(int(line), done)
+    atexit.register(prefetch.stop)
+    return prefetch
+
+
+def ahead(
+    source: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    compile_cache: Any = None,
+    peers: str | Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Start fetching `source` for a server this process is about to start, and publish the fetch in
+    the environment (`ENV`), where streamload's vLLM load format, in this process or any it starts,
+    adopts it instead of starting another. Call it first, before importing vLLM (seconds of imports
+    that the download then overlaps):
+
+    >>> from streamload.integrations.startup import prefetch  # doctest: +SKIP
+    >>> prefetch.ahead("s3://bucket/llama/")  # doctest: +SKIP
+    >>> from vllm import LLM  # doctest: +SKIP
+
+    Local files are read into the page cache; object storage is written into `cache_dir`, or without
+    one into a private staging directory on local disk, removed once the engine has loaded (or when
+    this process exits). The fetch ends with this process. Returns what the loader needs to find the
+    weights (also the value of `ENV`). `compile_cache`: the digests of the compiled-artifact archives
+    published beside the weights that this node trusts (`pinned_digests.py`), fetched before the weights; none
+    is fetched without. `peers`: nodes seeding the weights, read from first (storage/peers.py)."""
+    from streamload.integrations.startup.pinned_digests import pins
+    from streamload.storage.peers import names
+
+    pinned = pins(compile_cache)
+    remote = "://" in source
+    owned.sweep(STAGING)  # what fetches ended without clean-up (SIGKILL, OOM) left: their owners are gone
+    work = owned.make(STAGING)
+    staging: Path | None = None
+    try:
+        if remote:
+            staging = Path(cache_dir) if cache_dir else work / "staged"
+            staging.mkdir(parents=True, exist_ok=True)
+        compiled = work / "compiled" if remote and pinned else None  # a local archive is read where it lies
+        fetching = start(source, work / "done.json", staging, model_infos=True, compile_caches=compiled, pinned=pinned,
+                         work=work, peers=names(peers))  # fmt: skip
+        owned.share(work, fetching.pid)  # it writes there until it sees this process gone
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+    def clean_up() -> None:  # the process that started the fetch is ending
+        fetching.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    atexit.register(clean_up)
+    started = {
+        "source": source,
+        "host": socket.gethostname(),
+        "pid": fetching.pid,
+        "done": str(work / "done.json"),
+        "compiled": str(compiled) if compiled else None,  # compiled-artifact archives fetched first
+        "cache_dir": str(staging) if staging is not None else None,
+        "owned": staging is not None and not cache_dir,
+    }
+    os.environ[ENV] = json.dumps(started)
+    return started
+
+
+def adopt(source: str) -> dict[str, Any] | None:
+    """The fetch of `source` this process's environment names (`ahead`), if it runs on this host,
+    taken out of the environment (an engine adopts it once: a later one loads on its own); else None
+    (another source: the caller fetches its own)."""
+    try:
+        started = json.loads(os.environ.get(ENV, ""))
+    except ValueError:
+        return None
+    if not isinstance(started, dict) or started.get("host") != socket.gethostname():
+        return None
+    if not _same_source(str(started.get("source", "")), source):
+        return None
+    os.environ.pop(ENV, None)
+    return started
+
+
+STAGING = "streamload-prefetch-"  # a fetch's working directory in the temporary directory (base/leftovers.py)
+COMPILE_CACHE = "streamload-compile-cache"  # beside the weights (`streamload compile-cache publish`)
+MODEL_INFOS = f"{COMPILE_CACHE}/modelinfos.tar"
+STAGED_INDEX = "ready.json"  # in the folder `stage_compile_caches` fills: written last
+
+
+def stage_compile_caches(source: str, into: Path, pinned: frozenset[str]) -> list[str]:
+    """The compiled-artifact archives published beside `source` that may be this node's, fetched into
+    `into` before the weights (the worker installs one only after vLLM has built the model, when the
+    weights' download fills the link: a request then waits behind it). Which archive is this node's is
+    decided by the worker (its key needs torch); here the key's factors that need no torch (vLLM and
+    torch versions, Python, machine) pick the candidates, and only those of a `pinned` digest are kept
+    (`pinned_digests.py`: the worker checks again). `into/ready.json`, written last, lists what was published
+    and what was fetched; each archive is whole under its name (renamed into place)."""
+    from streamload.integrations.startup.pinned_digests import digest
+    from streamload.storage import is_hex, storage_for
+    from streamload.storage.cache import keep  # whole under its name: written under the writer's own, renamed
+
+    storage = storage_for(source)
+    raw = storage.sidecar(beside(source), f"{COMPILE_CACHE}/index.json")
+    published = json.loads(raw) if raw else {}
+    here = _node_without_torch()
+    into.mkdir(parents=True, exist_ok=True)
+    fetched = []
+    for name, key in sorted(published.items()):
+        if not is_hex(name) or any(key.get(factor) != value for factor, value in here.items() if value):
+            continue
+        data = storage.sidecar(beside(source), f"{COMPILE_CACHE}/{name}.tar")
+        if data is not None and digest(data) in pinned:
+            keep(into / f"{name}.tar", data)
+            fetched.append(name)
+    keep(into / STAGED_INDEX, json.dumps({"published": published, "fetched": fetched}).encode())
+    return fetched
+
+
+def staged_compile_caches(started: dict[str, Any], timeout: float = 30) -> Path | None:
+    """Where the fetch `started` (`ahead`) staged the compiled-artifact archives, once it has (it does
+    so before the weights), or None: not staged on this host, or the fetch ended or took `timeout` s."""
+    folder = started.get("compiled")
+    if not folder or started.get("host") != socket.gethostname():
+        return None
+    ready, deadline = Path(folder) / STAGED_INDEX, time.monotonic() + timeout
+    while not ready.exists():
+        if Path(started["done"]).exists() or not _alive(int(started["pid"])) or time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+    return Path(folder)
+
+
+def _node_without_torch() -> dict[str, str]:
+    """The factors of `integrations.vllm.startup.compiled.node_key` known without importing torch or vLLM (the
+    versions as their `__version__`, read from the packages' version files; "" where not found)."""
+    import platform
+
+    return {"vllm": _version_in("vllm", "_version.py"), "torch": _version_in("torch", "version.py"),
+            "python": "{}.{}".format(*sys.version_info[:2]), "machine": platform.machine()}  # fmt: skip
+
+
+def _version_in(package: str, file: str) -> str:
+    import importlib.util
+    import re
+
+    try:
+        spec = importlib.util.find_spec(package)  # a top-level package: found, not imported
+        text = Path(spec.origin).with_name(file).read_text() if spec and spec.origin else ""
+    except (ImportError, OSError, ValueError):
+        return ""
+    found = re.search(r"^__version__ = (?:version = )?['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    return found.group(1) if found else ""
+
+
+def install_model_infos(source: str) -> int:
+    """vLLM's cached inspections of model classes published beside `source`, put into its cache root
+    (`VLLM_CACHE_ROOT/modelinfos`) where absent (one there is never replaced), each whole; how many.
+    vLLM inspects a model's class in a subprocess before any load format runs (15 s here) unless its
+    cache holds the answer, which it checks against the model file's hash: so this runs in the fetch
+    started first. They are data, not code: vLLM reads one with `json.load` into its `_ModelInfo`
+    dataclass (`_LazyRegisteredModel._load_modelinfo_from_cache`). But the archive is not pinned, and
+    what is installed is trusted by every later engine on the node, for whatever model it serves: so
+    only inspections of this checkpoint's own classes install, each of the class it is named for
+    (`_own_inspection`): the classes its config.json names in `architectures`, read beside the weights
+    through the same storage as the archive (none without one). The archive is read member by member
+    as data, never unpacked (`_model_infos`): only files named `modelinfos/<module>-<Class>.json`,
+    small and of that plain shape (`_plain_model_info`), are written, by their name, into the folder
+    opened without following a link (`atomic.folder`); the rest is skipped with one warning, and an
+    archive that is not an uncompressed tar installs nothing (one warning), never failing the load."""
+    import logging
+
+    from streamload.storage import storage_for
+
+    storage = storage_for(source)
+    data = storage.sidecar(beside(source), MODEL_INFOS)
+    if data is None:
+        return 0
+    what = f"{MODEL_INFOS} beside {redacted(source)}"
+    infos = _model_infos(data, what, _architectures(storage, source))
+    if not infos:
+        return 0
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = Path(os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT") or os.path.join(home, "vllm")))
+    try:
+        folder = atomic.folder(root, "modelinfos")  # a link there (a shared cache's) is not written through
+    except OSError as exc:
+        logging.getLogger("streamload").warning("streamload: %s not installed: %s: %s", what, root / "modelinfos", exc)
+        return 0
+    try:
+        return sum(atomic.write(Path(name), raw, dir_fd=folder, replace=False) for name, raw in infos.items())
+    finally:
+        os.close(folder)
+
+
+_MODEL_INFO_MEMBER = re.compile(r"modelinfos/([A-Za-z0-9_-]+\.json)")
+_MODEL_INFO_SIZE = 1 << 16  # bytes of one inspection at most (vLLM's are about 1 KiB)
+_MODEL_INFOS_MEMBERS = 256  # members of an archive read at most: those after are skipped
+_MODEL_INFOS_TOTAL = 4 << 20  # bytes of inspections read from an archive at most
+
+
+def _architectures(storage: Any, source: str) -> frozenset[str]:
+    """The model classes the config.json beside `source` names in `architectures`, read through
+    `storage`; none where there is no such config, or it cannot be read or names no list."""
+    try:
+        raw = storage.sidecar(beside(source), "config.json")
+        config = json.loads(raw) if raw is not None else None
+    except ValueError:  # unreadable (a SourceError), not JSON, not UTF-8
+        return frozenset()
+    names = config.get("architectures") if isinstance(config, dict) else None
+    return frozenset(n for n in names if isinstance(n, str)) if isinstance(names, list) else frozenset()
+
+
+def _model_infos(data: bytes, what: str, classes: frozenset[str]) -> dict[str, bytes]:
+    """The model inspections in the tar archive `data` (named `what` in the warning) of the model
+    `classes`: file name -> bytes, for each regular file `modelinfos/<module>-<Class>.json` of the plain
+    shape, of a class in `classes` and inspecting that class, read as bytes (never extracted) within
+    the caps above; anything else skipped, with one warning saying how many. An archive that is not
+    an uncompressed tar (a compressed one: no gzip bomb is inflated) gives none."""
+    import io
+    import logging
+    import tarfile
+
+    log = logging.getLogger("streamload")
+    infos: dict[str, bytes] = {}
+    skipped = total = 0
+    capped = False
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            for count, member in enumerate(tar):  # one header at a time
+                if count == _MODEL_INFOS_MEMBERS:
+                    capped = True
+                    break
+                found = _MODEL_INFO_MEMBER.fullmatch(member.name)
+                name = found.group(1) if found else ""
+                source = tar.extractfile(member) if member.isreg() and name and name not in infos else None
+                size = min(member.size, _MODEL_INFO_SIZE + 1)
+                raw = source.read(size) if source is not None and total + size <= _MODEL_INFOS_TOTAL else b""
+                total += len(raw)
+                if len(raw) <= _MODEL_INFO_SIZE and _plain_model_info(raw) and _own_inspection(name, raw, classes):
+                    infos[name] = raw
+                else:
+                    skipped += 1
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        log.warning("streamload: %s is not an uncompressed tar archive (%s): nothing of it installed", what, exc)
+        return {}
+    if skipped or capped:
+        after = f" and those after the first {_MODEL_INFOS_MEMBERS}" if capped else ""
+        named = ", ".join(sorted(classes)) or "none: no config.json beside it names them"
+        log.warning(
+            "streamload: %s: %d member(s)%s skipped: only files modelinfos/<module>-<Class>.json holding vLLM's "
+            "inspection of that class (at most %d bytes), for a class the checkpoint's config.json names in "
+            "`architectures` (%s), are installed", what, skipped, after, _MODEL_INFO_SIZE, named
+        )  # fmt: skip
+    return infos
+
+
+def _own_inspection(name: str, raw: bytes, classes: frozenset[str]) -> bool:
+    """Whether the inspection `raw`, in the file `name` (vLLM names it `<module>-<Class>.json`, the
+    module's dots as dashes: a class name holds neither), is of a class in `classes` and says it is of
+    that class: vLLM reads the file for that class, whatever it says inside."""
+    named = name.removesuffix(".json").rpartition("-")[2]
+    return named in classes and json.loads(raw)["modelinfo"].get("architecture") == named
+
+
+def _plain_model_info(raw: bytes) -> bool:
+    """Whether `raw` is shaped as vLLM writes a model inspection: `{"hash": str, "modelinfo": {name:
+    a JSON scalar or a list of strings}}`."""
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return False
+    if not isinstance(info, dict) or set(info) != {"hash", "modelinfo"} or not isinstance(info["hash"], str):
+        return False
+    fields = info["modelinfo"]
+    return isinstance(fields, dict) and all(
+        isinstance(v, (bool, int, float, str, type(None)))
+        or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+        for v in fields.values()
+    )
+
+
+def beside(source: str) -> Path | Any:
+    """A path next to which files published beside the weights sit (storages' `sidecar` takes its parent)."""
+    if "://" in source:
+        from streamload.storage.remote import ObjectPath
+
+        return ObjectPath(source if source.endswith((".safetensors", ".json")) else source.rstrip("/") + "/config.json")
+    path = Path(source)
+    return path if path.is_file() else path / "config.json"
+
+
+def _same_source(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
+def wait(done: Path, pid: int, timeout: float | None = None) -> dict[str, object]:
+    """Block until the prefetch of process `pid` reports in `done` (its report), it ends without one,
+    or `timeout` seconds pass (then `{"ok": False, ...}`)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            return dict(json.loads(done.read_text()))
+        except (OSError, ValueError):
+            pass
+        if not _alive(pid):
+            try:  # it may have written its report just before it ended
+                return dict(json.loads(done.read_text()))
+            except (OSError, ValueError):
+                return {"ok": False, "error": f"the prefetch (process {pid}) ended without a report"}
+        if deadline is not None and time.monotonic() > deadline:
+            return {"ok": False, "error": f"the prefetch did not finish within {timeout:g} s"}
+        time.sleep(0.02)
+
+
+def _is_prefetch(pid: int) -> bool:
+    try:
+        return b"streamload.integrations.startup.prefetch" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (not ended, nor a zombie waiting to be reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def fetch(
+    source: str,
+    cache_dir: Path | None = None,
+    budget: int | None = None,
+    threads: int | None = None,
+    peers: str | Sequence[str] | None = None,
+) -> dict[str, object]:
+    """Read `source` once, keeping nothing (the page cache, or `cache_dir` for object storage, keeps
+    the bytes); the report `wait` returns. No torch is imported: the first request is out within
+    milliseconds of the process's start. `peers`: nodes seeding the objects, read from first
+    (storage/peers.py)."""
+    if "://" not in source:
+        return _fetch_local(Path(source), budget)
+    return _fetch_objects(source, cache_dir, budget, threads, peers)
+
+
+FETCH_BYTES = 8 << 20  # one read of an object's bytes (the store's pace cuts it into its own requests)
+
+
+def _fetch_objects(
+    source: str, cache_dir: Path | None, budget: int | None, threads: int | None, peers: str | Sequence[str] | None
+) -> dict[str, object]:
+    """Every file of `source` into `cache_dir`, file after file (each complete, and usable by a load
+    waiting for it, as early as it can be), by as many reads at once as a load makes."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    from streamload.base.tuning import reader_threads
+    from streamload.plan.checkpoint import open_checkpoint
+    from streamload.storage.peers import with_peers
+
+    checkpoint = open_checkpoint(source, cache_dir)
+    if checkpoint.storage.kind == "local":  # every file is in the cache already
+        cached, size = [str(h.path) for h in checkpoint.files], sum(h.size for h in checkpoint.files)
+        return {"ok": True, "bytes": 0, "cached": cached, "cached_bytes": size, "not_cached": []}
+    if budget is None and cache_dir is not None:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        budget = shutil.disk_usage(cache_dir).free
+    if budget is not None and checkpoint.nbytes > budget:
+        return _over(checkpoint.nbytes, budget)
+    files = with_peers(checkpoint.storage, peers).open({h.path: h for h in checkpoint.files})
+    reads = [(h.path, at, min(FETCH_BYTES, h.size - at)) for h in checkpoint.files
+             for at in range(h.data_start, h.size, FETCH_BYTES)]  # fmt: skip
+    pool = ThreadPoolExecutor(threads or reader_threads(), thread_name_prefix="streamload-fetch")
+    try:
+        got = sum(sum(len(v) for v in views) for views in pool.map(lambda r: files.read(*r), reads))
+    except BaseException:
+        files.cancel()  # the reads in flight end at once
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        files.close()
+    report: dict[str, object] = {"ok": True, "bytes": got}
+    if cache_dir is not None:
+        report.update(_in_cache(Path(cache_dir), checkpoint.files))
+    return report
+
+
+def _in_cache(cache_dir: Path, headers: Sequence[FileHeader]) -> dict[str, object]:
+    """What the cache holds of the checkpoint, looked at once the fetch has ended: the complete copies
+    (`cached`, their bytes `cached_bytes`), and the objects it holds no complete copy of (`not_cached`:
+    read, but not kept, each warned of: a full disk, a link in the way, a writer still at it)."""
+    from streamload.storage.cache import cache_path, kept
+
+    whole = {h.path for h in kept(cache_dir, headers)}
+    return {
+        "cached": [str(cache_path(cache_dir, h.path)) for h in headers if h.path in whole],
+        "cached_bytes": sum(h.size for h in headers if h.path in whole),
+        "not_cached": [str(h.path) for h in headers if h.path not in whole],
+    }
+
+
+def _fetch_local(source: Path, budget: int | None) -> dict[str, object]:
+    """Local files into the page cache, file by file, without torch (a process that starts in
+    milliseconds): the files a load of `source` reads (its index's, else every *.safetensors)."""
+    from streamload.storage.base import INDEX_NAME, parse_index
+
+    index = source / INDEX_NAME if source.is_dir() else source
+    if source.is_dir() and not index.is_file():
+        files = sorted(source.glob("*.safetensors"))
+    elif index.name.endswith(".index.json"):
+        files = [Path(f) for f in parse_index(index, index.read_text("utf-8")).files]
+    else:
+        files = [source]
+    size = sum(f.stat().st_size for f in files)
+    budget = _available_memory() // 2 if budget is None else budget
+    if size > budget:
+        return _over(size, budget)
+    for file in files:
+        with open(file, "rb") as f:
+            _into_page_cache(f.fileno(), os.fstat(f.fileno()).st_size)
+    return {"ok": True, "bytes": size}
+
+
+_MADV_POPULATE_READ = 22  # Linux >= 5.14
+_STEP = 64 << 20
+
+
+def _into_page_cache(fd: int, size: int) -> None:
+    """Every page of the file read into the page cache: mapped with MADV_POPULATE_READ (what is
+    cached already costs a page-table entry, nothing is copied), else read through a buffer.
+    (POSIX_FADV_WILLNEED alone is advice: measured, it brought in 3% of a 156 MB file.)"""
+    if size == 0:
+        return
+    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
+        try:
+            for start in range(0, size, _STEP):
+                mapped.madvise(_MADV_POPULATE_READ, start, min(_STEP, size - start))
+            return
+        except (OSError, ValueError):  # an older kernel
+            pass
+    buffer = bytearray(8 << 20)
+    os.lseek(fd, 0, os.SEEK_SET)
+    while os.readv(fd, [buffer]):
+        pass
+
+
+def _over(size: int, budget: int) -> dict[str, object]:
+    return {"ok": False, "error": f"{size} bytes do not fit the prefetch's budget of {budget} bytes"}
+
+
+def _available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m streamload.integrations.startup.prefetch", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("source")
+    parser.add_argument("--done", type=Path, required=True, help="the report (JSON) written when it ends")
+    parser.add_argument("--cache-dir", type=Path)
+    parser.add_argument("--budget", type=int)
+    parser.add_argument("--threads", type=int, help="reads at once from object storage (default: as a load)")
+    parser.add_argument("--model-infos", action="store_true", help="first install vLLM's model inspections "
+                        "published beside the weights (install_model_infos)")  # fmt: skip
+    parser.add_argument("--compile-caches", type=Path, help="first fetch the compiled-artifact archives "
+                        "published beside the weights that may be this node's into this folder")  # fmt: skip
+    parser.add_argument("--pin", action="append", default=[], help="a digest of a compiled-artifact archive "
+                        "to fetch (sha256:HEX; pinned_digests.py): others are not kept")  # fmt: skip
+    parser.add_argument("--peers", action="append", default=[], help="a node seeding the objects (a URL, or a "
+                        "name whose addresses are the nodes; repeat for several): read from first")  # fmt: skip
+    parser.add_argument("--watch", type=int, help="end when the process of this id ends (`start`)")
+    parser.add_argument("--work", type=Path, help="the folder the watched process made for this fetch "
+                        "(owned.make): removed when it ends")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.watch is not None:  # started by `start`: detach (the starter exits at once) and watch it
+        child = os.fork()
+        if child:
+            print(child, flush=True)
+            os._exit(0)
+        watcher = threading.Thread(target=_end_with, args=(args.watch, args.work), daemon=True)
+        watcher.start()
+    if args.model_infos:
+        with contextlib.suppress(Exception):  # an optimisation only: vLLM inspects the model itself
+            install_model_infos(args.source)
+    if args.compile_caches is not None:
+        with contextlib.suppress(Exception):  # an optimisation only: the worker fetches its archive itself
+            stage_compile_caches(args.source, args.compile_caches, frozenset(args.pin))
+    try:
+        report = fetch(args.source, args.cache_dir, args.budget, args.threads, args.peers)
+    except Exception as exc:  # reported, not raised: the load that follows goes on without it
+        report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    atomic.write(args.done, json.dumps(report).encode())
+    return 0 if report["ok"] else 1
+
+
+def _end_with(pid: int, work: Path | None = None) -> None:
+    """This process ends when process `pid` does: a server stopped mid-start-up leaves no fetch; nor
+    `work`, the folder `pid` made for the fetch (`ahead`), had `pid` ended without its exit handlers
+    (SIGKILL, OOM): `owned.remove` removes it only where its record names `pid` as its maker. (A user's
+    `cache_dir` is not in it: what was fetched there is kept.)"""
+    while _alive(pid):
+        time.sleep(0.2)
+    if work is not None:
+        owned.remove(work, pid)
+    os._exit(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())  # requests still in flight are dropped at exit (storage/remote.py: _wind_down)

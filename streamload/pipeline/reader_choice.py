@@ -1,0 +1,189 @@
+"""Which reader and device serve a load: one table row per reader, one per device, no other branching.
+
+A reader row says which storage it reads (`storage.Storage.kind`), which device types it serves, where
+its bytes land ("host": staging slots in host memory; "mapped": the page cache, viewed in place;
+"device": GPU slots), and how it is built. `reader="auto"` takes the first row, in table order, that
+fits and whose builder accepts the load; a named reader is checked against its row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection
+from pathlib import PurePath
+from typing import Literal, NamedTuple
+
+import torch
+
+from streamload.base import tuning as defaults
+from streamload.base.errors import UnsupportedError
+from streamload.base.tuning import Tuning
+from streamload.device import Device, MappedCPU, StagedCPU
+from streamload.read import Reader
+
+ReaderName = Literal["auto", "mmap", "posix", "direct", "kvikio", "range"]
+Into = Literal["host", "mapped", "device"]
+log = logging.getLogger("streamload")
+
+
+class Load(NamedTuple):
+    """What a builder may look at."""
+
+    device: torch.device
+    tuning: Tuning
+    first_file: PurePath | None
+    total_bytes: int
+    chosen: bool  # named by the caller (a builder raises) rather than tried by auto (it returns None)
+    copies: bool = False  # most bytes are copied into tensors that exist already (into=)
+
+
+class ReaderRow(NamedTuple):
+    name: str
+    storage: str
+    devices: tuple[str, ...]
+    into: Into
+    build: Callable[[Load], Reader | None]
+
+
+def _kvikio(load: Load) -> Reader | None:
+    """kvikio where it can use GPUDirect Storage (auto), or whenever named; in its POSIX mode it
+    bounces through host memory just as the posix row's pinned path does."""
+    try:
+        from streamload.read.kvikio import KvikioReader
+
+        kv = KvikioReader(load.tuning.threads, load.tuning.chunk_bytes)
+    except UnsupportedError as exc:
+        if load.chosen:
+            raise
+        log.warning("streamload: kvikio is unavailable (%s); reading with preadv into pinned memory", exc)
+        return None
+    if not (load.chosen or kv.gds):
+        kv.close()
+        return None
+    if load.first_file is not None:
+        try:
+            kv.probe(load.first_file, load.device)
+        except UnsupportedError as exc:  # GDS reported, but cuFile cannot read this file (tmpfs, its config)
+            kv.close()
+            if load.chosen:
+                raise
+            log.warning("streamload: %s; reading with preadv into pinned memory instead", exc)
+            return None
+    return kv
+
+
+def _mmap(load: Load) -> Reader | None:
+    """On the CPU, mapping wins (measured, docs/benchmarks.md): tensors are views of the page cache.
+    Not under auto where the bytes are copied into tensors of their own anyway: the mapped pages
+    would hold the checkpoint in the process a second time until the load ends."""
+    from streamload.read import MmapReader
+
+    if load.copies and not load.chosen:
+        return None
+    return MmapReader(load.tuning.chunk_bytes)
+
+
+def _direct(load: Load) -> Reader | None:
+    """O_DIRECT: under auto only for a checkpoint larger than the memory available, whose pages the
+    page cache could not keep anyway (where it can, buffered reads measured faster)."""
+    from streamload.read import DirectReader
+
+    memory = defaults.available_memory()
+    if load.chosen or (memory is not None and load.total_bytes > memory):
+        return DirectReader(load.tuning.chunk_bytes)
+    return None
+
+
+def _posix(load: Load) -> Reader:
+    from streamload.read import PosixReader
+
+    return PosixReader(load.tuning.chunk_bytes)
+
+
+def _range(load: Load) -> Reader:
+    from streamload.read.ranges import RangeReader
+
+    return RangeReader(load.tuning.chunk_bytes)
+
+
+READERS: tuple[ReaderRow, ...] = (
+    ReaderRow("kvikio", "local", ("cuda",), "device", _kvikio),
+    ReaderRow("mmap", "local", ("cpu",), "mapped", _mmap),
+    ReaderRow("direct", "local", ("cpu", "cuda"), "host", _direct),
+    ReaderRow("posix", "local", ("cpu", "cuda"), "host", _posix),
+    ReaderRow("range", "object", ("cpu", "cuda"), "host", _range),
+)
+
+
+def _cuda(host_slots: bool) -> Callable[[torch.device], Device]:
+    def make(dev: torch.device) -> Device:
+        from streamload.device.cuda import CudaDevice
+
+        return CudaDevice(dev, host_slots=host_slots)
+
+    return make
+
+
+DEVICES: dict[tuple[str, Into], Callable[[torch.device], Device]] = {
+    ("cpu", "host"): lambda dev: StagedCPU(),
+    ("cpu", "mapped"): lambda dev: MappedCPU(),
+    ("cuda", "host"): _cuda(host_slots=True),
+    ("cuda", "device"): _cuda(host_slots=False),
+}
+
+
+def usable(dev: torch.device) -> torch.device:
+    """`dev`, where a load can put tensors here; else one line saying why."""
+    if dev.type not in {kind for kind, _ in DEVICES}:
+        raise UnsupportedError(f"device {dev} is not supported (use 'cpu', 'cuda' or 'cuda:N')")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedError(f"device {dev}: this torch sees no CUDA device")
+    return dev
+
+
+def route(
+    dev: torch.device,
+    reader: str,
+    storage: str,
+    tuning: Tuning,
+    first_file: PurePath | None = None,
+    total_bytes: int = 0,
+    lands: Collection[Into] = ("host", "mapped", "device"),
+    why: str = "",
+    copies: bool = False,
+) -> tuple[Reader, Device]:
+    """The reader and device for a load. `lands`: where the load needs the bytes to land, and `why`
+    (cooperative loading over a host-memory process group exchanges them in host staging slots,
+    verification hashes them in host memory)."""
+    names = [r.name for r in READERS]
+    if reader != "auto" and reader not in names:
+        raise ValueError(f"reader must be 'auto' or one of {', '.join(repr(n) for n in names)}, not {reader!r}")
+    usable(dev)
+    chosen = reader != "auto"
+    load = Load(dev, tuning, first_file, total_bytes, chosen, copies)
+    for row in READERS:
+        if chosen and row.name != reader:
+            continue
+        fits = _fits(row, dev, storage, lands, why)
+        if fits is not None:
+            if chosen:
+                raise UnsupportedError(fits)
+            continue
+        built = row.build(load)
+        if built is not None:
+            return built, DEVICES[(dev.type, row.into)](dev)
+    raise UnsupportedError(f"no reader reads {storage} storage into {dev}")  # the table lacks a row
+
+
+def _fits(row: ReaderRow, dev: torch.device, storage: str, lands: Collection[Into], why: str) -> str | None:
+    """None if the row serves this load, else why not (the error for a reader named by the caller)."""
+    others = ", ".join(repr(r.name) for r in READERS if r.storage == storage and dev.type in r.devices)
+    if row.storage != storage:
+        return f"the {row.name} reader reads {row.storage} storage, not {storage}: use {others}"
+    if dev.type not in row.devices:
+        where = "GPU memory" if row.devices == ("cuda",) else f"device={row.devices[0]!r}"
+        return f"the {row.name} reader reads into {where}, not {dev.type}: use {others}"
+    if row.into not in lands:
+        fit = ", ".join(repr(r.name) for r in READERS if r.into in lands and r.storage == storage)
+        return f"{why}: use a reader that does ({fit}), not {row.name!r}"
+    return None

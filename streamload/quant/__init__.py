@@ -1,0 +1,1 @@
+"""Quantized checkpoints: what a checkpoint's quantization is, and dequantizing while streaming."""

@@ -1,0 +1,1 @@
+"""Servers streamload runs: the seeder (verified copies to peers), bounded at accept, authenticated."""

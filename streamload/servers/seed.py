@@ -1,0 +1,751 @@
+"""Seeding: the complete copies a cache directory holds, served to peers over HTTP ranges.
+
+    streamload seed --cache-dir DIR [--host H] [--port P] [--rate 50MB] [--connections N]
+                    [--token-file FILE] [--cert CERT --key KEY]
+    python -m streamload seed ...          (the same; prints the URL it serves at, then serves until stopped)
+
+`GET /v1/<scheme>/<host>/<key>` (and HEAD) answers with the copy of the object `scheme://host/key` that
+`DIR/<scheme>/<host>/<key>` holds (the cache's layout, storage/cache.py; the URL scheme is peers.py's), with
+`Range: bytes=a-b` (206, `Content-Range`; 416 past the end; a number too long to be an offset is one past
+any end), `Content-Length`, and a strong `ETag` made of the version the copy's record names
+(`peers.version_tag`: the same on every node holding that version, so a peer asks with `If-Match` and gets
+412 for another version: before its proof is checked, as a proof is made for one version; a 412 names
+no version). Only what the cache vouches for is served: a regular file with one link
+(`cache.single`: a FIFO, a device, a hard link to a file elsewhere is 404), opened without blocking, whose
+record names its inode, modification time and size (a partial file, a record, a lock, a copy being
+written, anything else: 404). Each folder is opened from the one above it without following a link and
+the copy with `O_NOFOLLOW` (storage/cache.py's `Folders`): a link planted in the cache, or a path that
+leaves it (`..`, an encoded `/`), is 404. Files are opened read-only; nothing is ever written.
+
+Who may read: every GET and HEAD carries `X-Streamload-Proof` (storage/peer_proof.py), made with the key
+of the copy's object version: the copy's header bytes (its length word and JSON header), its record's
+version tag and the peers' token (`--token-file`, else `STREAMLOAD_PEER_TOKEN_FILE` or
+`STREAMLOAD_PEER_TOKEN`), over the method, the request target as sent and the Range header. A request
+without one, with a proof made with another key (a co-tenant who never read the object from its origin, or
+lacks the token), for another request, or seen before (a replay) gets 403 and the connection is closed:
+not a byte, not the version. With `--cert`/`--key` it serves TLS (`https://`), so an observer on the path
+sees neither the bytes nor the proofs; without, the bytes cross the network in the clear.
+
+Bounded, whatever the peers do: one thread runs every connection (asyncio; HTTP/1.1 parsed by h11; bodies
+by sendfile over plain TCP), and at most `IO_THREADS` open the cache's files (and read them for TLS), so a
+connection costs no thread. At most `connections`
+connections are open at once; one more is answered at accept with a canned 503 (`Retry-After: 1`,
+`Connection: close`) and closed unread, unless a connection that has waited `EVICT_AFTER` seconds for a
+request (an idle kept one, or a silent new one) can be closed to make room. A request's headers must arrive
+whole (at most `HEAD_LIMIT` bytes) within `header_timeout` seconds of the connection, or of their first
+byte on a kept connection; a kept connection waits `idle` seconds for its next request; a response must be
+sent within its size at `send_floor` bytes a second (at most the rate cap's share of a connection) plus
+`send_margin` seconds. `rate` (bytes a second, all connections together) caps what seeding takes of the
+node's link. The server's thread is a daemon: it stops with its process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import re
+import signal
+import socket
+import ssl
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from http import HTTPStatus
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import h11
+
+from streamload.base.atomic import PARTIAL
+from streamload.format.header import HEADER_LIMIT
+from streamload.storage.cache import LOCK, RECORD, Folders, Place, open_copy, own, record_of
+from streamload.storage.peer_proof import HEADER, Proofs, read_key, token
+from streamload.storage.peers import DEFAULT_PORT, PREFIX, version_tag
+
+log = logging.getLogger("streamload")
+CONNECTIONS = 32  # connections served at once (default)
+IDLE = 30.0  # seconds a kept connection may wait for its next request
+HEADERS = 10.0  # seconds a request's line and headers may take, whole
+EVICT_AFTER = 2.0  # seconds a connection must have waited for a request before a new one may take its place
+SEND_FLOOR = 256 << 10  # bytes a second a response is given at least (its deadline: its size at this rate)
+SEND_MARGIN = 30.0  # seconds a response is given on top
+IO_THREADS = 4  # threads opening copies and reading their headers (a slow disk holds these, not the server)
+HEAD_LIMIT = 16 << 10  # bytes of a request's line and headers
+BUSY = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+_PACED = 256 << 10  # bytes sent at a time under a rate cap
+_SEALED = 1 << 20  # bytes read at a time for a TLS connection
+_READ = 64 << 10  # bytes read from a connection at a time
+_KEYS = 256  # read keys remembered (by file and version: a header is read once, not once a request)
+_DIGITS = 19  # digits of a Range number read as they are; a longer one is past any end
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+_PROOF = HEADER.lower().encode()
+
+
+class _Pace:
+    """A rate cap shared by every connection: each send takes its slot in time (the server's thread only)."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._next = time.monotonic()
+
+    def delay(self, n: int) -> float:
+        """Seconds until `n` more bytes are within the rate (the end of their slot: no burst ahead of it)."""
+        now = time.monotonic()
+        self._next = max(now, self._next) + n / self.rate
+        return self._next - now
+
+
+class _Conn:
+    """One admitted connection: its task, since when it has waited for a request (None while one arrives
+    or is answered), and the deadline that ends it (its task cancelled)."""
+
+    __slots__ = ("_timer", "kept", "task", "waiting")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+        self.waiting: float | None = time.monotonic()
+        self.kept = False  # has answered a request: waits `idle` for the next
+        self._timer: asyncio.TimerHandle | None = None
+
+    def arm(self, seconds: float) -> None:
+        self.disarm()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self.end)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def end(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+
+class _Told(asyncio.Protocol):
+    """A refused TLS connection: told 503, then gone (`gone` done)."""
+
+    def __init__(self) -> None:
+        self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.gone.done():
+            self.gone.set_result(None)
+
+
+class _Body:
+    """Stands for a response's body in h11's bookkeeping (its length), the bytes sent by `sendfile`."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class Seeder:
+    """Serves the complete copies in `cache_dir` (see the module's docstring). `start` serves on a daemon
+    thread; `close` stops. `url`: where it serves (the port chosen where `port=0`; https:// with `cert`).
+    `token_file`: the peers' token (default: the environment's, peer_proof.token); `cert`, `key`: PEM files
+    to serve TLS with. Raises ValueError naming a cache directory it could serve nothing from (missing, a
+    file, one this user cannot list or enter), a port out of range, or a token, certificate or key file that
+    cannot be used, and OSError where the address cannot be bound."""
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str],
+        host: str = "0.0.0.0",  # nosec B104 # seeding is for other nodes; the module's docstring says what to bind
+        port: int = DEFAULT_PORT,
+        rate: float | None = None,
+        connections: int = CONNECTIONS,
+        *,
+        token_file: str | os.PathLike[str] | None = None,
+        cert: str | os.PathLike[str] | None = None,
+        key: str | os.PathLike[str] | None = None,
+        header_timeout: float = HEADERS,
+        idle: float = IDLE,
+        send_floor: float = SEND_FLOOR,
+        send_margin: float = SEND_MARGIN,
+    ) -> None:
+        self.cache_dir = Path(cache_dir)
+        # Said now: a seeder that could open no copy would print its URL and answer 404 for ever.
+        if not self.cache_dir.exists():
+            raise ValueError(f"{self.cache_dir}: no such folder: nothing to seed (give the cache_dir loads keep "
+                             "their copies in)")  # fmt: skip
+        if not self.cache_dir.is_dir():
+            raise ValueError(f"{self.cache_dir}: not a folder: seeding serves a cache directory's copies")
+        if not os.access(self.cache_dir, os.R_OK | os.X_OK):  # every copy is opened from it (storage/cache.py)
+            raise ValueError(f"{self.cache_dir}: cannot read this folder (list and enter it): nothing could be served")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port {port!r} is out of range: a port is 0..65535 (0: any free one)")
+        self.pace = _Pace(rate) if rate else None
+        self.connections = connections
+        self.header_timeout, self.idle, self.send_margin = header_timeout, idle, send_margin
+        self.send_floor = min(send_floor, rate / connections / 2) if rate else send_floor  # a paced share is slower
+        self.sent = 0  # body bytes sent
+        self.refused = 0  # connections answered 503 at accept
+        self.requests: list[tuple[str, str, int]] = []  # (method, path, status)
+        self._secret = token(token_file)
+        self._tls = _tls(cert, key)
+        self._proofs = Proofs()
+        self._keys: OrderedDict[tuple[object, ...], bytes] = OrderedDict()
+        self._keys_lock = threading.Lock()
+        self._conns: set[_Conn] = set()
+        self._refusals: set[asyncio.Task[None]] = set()  # TLS connections being told 503 (at most `connections`)
+        self._listener = _listen(host, port)
+        bound = self._listener.getsockname()
+        shown = f"[{bound[0]}]" if ":" in str(bound[0]) else str(bound[0])
+        self.url = f"{'https' if self._tls else 'http'}://{shown}:{bound[1]}"
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._main: asyncio.Task[None] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def open(self) -> int:
+        """Connections open now (being served or waiting for a request)."""
+        return len(self._conns)
+
+    @property
+    def tls(self) -> bool:
+        return self._tls is not None
+
+    @property
+    def token(self) -> bool:
+        """Whether proofs must be made with the peers' token too."""
+        return self._secret is not None
+
+    def start(self) -> Seeder:
+        with self._lock:
+            if self._thread is not None or self._closed:
+                return self
+            self._listener.setblocking(False)
+            self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="streamload-seed-io")
+            self._loop = loop = asyncio.new_event_loop()
+            loop.set_default_executor(self._pool)  # asyncio's own file reads (sendfile over TLS) go there too
+            self._main = loop.create_task(self._serve())
+            self._thread = threading.Thread(target=self._run, name="streamload-seed", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop: every connection closed, the threads ended, the port let go."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._thread is not None and self._loop is not None and self._main is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._main.cancel)
+            except RuntimeError:  # its loop has ended already
+                pass
+            self._thread.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._listener.close()
+
+    def __enter__(self) -> Seeder:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def copy(self, url_path: str) -> tuple[int, os.stat_result, dict[str, object]] | None:
+        """The open copy (descriptor, its stat, its record) that a request's path names, if the cache vouches
+        for it; else None. Never through a link, never outside the cache, never a partial file, never
+        anything but a regular file with one link (a FIFO never blocks: `cache.open_copy`)."""
+        names = _names(url_path)
+        if names is None:
+            return None
+        folders = Folders(self.cache_dir, create=False)
+        fd = None
+        try:  # the record is read through the folder's descriptor too: closed only after
+            place = Place(folders.folder(tuple(names[:-1])), names[-1], self.cache_dir.joinpath(*names))
+            if place.linked() is not None:
+                return None
+            fd = open_copy(place)
+            st = os.fstat(fd)
+            record = record_of(place, st)
+            if record is not None and not own(place, st):
+                record = None  # another user's copy: what it holds was never checked by this user's loads
+        except OSError:
+            record = None
+        finally:
+            folders.close()
+        if record is None:
+            if fd is not None:
+                os.close(fd)
+            return None
+        return fd, st, record
+
+    # -- the server's thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        assert self._loop is not None and self._main is not None
+        try:
+            self._loop.run_until_complete(self._main)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        warned = -1e9
+        try:
+            while True:
+                try:
+                    sock, _ = await loop.sock_accept(self._listener)
+                except OSError as exc:  # out of descriptors, a connection reset before it was taken
+                    if exc.errno not in (errno.ECONNABORTED, errno.EPROTO):
+                        now = time.monotonic()
+                        if now - warned > 60:  # a minute's failures, one line
+                            warned = now
+                            log.warning("streamload seed: %s: cannot accept a connection: %s", self.url, exc)
+                        await asyncio.sleep(0.1)
+                    continue
+                self._admit(sock)
+        finally:
+            tasks = [c.task for c in self._conns if c.task is not None] + list(self._refusals)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _admit(self, sock: socket.socket) -> None:
+        """Serve `sock`, or refuse it at once where every slot is held (making room where one can be had)."""
+        if len(self._conns) >= self.connections and not self._make_room():
+            self._refuse(sock)
+            return
+        conn = _Conn()
+        self._conns.add(conn)
+        conn.task = asyncio.get_running_loop().create_task(self._connection(conn, sock))
+
+    def _make_room(self) -> bool:
+        """Close the connection that has waited longest for a request, if one has waited `EVICT_AFTER`."""
+        now = time.monotonic()
+        waiting = [c for c in self._conns if c.waiting is not None and now - c.waiting >= EVICT_AFTER]
+        if not waiting:
+            return False
+        oldest = min(waiting, key=lambda c: c.waiting or now)
+        self._conns.discard(oldest)
+        oldest.end()
+        return True
+
+    def _refuse(self, sock: socket.socket) -> None:
+        """The canned 503, written without reading (no task, no thread); over TLS, after the handshake
+        (at most `connections` at once: beyond, closed)."""
+        self.refused += 1
+        if self._tls is None:
+            try:
+                sock.send(BUSY)
+            except OSError:
+                pass
+            sock.close()
+        elif len(self._refusals) < self.connections:
+            task = asyncio.get_running_loop().create_task(self._refuse_tls(sock))
+            self._refusals.add(task)
+            task.add_done_callback(self._refusals.discard)
+        else:
+            sock.close()
+
+    async def _refuse_tls(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        told = _Told()
+        transport = None
+        try:
+            transport, _ = await asyncio.wait_for(
+                loop.connect_accepted_socket(lambda: told, sock, ssl=self._tls), self.header_timeout
+            )
+            transport.write(BUSY)
+            transport.close()  # once written
+            await asyncio.wait_for(told.gone, self.header_timeout)
+        except (OSError, asyncio.TimeoutError, ssl.SSLError):
+            pass
+        finally:
+            if transport is not None:
+                transport.abort()  # (gone already: a no-op)
+            sock.close()
+
+    async def _connection(self, conn: _Conn, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        conn.arm(self.header_timeout)  # the handshake and the first request's headers
+        transport: asyncio.Transport | None = None
+        peer = "a peer"
+        try:
+            peer = str(sock.getpeername()[0])
+            reader = asyncio.StreamReader()
+            protocol = asyncio.StreamReaderProtocol(reader)
+            tls = {"ssl": self._tls, "ssl_handshake_timeout": self.header_timeout} if self._tls else {}
+            transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock, **tls)  # type: ignore[arg-type]
+            writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+            http = h11.Connection(h11.SERVER, max_incomplete_event_size=HEAD_LIMIT)
+            while await self._exchange(conn, reader, writer, http, peer):
+                http.start_next_cycle()
+                conn.kept, conn.waiting = True, time.monotonic()
+                conn.arm(self.idle)
+            writer.close()  # what was written goes first (within the deadline armed last); `abort` drops it
+            await writer.wait_closed()
+        except asyncio.CancelledError:
+            pass  # a deadline, room made for another, or the seeder closing
+        except (OSError, EOFError, ssl.SSLError, h11.ProtocolError):
+            pass  # the peer went, or broke TLS or HTTP
+        except Exception as exc:  # one line, never a traceback: a bug here costs a connection, not the server
+            log.warning("streamload seed: %s: %s: %s", peer, type(exc).__name__, exc)
+        finally:
+            conn.disarm()
+            self._conns.discard(conn)
+            if transport is not None:
+                transport.abort()  # (closed already: a no-op)
+            sock.close()  # (where the transport has it, closed already: a no-op)
+
+    async def _exchange(
+        self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, http: h11.Connection, peer: str
+    ) -> bool:
+        """One request answered; whether the connection may carry another."""
+        request = await self._request(conn, reader, writer, http)
+        if request is None:
+            return False
+        conn.arm(self.header_timeout)  # finding the copy and its key
+        method, target = request.method.decode("latin-1"), request.target.decode("latin-1")
+        fields = _fields(request.headers)
+        if method not in ("GET", "HEAD"):
+            return await self._canned(writer, 405, method, target, {"Allow": "GET, HEAD"})
+        if not _ended(http) or len(fields.get(b"range", ())) > 1:
+            return await self._canned(writer, 400, method, target)  # a body, or two ranges: no peer sends either
+        proofs, span = fields.get(_PROOF, []), (fields.get(b"range") or [""])[0]
+        found = await self._found(target)
+        if found is None:
+            return await self._respond(writer, http, method, target, 404)
+        fd, st, tag, key = found
+        try:
+            if not _matches(tag, (fields.get(b"if-match") or [None])[0]):  # before the proof: it is made for
+                return await self._respond(writer, http, method, target, 412)  # one version (its tag not said)
+            value = proofs[0] if len(proofs) == 1 else None  # none, or two: no proof
+            why = self._proofs.check(key, value, method, target, span)
+            if why is not None:  # said to the log; to the peer, no more than 403
+                log.info("streamload seed: %s: 403 for %s %s: %s", peer, method, target, why)
+                return await self._canned(writer, 403, method, target)
+            return await self._send(conn, writer, http, method, target, fd, st.st_size, tag, fields)
+        finally:
+            os.close(fd)
+
+    async def _request(
+        self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, http: h11.Connection
+    ) -> h11.Request | None:
+        """The next request's line and headers, within their deadline; None where the connection ends
+        (closed by the peer, or answered 400/431 for what is not HTTP/1.1)."""
+        while True:
+            try:
+                event = http.next_event()
+            except h11.RemoteProtocolError as exc:
+                await self._canned(writer, exc.error_status_hint, "", "")
+                return None
+            if event is h11.NEED_DATA:
+                data = await reader.read(_READ)
+                if data and conn.waiting is not None:  # a request's first byte: its headers' deadline
+                    conn.waiting = None
+                    if conn.kept:
+                        conn.arm(self.header_timeout)
+                http.receive_data(data)
+                continue
+            if isinstance(event, h11.Request):
+                conn.waiting = None
+                return event
+            return None  # ConnectionClosed
+
+    async def _found(self, target: str) -> tuple[int, os.stat_result, str, bytes] | None:
+        """The copy `target` names, open, with its stat, version tag and read key (on the I/O threads: a
+        slow disk holds them, not the server); its descriptor closed where this request is gone by then."""
+        assert self._pool is not None
+        future = self._pool.submit(self._look_up, target)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(_close_found)
+            raise
+
+    def _look_up(self, target: str) -> tuple[int, os.stat_result, str, bytes] | None:
+        found = self.copy(target)
+        if found is None:
+            return None
+        fd, st, record = found
+        try:
+            tag = version_tag(record)
+            key = self._read_key(fd, st, tag)
+        except (OSError, KeyError, TypeError, ValueError):
+            key = None
+        if key is None:  # no safetensors header to make it with: no copy a peer could have asked for
+            os.close(fd)
+            return None
+        return fd, st, tag, key
+
+    def _read_key(self, fd: int, st: os.stat_result, tag: str) -> bytes | None:
+        """The key proofs for this copy's version are made with (peer_proof.read_key), remembered by file."""
+        known = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, tag)
+        with self._keys_lock:
+            key = self._keys.get(known)
+            if key is not None:
+                self._keys.move_to_end(known)
+                return key
+        prefix = _header_prefix(fd, st.st_size)
+        if prefix is None:
+            return None
+        key = read_key(prefix, tag, self._secret)
+        with self._keys_lock:
+            self._keys[known] = key
+            while len(self._keys) > _KEYS:
+                self._keys.popitem(last=False)
+        return key
+
+    async def _send(
+        self, conn: _Conn, writer: asyncio.StreamWriter, http: h11.Connection, method: str, target: str, fd: int,
+        size: int, tag: str, fields: dict[bytes, list[str]],
+    ) -> bool:  # fmt: skip
+        span = _span((fields.get(b"range") or [None])[0], size)
+        if span == "unsatisfiable":
+            unsatisfiable = {"Content-Range": f"bytes */{size}", "ETag": tag}
+            return await self._respond(writer, http, method, target, 416, unsatisfiable)
+        start, end = span if isinstance(span, tuple) else (0, size)
+        headers = {"ETag": tag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        if isinstance(span, tuple):
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        conn.arm(self.send_margin + (end - start) / self.send_floor)  # the response's whole send
+        status = 206 if isinstance(span, tuple) else 200
+        self._record(method, target, status)
+        writer.write(http.send(_response(status, headers, end - start)))
+        if method == "GET" and end > start:
+            http.send_with_data_passthrough(h11.Data(data=_Body(end - start)))  # type: ignore[arg-type]
+            if not await self._body(writer, fd, start, end):
+                return False
+        writer.write(http.send(h11.EndOfMessage()) or b"")
+        await writer.drain()
+        return http.our_state is h11.DONE and http.their_state is h11.DONE
+
+    async def _body(self, writer: asyncio.StreamWriter, fd: int, start: int, end: int) -> bool:
+        """Bytes [start, end) of the copy, by sendfile where the connection is plain TCP (else read on the I/O
+        threads, `_SEALED` at a time, and encrypted); whether all went (a file cut short since its record was
+        written cuts the answer: the connection is closed)."""
+        loop = asyncio.get_running_loop()
+        await writer.drain()
+        step = _PACED if self.pace is not None else end - start if self._tls is None else _SEALED
+        with open(fd, "rb", closefd=False) as f:
+            at = start
+            while at < end:
+                n = min(step, end - at)
+                if self.pace is not None:
+                    await asyncio.sleep(self.pace.delay(n))
+                if self._tls is None:
+                    try:
+                        sent = await loop.sendfile(writer.transport, f, at, n)
+                    except RuntimeError:  # "Transport is closing": the peer went
+                        return False
+                else:  # asyncio's own fallback reads 16 KiB at a time: ten times slower
+                    data = await loop.run_in_executor(None, os.pread, fd, n, at)
+                    writer.write(data)
+                    await writer.drain()
+                    sent = len(data)
+                self.sent += sent
+                if sent < n:
+                    return False
+                at += n
+        return True
+
+    async def _respond(
+        self, writer: asyncio.StreamWriter, http: h11.Connection, method: str, target: str, status: int,
+        headers: dict[str, str] | None = None,
+    ) -> bool:  # fmt: skip
+        """A response without a body; whether the connection may carry another request."""
+        self._record(method, target, status)
+        writer.write(http.send(_response(status, headers or {}, 0)))
+        writer.write(http.send(h11.EndOfMessage()) or b"")
+        await writer.drain()
+        return http.our_state is h11.DONE and http.their_state is h11.DONE
+
+    async def _canned(
+        self, writer: asyncio.StreamWriter, status: int, method: str, target: str, headers: dict[str, str] | None = None
+    ) -> bool:
+        """A response without a body, then the connection closed (written whatever state h11 is in)."""
+        if method:
+            self._record(method, target, status)
+        more = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        writer.write(f"HTTP/1.1 {status} {_reason(status)}\r\n{more}Connection: close\r\nContent-Length: 0\r\n\r\n"
+                     .encode())  # fmt: skip
+        await writer.drain()
+        return False
+
+    def _record(self, method: str, target: str, status: int) -> None:
+        self.requests.append((method, target, status))
+        del self.requests[:-1000]
+
+
+def _close_found(future: Future[tuple[int, os.stat_result, str, bytes] | None]) -> None:
+    """The descriptor a lookup opened for a request that went while it ran, closed."""
+    if not future.cancelled() and future.exception() is None:
+        found = future.result()
+        if found is not None:
+            os.close(found[0])
+
+
+def _matches(tag: str, match: str | None) -> bool:
+    """Whether an If-Match header (None: none) lets a request for the version `tag` names go on."""
+    return match is None or match.strip() == "*" or tag in [m.strip() for m in match.split(",")]
+
+
+def _ended(http: h11.Connection) -> bool:
+    """Whether the request just received has ended with its headers (a GET or HEAD has no body)."""
+    try:
+        return isinstance(http.next_event(), h11.EndOfMessage)
+    except h11.RemoteProtocolError:
+        return False
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)
+
+
+def _tls(cert: str | os.PathLike[str] | None, key: str | os.PathLike[str] | None) -> ssl.SSLContext | None:
+    """A TLS server context with the certificate (chain) and key in these PEM files; None without `cert`.
+    Raises ValueError naming the files where they cannot be used."""
+    if cert is None:
+        if key is not None:
+            raise ValueError(f"{key}: a TLS key without its certificate (give the certificate too)")
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        files = f"{cert} and {key}" if key is not None else str(cert)
+        raise ValueError(f"{files}: cannot serve TLS with this certificate and key: {exc.strerror or exc}") from None
+    return context
+
+
+def _header_prefix(fd: int, size: int) -> bytes | None:
+    """The copy's length word and JSON header as a load reads them from the origin (N capped as safetensors
+    caps it); None where the file has none."""
+    word = os.pread(fd, 8, 0)
+    if len(word) < 8:
+        return None
+    n = int.from_bytes(word, "little")
+    if n > HEADER_LIMIT or 8 + n > size:
+        return None
+    parts, at = [word], 8
+    while at < 8 + n:
+        part = os.pread(fd, min(8 << 20, 8 + n - at), at)
+        if not part:
+            return None
+        parts.append(part)
+        at += len(part)
+    return b"".join(parts)
+
+
+def _fields(headers: Iterable[tuple[bytes, bytes]]) -> dict[bytes, list[str]]:
+    """A request's headers by (lower-case) name, each name's values in order."""
+    out: dict[bytes, list[str]] = {}
+    for name, value in headers:
+        out.setdefault(name.lower(), []).append(value.decode("latin-1"))
+    return out
+
+
+def _reason(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+
+
+def _response(status: int, headers: dict[str, str], length: int) -> h11.Response:
+    fields = [*headers.items(), ("Content-Length", str(length))]
+    return h11.Response(status_code=status, headers=fields, reason=_reason(status))
+
+
+def _names(url_path: str) -> list[str] | None:
+    """The cache's names a request's path stands for (`<scheme>/<host>/<key...>`), or None where it names
+    no copy: outside `/v1/`, an empty, `.` or `..` part, an encoded `/` or NUL, a record, lock or partial file."""
+    path = urlsplit(url_path).path
+    if not path.startswith(PREFIX):
+        return None
+    try:
+        names = [unquote(n, errors="strict") for n in path[len(PREFIX) :].split("/")]
+    except UnicodeDecodeError:
+        return None
+    if len(names) < 3 or any(n in ("", ".", "..") or "/" in n or "\0" in n for n in names):
+        return None
+    last = names[-1]
+    if last.endswith((RECORD, LOCK)) or PARTIAL in last:
+        return None
+    return names
+
+
+def _number(digits: str) -> int:
+    """A Range number; one too long to be read (a 5000-digit one) is past any end, as its value is."""
+    digits = digits.lstrip("0") or "0"
+    return int(digits) if len(digits) <= _DIGITS else 1 << 64
+
+
+def _span(header: str | None, size: int) -> tuple[int, int] | str | None:
+    """[start, end) a Range header asks for; "unsatisfiable" (416); None to answer whole (no Range, or
+    one this server ignores, as RFC 9110 allows: several ranges, another unit, bad syntax)."""
+    match = _RANGE.fullmatch((header or "").strip())
+    if match is None or not (match[1] or match[2]):
+        return None
+    if not match[1]:  # the last N bytes
+        n = _number(match[2])
+        return (max(0, size - n), size) if n and size else "unsatisfiable"
+    start = _number(match[1])
+    if match[2] and _number(match[2]) < start:
+        return None
+    if start >= size:
+        return "unsatisfiable"
+    return start, min(size, _number(match[2]) + 1) if match[2] else size
+
+
+def address(text: str) -> tuple[str, int]:
+    """(host, port) of `[HOST:]PORT` (`--seed 8470`, `--seed 10.0.0.5:8470`, `--seed [::1]:0`); the host
+    all addresses where none is given. Raises ValueError naming the text."""
+    host, _, port = str(text).strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not port.isdigit() or int(port) > 65535 or (host and not re.fullmatch(r"[A-Za-z0-9_.:-]+", host)):
+        raise ValueError(f"{text!r} is not [HOST:]PORT (e.g. 8470, 10.0.0.5:8470, [::1]:8470)")
+    return host or "0.0.0.0", int(port)  # nosec B104 # seeding is for other nodes (see Seeder)
+
+
+def described(seeder: Seeder) -> str:
+    """Who may read what `seeder` serves, and what the path sees, in a few words (the printed lines')."""
+    who = "peers that read each object from its origin" + (" and hold the peers' token" if seeder.token else "")
+    path = "TLS" if seeder.tls else "plain HTTP: the bytes are visible on the path"
+    return f"{who}; {path}"
+
+
+def serve(
+    cache_dir: str | os.PathLike[str],
+    host: str = "0.0.0.0",  # nosec B104 # see Seeder
+    port: int | None = None,
+    rate: float | None = None,
+    connections: int = CONNECTIONS,
+    token_file: str | os.PathLike[str] | None = None,
+    cert: str | os.PathLike[str] | None = None,
+    key: str | os.PathLike[str] | None = None,
+) -> None:
+    """`streamload seed`: serve until SIGTERM or SIGINT; the first line printed names the URL."""
+    seeder = Seeder(cache_dir, host, DEFAULT_PORT if port is None else port, rate, connections, token_file=token_file,
+                    cert=cert, key=key)  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    seeder.start()
+    limit = f", at most {rate / 1e6:g} MB/s" if rate else ""
+    print(f"streamload seed: serving the complete copies in {cache_dir} at {seeder.url} (at most {connections} "
+          f"connections{limit}; to {described(seeder)})", flush=True)  # fmt: skip
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        seeder.close()
+
+
+__all__ = ["CONNECTIONS", "Seeder", "address", "described", "serve"]
