@@ -239,8 +239,8 @@ def test_a_killed_engines_staging_is_removed_by_the_next_start(tmp_path: Path, m
     try:
         left = _ahead_then_killed(temp, f"{server.url}/m/", 3)
         assert all(p.is_dir() and any(p.rglob("*.partial.*")) for p in left)
-        running = subprocess.Popen([sys.executable, "-c", "import sys, time; from streamload.base import leftovers as owned; "
-                                    "print(owned.make('streamload-prefetch-', sys.argv[1]), flush=True); "
+        running = subprocess.Popen([sys.executable, "-c", "import sys, time; from streamload.base import leftovers; "
+                                    "print(leftovers.make('streamload-prefetch-', sys.argv[1]), flush=True); "
                                     "time.sleep(60)", str(temp)], stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:
             assert running.stdout is not None
