@@ -47,6 +47,7 @@ class RangeServer:
         self.refused = 0
         self.sent = 0  # body bytes of data requests sent
         self.faults: list[Fault] = []
+        self.closing = threading.Event()  # set by close(): a stalled answer ends then, unanswered
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         self.arrived: list[float] = []  # time.time() of each request
         self._lock = threading.Lock()
@@ -99,8 +100,9 @@ class RangeServer:
                 if fault == "503":
                     self._status(503, b"<Error><Code>SlowDown</Code></Error>")
                     return
-                if fault and fault.startswith("stall:"):
-                    time.sleep(float(fault.split(":")[1]))
+                if fault and fault.startswith("stall:") and server.closing.wait(float(fault.split(":")[1])):
+                    self.close_connection = True
+                    return
                 self.send_response(206 if m else 200)
                 if server.etags:
                     self.send_header("ETag", etag)
@@ -179,8 +181,14 @@ class RangeServer:
         return sum(1 for method, _, r in self.requests if method == "GET" and r and int(r[6:].split("-")[0]) >= 1 << 18)
 
     def close(self) -> None:
+        """Stop serving; stalled answers end at once, and handlers get a few seconds to end, so that none
+        outlives the test that made the server (their sockets and tracebacks would land in a later test's)."""
+        self.closing.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+        deadline = time.monotonic() + 5
+        while self.open and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 @contextmanager

@@ -5,6 +5,7 @@ pyproject.toml's [tool.importlinter] states (`lint-imports`, which CI also runs 
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ PACKAGE = ROOT / "streamload"
 # also happens to name: (module, attribute) -> why.
 FOREIGN = {
     ("cooperative/exchange.py", "_timeout"): "torch's: a process group backend's options (the exchange's deadline)",
+    ("storage/remote.py", "_store"): "obstore's: its native module, loaded afresh in a forked child",
 }
 
 
@@ -177,3 +179,37 @@ def test_the_layering_contracts_hold() -> None:
     )
     assert ran.returncode == 0, f"lint-imports:\n{ran.stdout}{ran.stderr}"
     assert "0 broken" in ran.stdout, ran.stdout
+
+
+DOTTED = r"\w+(\.\w+)+"
+
+
+def reached(path: Path, forbidden: set[str]) -> list[str]:
+    """`path:line: name` for each import of, or module started by name (`python -m tests.x`) from, one of the
+    `forbidden` top-level modules in the file at `path`: at the top, inside functions, wherever it stands."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(DOTTED, node.value):
+            names = [node.value]  # a module's dotted name, as `-m` takes it
+        else:
+            continue
+        found += [f"{path}:{node.lineno}: {n}" for n in names if n.split(".")[0] in forbidden]
+    return found
+
+
+def test_benchmarks_and_examples_import_no_tests_and_the_package_no_scaffolding(tmp_path: Path) -> None:
+    """bench/ and examples/ build on testbed/ (simulated networks, small pipelines, quantized layouts), never
+    on tests/: a benchmark or an example runs without the suite; and the package imports neither."""
+    outside = [p for folder in ("bench", "examples", "testbed") for p in sorted((ROOT / folder).rglob("*.py"))]
+    assert outside and len(modules(ROOT / "testbed")) > 1
+    found = [line for path in outside for line in reached(path, {"tests"})]
+    found += [line for path in sorted(PACKAGE.rglob("*.py")) for line in reached(path, {"tests", "testbed"})]
+    assert found == []
+    planted = tmp_path / "bench.py"  # the check finds what it looks for
+    planted.write_text('import os\nimport tests.servers\nfrom tests import netsim\nargv = ["-m", "tests.fleet_node"]\n')
+    got = [line.split(": ", 1)[1] for line in reached(planted, {"tests"})]
+    assert sorted(got) == ["tests", "tests.fleet_node", "tests.servers"]
