@@ -34,7 +34,7 @@ def make(folder: Path) -> None:
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.diffusers_pipelines import clip_tokenizer
+    from testbed.diffusers_pipelines import clip_tokenizer
 
     torch.manual_seed(0)
     unet = UNet2DConditionModel(block_out_channels=(320, 640, 1280), layers_per_block=2, cross_attention_dim=768,

@@ -1,11 +1,11 @@
-"""A fleet over a simulated network (tests/netsim.py): N nodes, each wanting the whole checkpoint, load it
+"""A fleet over a simulated network (testbed/netsim.py): N nodes, each wanting the whole checkpoint, load it
 from one capped, latent store — independently, and cooperatively (a gloo group over the nodes' own
 links: each reads a share, the rest comes from the others). Prints, per N, the slowest node's load, its
 first tensor, and the bytes the store served per checkpoint byte. Needs root and nginx.
 
     python bench/fleet.py DIR --nodes 1 2 4 --storage-mbit 200 --node-mbit 1000 --first-byte-ms 30 --connection-mbps 10
 
-Each node is a fresh process (`python -m tests.fleet_node`); its clock starts after imports and, for a
+Each node is a fresh process (`python -m testbed.fleet_node`); its clock starts after imports and, for a
 cooperative load, after the group formed.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent)]
 
-from tests.fleet_node import start  # noqa: E402
-from tests.netsim import Net  # noqa: E402
+from testbed.fleet_node import start  # noqa: E402
+from testbed.netsim import Net  # noqa: E402
 
 
 def run(

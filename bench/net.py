@@ -1,9 +1,9 @@
-"""One node loading over a simulated network (tests/netsim.py): a storage host serving DIR over HTTP,
+"""One node loading over a simulated network (testbed/netsim.py): a storage host serving DIR over HTTP,
 or as an S3 bucket (`--s3`), with a first-byte latency, a rate cap per connection and on its link.
 Prints, for each loader and set of options, the median load time, its first tensor, its rate against
 the link's (what parallel `curl`s reach on the same link) and the bytes the store served per checkpoint
 byte. Runs take turns (streamload's options, then runai's S3 reader with `--runai`), each a fresh
-process. Needs root and nginx (see tests/netsim.py).
+process. Needs root and nginx (see testbed/netsim.py).
 
     python bench/net.py DIR --storage-mbit 200 --first-byte-ms 30 --connection-mbps 10 \\
         --options '{}' '{"chunk_bytes": 1048576, "slots": 32, "threads": 16}'
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent)]
 
-from tests.netsim import BUCKET, Net  # noqa: E402
+from testbed.netsim import BUCKET, Net  # noqa: E402
 
 NODE = r"""
 import json, sys, time

@@ -1,10 +1,10 @@
-"""Peers over a simulated network (tests/netsim.py): a late-joining node loads from nodes that already
-hold the checkpoint and seed it, while the store is capped. Needs root and nginx (see tests/netsim.py).
+"""Peers over a simulated network (testbed/netsim.py): a late-joining node loads from nodes that already
+hold the checkpoint and seed it, while the store is capped. Needs root and nginx (see testbed/netsim.py).
 
     python bench/peers.py DIR --make --layers 4          # a llama-shaped checkpoint (~0.5 GB) + its digests
     python bench/peers.py DIR --nodes 4 --storage-mbit 200 --node-mbit 1000
 
-What it measures, each node a fresh process (`python -m tests.fleet_node`, clock after imports):
+What it measures, each node a fresh process (`python -m testbed.fleet_node`, clock after imports):
 - store alone: node 0 loads from the store with no peers (the baseline a joiner has without them);
 - joiner: nodes 1..N-1 hold complete copies in their cache and seed them (`python -m streamload seed`),
   node 0 loads with `peers=` those nodes: its time against the checkpoint's time at the node link's rate,
@@ -38,8 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent)]
 
-from tests.fleet_node import start  # noqa: E402
-from tests.netsim import Net  # noqa: E402
+from testbed.fleet_node import start  # noqa: E402
+from testbed.netsim import Net  # noqa: E402
 
 PORT = 8470
 

@@ -124,7 +124,7 @@ def main() -> None:
                 per_rank[mode].append(statistics.mean(r["bytes_read"] for r in results))
         alone = statistics.median(slowest[(False, False)])
         if world > 1:
-            slot = streamload.base.tuning.tuning("cpu", 0).slot_bytes
+            slot = streamload.base.tuning.tuning(streamload.base.tuning.HOST_STAGING, 0).slot_bytes
             ceilings.append(f"{world} ranks: {exchange_gbps(world, slot):.2f} GB/s of slot bytes")
         for mode in modes:
             s, b = statistics.median(slowest[mode]), statistics.median(per_rank[mode])

@@ -57,9 +57,9 @@ def make(path: Path, hidden: int = 2048, ffn: int = 5632, layers: int = 8, vocab
 
 def make_quantized(path: Path, layout: str) -> None:
     """`make`'s Llama (float32 before quantizing) with its layers' linear weights in `layout`, as the test
-    suite's quantized checkpoints are written (tests/quantized_layouts.py), in 2 shards."""
+    suite's quantized checkpoints are written (testbed/quantized_layouts.py), in 2 shards."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests import quantized_layouts
+    from testbed import quantized_layouts
 
     sizes = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 8, "num_attention_heads": 16,
              "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048}  # fmt: skip
@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("model", type=Path, nargs="?")
     parser.add_argument("--make", type=Path, help="write a bf16 Llama checkpoint here and exit")
     parser.add_argument("--quantized", help="with --make: the Llama's linear layers quantized in this layout "
-                        "(tests/quantized_layouts.py: w8a8-int8, fp8-channel, w4a8, gptq, ...)")  # fmt: skip
+                        "(testbed/quantized_layouts.py: w8a8-int8, fp8-channel, w4a8, gptq, ...)")  # fmt: skip
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1)

@@ -1,6 +1,6 @@
 """A vLLM server's start-up with its weights behind a network: process start to first token.
 
-One node (a network namespace, tests/netsim.py) has the model's config locally and its weights on an
+One node (a network namespace, testbed/netsim.py) has the model's config locally and its weights on an
 nginx store whose link is capped (`--storage-mbit`). Each case is a fresh process on the node, the
 engine as a server runs it (its own engine-core and worker processes), timed from the process's
 creation to its first token:
@@ -33,7 +33,7 @@ publish`), against the warm node:
     python bench/vllm_startup.py /tmp/llama-300m --storage-mbit 200 --compile-cache --runs 2
 
 Target: streamload <= 1.15x max(dummy, download). The streamload cases' first tokens are compared
-with vLLM's own loader reading the same files locally. Needs root and nginx (tests/netsim.py).
+with vLLM's own loader reading the same files locally. Needs root and nginx (testbed/netsim.py).
 
     python bench/vllm_startup.py --make /tmp/llama-300m            # a 0.3 GB bf16 Llama, 4 shards
     python bench/vllm_startup.py /tmp/llama-300m --storage-mbit 200 --runs 2
@@ -152,7 +152,7 @@ def main() -> None:
         return make(args.make, hidden=1024, ffn=2816, layers=8, vocab=32000)
     if args.model is None:
         parser.error("give a model directory (make one with --make)")
-    from tests.netsim import Net
+    from testbed.netsim import Net
 
     if why := Net.missing():
         sys.exit(f"cannot simulate a network here: {why}")

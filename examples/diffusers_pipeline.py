@@ -38,7 +38,7 @@ def main() -> None:
         folder = args.folder
         if folder is None:
             sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-            from tests.diffusers_pipelines import stable_diffusion
+            from testbed.diffusers_pipelines import stable_diffusion
 
             folder = stable_diffusion(Path(scratch) / "pipeline")
         start = time.perf_counter()

@@ -111,24 +111,31 @@ def iter(
         >>> for name, t in streamload.iter("model.safetensors", device="cpu"):  # doctest: +SKIP
         ...     print(name, t.shape)
     """
-    given = {"device": device, "dtype": dtype, "reader": reader, "ring_bytes": ring_bytes, "chunk_bytes": chunk_bytes,
-             "threads": threads, "slots": slots, "include": include, "exclude": exclude, "into": into, "shard": shard,
-             "verify": verify, "order": order, "cooperative": cooperative, "cache_dir": cache_dir,
-             "peers": peers}  # fmt: skip
+    given: Options = {"device": device, "dtype": dtype, "reader": reader, "ring_bytes": ring_bytes,
+                      "chunk_bytes": chunk_bytes, "threads": threads, "slots": slots, "include": include,
+                      "exclude": exclude, "into": into, "shard": shard, "verify": verify, "order": order,
+                      "cooperative": cooperative, "cache_dir": cache_dir, "peers": peers}  # fmt: skip
+    return _opened(source, given)
+
+
+def _opened(source: Source, given: Options) -> TensorStream:
+    """`iter`'s stream: the options `given` (every one) checked, the checkpoint opened, the load routed and
+    planned. Where it fails, the other ranks of a cooperative load are told at once (`_left`)."""
+    cooperative, into, verify, order = given["cooperative"], given["into"], given["verify"], given["order"]
     exchange: Exchange | None = None
     joined = False  # whether this rank took its part in a cooperative load (its exchange, if any)
     try:
         read_options = ReadOptions.of(options.checked(given))  # every option, before anything is opened
-        dev = devices.resolve(device)
-        checkpoint = _with_peers(open_checkpoint(source, cache_dir), peers)
+        dev = devices.resolve(given["device"])
+        checkpoint = _with_peers(open_checkpoint(source, given["cache_dir"]), given["peers"])
         _check_into_names(into, checkpoint)
         joined = True
         exchange = _exchange(cooperative, dev)
         way = _route(checkpoint, dev, read_options, exchange, verify, copies=_copies(into, checkpoint), order=order)
-        plan, digests = _plan(checkpoint, way, dtype, include, exclude, order, shard, into, verify)
+        plan, digests = _plan(checkpoint, way, given)
         if way.exchange is not None:
             way.exchange.expect(sum(b.shared for b in plan.batches))
-        _check_plan(plan, checkpoint, dev, include, exclude, shard, cache_dir)
+        _check_plan(plan, checkpoint, dev, given)
         stream = _stream(checkpoint, plan, way, digests)
         progress.watch(stream.stats)  # counted on the bar of a `load` (or from_pretrained) it is part of
         return stream
@@ -202,7 +209,7 @@ def _route(
     check_fits(tuning.slot_bytes, "a ring slot")
     first = checkpoint.files[0].path if checkpoint.files else None
     lands, why = _lands(exchange, verify)
-    read, make = route(dev, read_options.reader, checkpoint.storage.kind, tuning, first, total, lands, why, copies)
+    read, make = route(dev, read_options.reader, checkpoint.storage.local, tuning, first, total, lands, why, copies)
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
     if exchange is None:
         return _Route(tuning, read, make, None, None)
@@ -213,19 +220,9 @@ def _route(
     return _Route(tuning, read, make, exchange, functools.partial(exchange.agree, checkpoint, layout=layout))
 
 
-def _plan(
-    checkpoint: Checkpoint,
-    way: _Route,
-    dtype: DTypeOption,
-    include: Patterns,
-    exclude: Patterns,
-    order: Order,
-    shard: ShardSpec | None,
-    into: Mapping[str, torch.Tensor] | None,
-    verify: Verify,
-) -> tuple[Plan, Mapping[PurePath, Known] | None]:
+def _plan(checkpoint: Checkpoint, way: _Route, given: Options) -> tuple[Plan, Mapping[PurePath, Known] | None]:
     """What is read, in which order and batches, and the digests it is checked against (None: unchecked)."""
-    digests = None
+    digests, verify, order = None, given["verify"], given["order"]
     if verify or checkpoint.checks:  # True, or a non-empty mapping (False, None, {}: nothing to verify)
         from streamload.pipeline.verify import choose, needs_file_order
 
@@ -240,13 +237,13 @@ def _plan(
     plan = make_plan(
         checkpoint,
         slot_bytes=way.tuning.slot_bytes,
-        include=include,
-        exclude=exclude,
+        include=given["include"],
+        exclude=given["exclude"],
         order=order,
-        dtype=dtype,
-        shard=shard,
+        dtype=given["dtype"],
+        shard=given["shard"],
         share=way.share,
-        into=into,
+        into=given["into"],
         first_batch=checkpoint.storage.first_batch,
         # a destination's bytes read straight into it, where no one looks at them in the slot
         read_in_place=getattr(way.read, "reads_in_place", False) and digests is None and way.exchange is None,
@@ -254,32 +251,25 @@ def _plan(
     return plan, digests
 
 
-def _check_plan(
-    plan: Plan,
-    checkpoint: Checkpoint,
-    dev: torch.device,
-    include: Patterns,
-    exclude: Patterns,
-    shard: ShardSpec | None,
-    cache_dir: PathLike | None,
-) -> None:
+def _check_plan(plan: Plan, checkpoint: Checkpoint, dev: torch.device, given: Options) -> None:
     """Refuses a plan that cannot be served; warns of one that is likely not what the caller meant."""
+    include, exclude, shard, cache_dir = given["include"], given["exclude"], given["shard"], given["cache_dir"]
     _check_into_device(plan, dev)
     # (`next` over generators, not over `iter(...)`: in this module `iter` is streamload's)
     if not plan.items and checkpoint.tensors and (include is not None or exclude is not None):
         warnings.warn(
             f"streamload: include={include!r} exclude={exclude!r} select none of the checkpoint's "
             f"{len(checkpoint.tensors)} tensors (e.g. {next(n for n in checkpoint.tensors)!r})",
-            stacklevel=3,  # the caller of `iter`
+            stacklevel=4,  # the caller of `iter` (through `_opened`)
         )
     if shard is not None and (unmatched := shard.unmatched(checkpoint.tensors)):
         warnings.warn(
             f"streamload: ShardSpec rules {', '.join(map(repr, unmatched))} match none of the checkpoint's "
             f"{len(checkpoint.tensors)} tensors (e.g. {next((n for n in checkpoint.tensors), '')!r}): the tensors they "
             "were meant for are loaded whole (patterns are fnmatch, case-sensitive, on whole names)",
-            stacklevel=3,
+            stacklevel=4,
         )
-    if cache_dir is not None and checkpoint.storage.kind == "object" and (in_part := plan.read_in_part()):
+    if cache_dir is not None and not checkpoint.storage.local and (in_part := plan.read_in_part()):
         cut, reason = next(entry for entry in in_part.items())
         log.warning(
             "streamload: cache_dir keeps whole files only, and this load reads %d of %d files in part (%s: %s): "

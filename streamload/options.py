@@ -138,9 +138,11 @@ class ReadOptions:
     def tuning(self, device_type: str, total_bytes: int, copies: bool) -> defaults.Tuning:
         """The tuning of a load of `total_bytes` into `device_type`: what was given, the rest from the
         machine; `copies`: most bytes are copied into tensors that exist already (`into=`)."""
+        from streamload.device import kind_of  # torch: imported when a load starts, not with the options
+
         return defaults.tuning(
-            device_type, total_bytes, ring_bytes=self.ring_bytes, slots=self.slots, threads=self.threads,
-            chunk_bytes=self.chunk_bytes, copies=copies,
+            kind_of(device_type).staging, total_bytes, ring_bytes=self.ring_bytes, slots=self.slots,
+            threads=self.threads, chunk_bytes=self.chunk_bytes, copies=copies,
         )  # fmt: skip
 
 

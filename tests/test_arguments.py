@@ -54,6 +54,15 @@ def test_a_source_that_is_no_path_is_named(source: object) -> None:
         streamload.load(source)  # type: ignore[arg-type]
 
 
+def test_arguments_of_the_wrong_kind_are_named() -> None:
+    """`layer_of(5)` names its argument (not the regular expression's TypeError), and a list source names
+    the element that is not a path (not "not list")."""
+    with pytest.raises(TypeError, match=r"^layer_of: name must be a tensor name \(text\), not int 5$"):
+        streamload.layer_of(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^source\[1\] must be a path or a URL, not int 5$"):
+        streamload.load(["model.safetensors", 5])  # type: ignore[list-item]
+
+
 def test_sizes_take_units_everywhere(ckpt: Path) -> None:
     got = streamload.load(ckpt, device="cpu", ring_bytes="8MiB", chunk_bytes="1MiB", threads=2)
     assert torch.equal(got["model.norm.weight"], torch.arange(4.0))
@@ -65,6 +74,11 @@ def test_a_filter_that_selects_nothing_says_so(ckpt: Path) -> None:
         warnings.simplefilter("always")
         assert streamload.load(ckpt, device="cpu", include="nothing.*") == {}
     assert any("select none of the checkpoint's 2 tensors" in str(w.message) for w in caught)
+    with warnings.catch_warnings(record=True) as caught:  # and names the line that called `iter`
+        warnings.simplefilter("always")
+        with streamload.iter(ckpt, device="cpu", include="nothing.*") as stream:
+            assert list(stream) == []
+    assert [w.filename for w in caught if "select none" in str(w.message)] == [__file__]
 
 
 def test_from_pretrained_of_a_missing_path_says_it_is_missing(tmp_path: Path) -> None:

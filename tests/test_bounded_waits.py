@@ -1,10 +1,13 @@
-"""A load's wait on a server that accepts requests and then answers none is bounded by what the README says:
-about STREAMLOAD_TIMEOUT x (STREAMLOAD_RETRIES + 1), however many ranges are in flight or queued behind the
-store's connection cap, and the error says how long it waited in all."""
+"""A load's wait on a server that accepts requests and then answers none is bounded: about
+STREAMLOAD_TIMEOUT x (STREAMLOAD_RETRIES + 1), however many ranges are in flight or queued behind the
+store's connection cap, and the error says how long it waited in all; each wait is logged as it happens."""
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +18,7 @@ from safetensors.torch import save_file
 
 import streamload
 
+from .cli_runs import cli, one_line_error
 from .servers import RangeServer
 
 pytest.importorskip("obstore")
@@ -73,3 +77,35 @@ def test_a_stream_of_a_stalled_server_fails_within_the_bound_too(stalling: Range
     took = time.monotonic() - start
     assert took < BOUND, f"the stream failed after {took:.1f} s, not within {BOUND} s"
     assert re.search(r"[\d.]+ s in all", str(caught.value)), caught.value
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """A server that accepts connections and never sends a byte back."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])  # and never a byte back
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}/model/"
+    stop.set()
+    listener.close()
+    for conn in held:
+        conn.close()
+
+
+def test_an_unanswering_server_is_logged_as_it_is_waited_for_then_named(silent_server: str) -> None:
+    env = {**os.environ, "STREAMLOAD_TIMEOUT": "1", "STREAMLOAD_RETRIES": "2"}
+    started = time.monotonic()
+    run = cli("load", silent_server, "--device", "cpu", env=env, timeout=120)
+    assert time.monotonic() - started < 60
+    waits = [line for line in run.stderr.splitlines() if "got no answer within 1 s; trying again" in line]
+    assert len(waits) == 2 and all(silent_server in line for line in waits), run.stderr
+    one_line_error(run, silent_server, "got no answer within 1 s in 3 of 3 attempts", "STREAMLOAD_TIMEOUT")

@@ -30,6 +30,7 @@ from streamload.storage import cache as cache_module
 from streamload.storage.cache import cache_path
 from streamload.storage.remote import ObjectPath
 
+from .cli_runs import cli
 from .conftest import Mount, random_tensor, same_bits, start_ranks
 from .servers import RangeServer
 
@@ -512,6 +513,48 @@ def test_a_full_disk_costs_the_copy_not_the_load(
     assert not partials(cache)
     assert len(copies(cache)) <= 1
     assert_cache_holds_only_whole_copies(cache, store)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """Two tensors in one file behind an HTTP server with Range: its URL and the tensors."""
+    folder = tmp_path / "served"
+    folder.mkdir()
+    tensors = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    save_file(tensors, folder / "model.safetensors")
+    server = RangeServer(folder)
+    try:
+        yield f"{server.url}/", tensors
+    finally:
+        server.close()
+
+
+def test_a_cache_dir_that_cannot_be_written_is_one_warning_naming_it_and_the_load_goes_on(
+    served: tuple[str, dict[str, torch.Tensor]], tmp_path: Path, mount: Mount
+) -> None:
+    """A file where the cache folder goes, a folder under that file, a read-only folder and one to be made
+    there: none ends the load, nor names a folder deep inside the cache; one warning names the cache_dir."""
+    url, _ = served
+    a_file = tmp_path / "cache-file"
+    a_file.write_text("")
+    read_only = mount(read_only=True)
+    for cache in (a_file, a_file / "sub", read_only, read_only / "sub"):
+        run = cli("load", url, "--device", "cpu", "--cache-dir", str(cache), timeout=120)
+        assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+        warned = [line for line in run.stderr.splitlines() if "cannot keep copies there" in line]
+        assert len(warned) == 1 and warned[0].startswith(f"streamload: cache_dir {cache}: "), run.stderr
+        assert "reads from the store without keeping them" in warned[0]
+        assert run.stdout.splitlines()[-1].startswith("2 tensors, "), run.stdout
+    assert a_file.read_text() == "" and list(read_only.iterdir()) == []
+
+
+def test_a_read_only_cache_that_holds_the_checkpoint_is_still_read(
+    served: tuple[str, dict[str, torch.Tensor]], mount: Mount
+) -> None:
+    url, tensors = served
+    cache = mount(fill=lambda point: streamload.load(url, device="cpu", cache_dir=point), read_only=True)
+    got = streamload.load(url, device="cpu", cache_dir=cache)  # nothing to write there: it is only read
+    assert all(torch.equal(got[n], t) for n, t in tensors.items())
 
 
 def test_a_copy_reserves_its_whole_size_before_its_bytes_arrive(store: Path, tmp_path: Path, mount: Mount) -> None:

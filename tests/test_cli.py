@@ -17,7 +17,8 @@ import streamload
 from streamload.commands.cli import main
 from streamload.commands.demo import Shape, llama_tensors, write_checkpoint
 
-from .conftest import same_bits
+from .cli_runs import cli, one_line_error, small_checkpoint
+from .conftest import Mount, same_bits
 
 
 def test_demo_checkpoint_is_llama_shaped_and_loads(tmp_path: Path) -> None:
@@ -50,6 +51,27 @@ def test_demo_command_runs(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     assert "111 tensors" in out.stdout and "GB/s" in out.stdout and "first full layer" in out.stdout
+
+
+def test_demo_keep_onto_an_existing_file_is_one_line_and_leaves_the_file(tmp_path: Path) -> None:
+    existing = tmp_path / "notes.txt"
+    existing.write_text("mine")
+    one_line_error(cli("demo", "--warm", "--device", "cpu", "--keep", str(existing)), str(existing), "not a directory")
+    assert existing.read_text() == "mine"
+
+
+def test_demo_keep_in_a_read_only_place_is_one_line(mount: Mount) -> None:
+    read_only = mount(read_only=True)
+    for target in (read_only, read_only / "demo"):  # the folder itself, and one to be made there
+        line = one_line_error(cli("demo", "--warm", "--device", "cpu", "--keep", str(target)), str(target))
+        assert "Read-only file system" in line or "not writable" in line, line
+
+
+def test_demo_keep_on_a_full_disk_is_one_line_and_leaves_no_half_written_shard(mount: Mount) -> None:
+    disk = mount(size=1 << 20)  # the demo's checkpoint is ~0.4 GB
+    line = one_line_error(cli("demo", "--warm", "--device", "cpu", "--keep", str(disk / "demo")), str(disk / "demo"))
+    assert "No space left on device" in line, line
+    assert list((disk / "demo").iterdir()) == []
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -266,7 +288,7 @@ def test_bench_sweep_prints_one_line_per_setting_and_the_best_as_options(
     monkeypatch.setattr(bench, "run_child", fake)
     assert main(["bench", str(small_model), "--sweep"]) == 0
     out = capsys.readouterr().out.splitlines()
-    base = defaults.tuning("cpu", streamload.inspect(small_model).nbytes)
+    base = defaults.tuning(defaults.HOST_STAGING, streamload.inspect(small_model).nbytes)
     assert out[0].endswith(f": {1.0 / base.threads + (1 << 20) / base.chunk_bytes:.3f} s") and "(defaults)" in out[0]
     settings = [line for line in out if ": " in line and line.endswith(" s") and not line.startswith("best:")]
     assert len(settings) == 27  # 3 x 3 x 3, the defaults among them
@@ -299,6 +321,27 @@ def test_digest_then_load_verify_and_inspect_shows_the_digests(
     assert main(["inspect", str(small_model)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "no digest known for 2 files: `streamload digest" in out and "| none" not in out
+
+
+def test_digest_of_a_read_only_folder_names_the_folder(mount: Mount) -> None:
+    folder = mount(fill=small_checkpoint, read_only=True)
+    line = one_line_error(cli("digest", str(folder)), f"{folder}: cannot write streamload.digests.json there")
+    assert ".streamload.digests.json." not in line  # the folder, not a temporary file's name
+
+
+def test_digest_on_a_full_disk_names_the_folder_and_leaves_no_temporary_file(mount: Mount) -> None:
+    def fill(point: Path) -> None:
+        small_checkpoint(point)
+        with open(point / "filler", "wb", buffering=0) as f:  # every byte left taken
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+
+    folder = mount(size=1 << 20, fill=fill)
+    one_line_error(cli("digest", str(folder)), str(folder), "No space left on device")
+    assert sorted(p.name for p in folder.iterdir() if "digests" in p.name) == []
 
 
 def test_sizes_take_units_and_bad_numbers_say_what_is_wrong(
@@ -399,6 +442,33 @@ def test_bench_plot_without_matplotlib_fails_before_running(
     monkeypatch.setattr(bench, "run_child", lambda *a, **k: pytest.fail("ran a load before checking --plot"))
     assert main(["bench", str(small_model), "--plot", str(tmp_path / "p.png")]) == 1
     assert capsys.readouterr().err.strip() == "streamload: error: --plot needs matplotlib: pip install matplotlib"
+
+
+def test_bench_into_a_folder_it_cannot_write_fails_before_any_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], mount: Mount
+) -> None:
+    import streamload.commands.bench
+
+    def ran(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the benchmark ran before its output's folder was checked")
+
+    monkeypatch.setattr(streamload.commands.bench, "bench", ran)
+    (tmp_path / "model").mkdir()
+    folder = small_checkpoint(tmp_path / "model")
+    missing = tmp_path / "no-such-folder" / "b.json"
+    assert main(["bench", str(folder), "--device", "cpu", "--json", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert f"streamload: error: --json {missing}: cannot write there: No such file or directory" in err, err
+    read_only = mount(size=64 << 10, read_only=True) / "b.json"  # refuses root too, where a mode does not
+    assert main(["bench", str(folder), "--device", "cpu", "--json", str(read_only)]) == 1
+    assert f"--json {read_only}: cannot write there: Read-only file system" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_bench_on_a_device_this_machine_lacks_is_one_line_before_any_run(tmp_path: Path) -> None:
+    run = cli("bench", str(small_checkpoint(tmp_path)), "--device", "cuda", timeout=120)
+    one_line_error(run, "device cuda: this torch sees no CUDA device")
+    assert "run 1/" not in run.stderr + run.stdout
 
 
 def test_bench_verify_and_drop(small_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ them (`streamload compile-cache publish`, `integrations/vllm/startup/compiled.py
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import asdict
@@ -17,6 +18,8 @@ pytest.importorskip("vllm")
 from streamload.integrations.startup import pinned_digests as pins
 from streamload.integrations.vllm.startup import compiled
 
+from .cli_runs import cli, one_line_error, small_checkpoint
+from .conftest import Mount
 from .servers import RangeServer
 
 
@@ -87,6 +90,39 @@ def test_nothing_to_publish_is_one_line(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "streamload", "compile-cache", "publish", str(tmp_path), "--cache-root",
                           str(tmp_path / "empty")], capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 1 and "no compiled artifacts to publish" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_compile_cache_publish_refuses_a_checkpoint_that_is_not_there(tmp_path: Path) -> None:
+    cache_root = tmp_path / "vllm-cache"
+    (cache_root / "torch_compile_cache" / "abc").mkdir(parents=True)
+    (cache_root / "torch_compile_cache" / "abc" / "artifact").write_text("compiled")
+    missing = tmp_path / "typo-model"
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_bytes(b"")
+    for target in (missing, a_file):
+        run = cli("compile-cache", "publish", str(target), "--cache-root", str(cache_root), timeout=120)
+        one_line_error(run, f"{target}: no such checkpoint directory")
+    assert not missing.exists() and a_file.read_bytes() == b""
+
+
+def test_compile_cache_publish_onto_a_read_only_checkpoint_is_one_line(mount: Mount, tmp_path: Path) -> None:
+    cache_root = tmp_path / "vllm-cache"
+    (cache_root / "torch_compile_cache" / "abc").mkdir(parents=True)
+    (cache_root / "torch_compile_cache" / "abc" / "artifact").write_text("compiled")
+    folder = mount(fill=small_checkpoint, read_only=True)
+    run = cli("compile-cache", "publish", str(folder), "--cache-root", str(cache_root), timeout=120)
+    line = one_line_error(run, str(folder))
+    assert "Read-only file system" in line or "not writable" in line, line
+
+
+def test_compile_cache_publish_on_a_full_disk_names_the_file_and_leaves_no_folder(mount: Mount, tmp_path: Path) -> None:
+    cache_root = tmp_path / "vllm-cache"
+    (cache_root / "torch_compile_cache" / "abc").mkdir(parents=True)
+    (cache_root / "torch_compile_cache" / "abc" / "artifact").write_bytes(os.urandom(1 << 20))
+    disk = mount(size=64 << 10)  # a checkpoint's folder with no room for a 1 MB archive
+    run = cli("compile-cache", "publish", str(disk), "--cache-root", str(cache_root), timeout=120)
+    one_line_error(run, "No space left on device", f"{disk}/streamload-compile-cache/")
+    assert list(disk.iterdir()) == []  # neither a half-written archive nor the folder publish made
 
 
 def test_publish_says_it_packs_every_model_compiled_under_the_cache_root(

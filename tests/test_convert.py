@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import streamload
+import streamload.integrations.transformers
 from streamload.base.errors import UnsupportedError
 from streamload.plan.placement import Conversion, Region
 

@@ -136,10 +136,11 @@ def _as_host(host: dict[str, Any], result: dict[str, Any]) -> None:
     system a network one (`host["mount"]`: type, source) where given; `result["fingerprinted"]` says
     whether it had to compare the files' bytes with the others'."""
     from streamload.cooperative import exchange
+    from streamload.format.header import FileVersion
     from streamload.storage import local
 
     device, inode, mtime = CLONED
-    local.file_identity = lambda st: (device, inode, st.st_size, mtime)  # type: ignore[assignment]
+    local.file_identity = lambda st: FileVersion(st.st_size, device=device, inode=inode, mtime_ns=mtime)  # type: ignore[assignment]
     exchange._host_identity = lambda: host["boot"]  # type: ignore[attr-defined]
     mount = tuple(host["mount"]) if host.get("mount") else None
     exchange._shared_file_system = lambda dev, mounts=None: mount if dev == device else None  # type: ignore[attr-defined]
@@ -304,12 +305,13 @@ def test_an_object_on_a_loopback_server_is_each_hosts_own(monkeypatch: pytest.Mo
     from types import SimpleNamespace
 
     from streamload.cooperative import exchange
+    from streamload.format.header import FileVersion
 
-    objects = SimpleNamespace(storage=SimpleNamespace(kind="object"))
+    objects = SimpleNamespace(storage=SimpleNamespace(local=False))
 
     def on(host: str, url: str) -> bytes:
         monkeypatch.setattr(exchange, "_host_identity", lambda: host)
-        header = SimpleNamespace(path=url, size=10, identity=(10, "etag", '"5f-a"'))
+        header = SimpleNamespace(path=url, size=10, identity=FileVersion(10, etag='"5f-a"'))
         return exchange.version(header, objects)  # type: ignore[arg-type]
 
     for url in ("http://127.0.0.1:8080/m/model.safetensors", "http://localhost/m/a.safetensors",

@@ -12,27 +12,28 @@ import streamload
 from streamload.base import tuning as defaults
 
 MiB, GiB = 1 << 20, 1 << 30
+HOST, DEVICE = defaults.HOST_STAGING, defaults.DEVICE_STAGING  # the CPU's and CUDA's kinds' (test_device_kinds.py)
 
 
 @pytest.mark.parametrize(("cpus", "threads"), [(1, 8), (2, 8), (6, 12), (16, 32), (128, 32)])
 def test_reader_threads_follow_the_cpus(monkeypatch: pytest.MonkeyPatch, cpus: int, threads: int) -> None:
     monkeypatch.setattr(defaults, "cpu_count", lambda: cpus)
-    assert defaults.tuning("cpu", 10 * GiB).threads == threads
+    assert defaults.tuning(HOST, 10 * GiB).threads == threads
 
 
 def test_requests_and_ring_by_device_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(defaults, "cpu_count", lambda: 16)
     monkeypatch.setattr(defaults, "available_memory", lambda: 128 * GiB)
-    gpu = defaults.tuning("cuda", 8 * GiB)
+    gpu = defaults.tuning(DEVICE, 8 * GiB)
     assert (gpu.threads, gpu.chunk_bytes, gpu.ring_bytes, gpu.slots) == (32, 32 * MiB, GiB, 8)
-    cpu = defaults.tuning("cpu", 8 * GiB)
+    cpu = defaults.tuning(HOST, 8 * GiB)
     assert (cpu.chunk_bytes, cpu.ring_bytes, cpu.slots) == (8 * MiB, 256 * MiB, 4)
-    small = defaults.tuning("cuda", 100 * MiB)  # every thread still gets a request; the ring no larger than the load
+    small = defaults.tuning(DEVICE, 100 * MiB)  # every thread still gets a request; the ring no larger than the load
     assert small.chunk_bytes == 2 * MiB and small.ring_bytes == 100 * MiB
-    assert defaults.tuning("cuda", 1000).chunk_bytes == MiB
+    assert defaults.tuning(DEVICE, 1000).chunk_bytes == MiB
     monkeypatch.setattr(defaults, "available_memory", lambda: 2 * GiB)  # a small host: an eighth of what is free
-    assert defaults.tuning("cuda", 8 * GiB).ring_bytes == 256 * MiB
-    given = defaults.tuning("cuda", 8 * GiB, ring_bytes=64 * MiB, slots=2, threads=3, chunk_bytes=MiB)
+    assert defaults.tuning(DEVICE, 8 * GiB).ring_bytes == 256 * MiB
+    given = defaults.tuning(DEVICE, 8 * GiB, ring_bytes=64 * MiB, slots=2, threads=3, chunk_bytes=MiB)
     assert given == defaults.Tuning(64 * MiB, 2, 3, MiB)
 
 

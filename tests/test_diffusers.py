@@ -13,8 +13,8 @@ import torch
 
 import streamload
 from streamload.base.errors import StreamloadError
+from testbed import diffusers_pipelines as made
 
-from . import diffusers_pipelines as made
 from .conftest import assert_torch_layout, in_torch_layout, same_bits
 
 diffusers = pytest.importorskip("diffusers")

@@ -97,6 +97,52 @@ def test_the_readmes_links_reach_existing_pages() -> None:
     assert len(readme.splitlines()) <= 250  # a newcomer reads it in five minutes: the rest is in docs/
 
 
+# -- the README's test command ----------------------------------------------------------------------------
+
+
+def readme_test_command() -> str:
+    """The README's shell block that runs the tests."""
+    blocks = [b for b in re.findall(r"^```sh\n(.*?)\n```", (ROOT / "README.md").read_text(), re.S | re.M)
+              if "python -m pytest" in b]  # fmt: skip
+    assert len(blocks) == 1, blocks
+    return blocks[0]
+
+
+def test_ci_runs_the_readmes_test_command_itself() -> None:
+    """The command a reader copies is the one CI runs (the last line of .ci/run), so it is kept working."""
+    ci = ROOT / ".ci" / "run"
+    assert ci.read_text().strip().splitlines()[-1] == readme_test_command()
+    assert subprocess.run(["bash", "-n", str(ci)], timeout=60).returncode == 0
+
+
+def test_the_test_commands_nginx_step_updates_apt_first_and_lets_the_rest_run_without_it(tmp_path: Path) -> None:
+    """Its first step, run with an `apt-get` that records its calls: the package lists are updated before
+    the install (a fresh image has none), and where apt fails or is absent (no root, not Debian) the step
+    still succeeds, so the command goes on and the network tests skip."""
+    step = re.match(r"\((.*?)\) && ", readme_test_command())
+    assert step and "apt-get" in step[1], readme_test_command()
+    calls = tmp_path / "calls"
+
+    def run(apt_get_exit: int | None) -> subprocess.CompletedProcess[str]:
+        bin_dir = tmp_path / f"bin-{apt_get_exit}"
+        bin_dir.mkdir()
+        if apt_get_exit is not None:
+            (bin_dir / "apt-get").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexit {apt_get_exit}\n')
+            (bin_dir / "apt-get").chmod(0o755)
+        calls.write_text("")
+        return subprocess.run(["/bin/bash", "-c", step[1]], env={"PATH": str(bin_dir)}, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+
+    done = run(0)
+    assert done.returncode == 0, done.stderr
+    said = calls.read_text().splitlines()
+    assert said[0] == "update -q" and said[1].startswith("install ") and "nginx-light" in said[1].split(), said
+    for failing in (100, None):  # apt refuses (no root, no network), or there is no apt at all
+        failed = run(failing)
+        assert failed.returncode == 0 and "no nginx" in failed.stdout, (failed.stdout, failed.stderr)
+        assert calls.read_text().splitlines() == (["update -q"] if failing else [])
+
+
 # -- the examples -----------------------------------------------------------------------------------------
 
 
@@ -112,6 +158,29 @@ def test_every_example_not_run_says_why_compiles_and_they_are_few(capsys: pytest
         print(f"\ndocs examples: {len(ALL) - len(skipped)} run, {len(skipped)} not run here:")
         for example in skipped:
             print(f"  {example}: {example.not_run}")
+
+
+def test_every_example_that_builds_a_vllm_engine_builds_it_under_a_main_guard() -> None:
+    """vLLM starts its workers by spawning, which imports the script again: an `LLM(...)` at a script's
+    top level starts engines without end (or fails), so an example builds one under
+    `if __name__ == "__main__":` or in a function, never on import (these examples need an engine to run)."""
+
+    def is_guard(node: ast.AST) -> bool:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            return True  # its body runs when called, not when the script is imported
+        return isinstance(node, ast.If) and ast.unparse(node.test).replace("'", '"') == '__name__ == "__main__"'
+
+    def engines(tree: ast.AST) -> list[ast.Call]:
+        return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) in ("LLM", "vllm.LLM")]
+
+    built = 0
+    for example in ALL:
+        tree = ast.parse(example.code)
+        guarded = {id(call) for guard in ast.walk(tree) if is_guard(guard) for call in engines(guard)}
+        for call in engines(tree):
+            built += 1
+            assert id(call) in guarded, f"{example}: line {example.line + call.lineno - 1} builds an engine unguarded"
+    assert built, "no example builds a vLLM engine: this test checks nothing"
 
 
 def llama(folder: Path) -> Path:
@@ -149,8 +218,8 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     from safetensors import safe_open
 
     from streamload.commands.cli import main
+    from testbed.diffusers_pipelines import stable_diffusion
 
-    from .diffusers_pipelines import stable_diffusion
     from .servers import RangeServer, s3_server, upload
 
     ws = tmp_path_factory.mktemp("docs")

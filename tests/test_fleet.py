@@ -1,4 +1,4 @@
-"""Loads across real network hops, on one machine (tests/netsim.py): a storage host serving the
+"""Loads across real network hops, on one machine (testbed/netsim.py): a storage host serving the
 checkpoint over HTTP like an object store — a first-byte latency per request, a rate cap per
 connection and on its link — and nodes in network namespaces of their own. Needs root, `ip`, `tc` and
 nginx with the echo module (CI installs them); skipped, saying why, elsewhere."""
@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from streamload.format.header import FIRST_READ
-from tests.fleet_node import start
-from tests.netsim import Net
+from testbed.fleet_node import start
+from testbed.netsim import Net
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(bool(Net.missing()), reason=f"no simulated network here: {Net.missing()}")
@@ -152,7 +152,7 @@ def test_a_throttling_store_under_load_is_retried_past_and_a_failing_one_named(s
     with Net(store, nodes=1, slow_down_percent=100, s3=s3) as net:
         env = {**net.env(), "STREAMLOAD_RETRIES": "2", "STREAMLOAD_TIMEOUT": "2"}
         done = net.run_on(
-            "n0", [sys.executable, "-m", "tests.fleet_node", _urls(net)[0]], timeout=60, cwd=ROOT, env=env
+            "n0", [sys.executable, "-m", "testbed.fleet_node", _urls(net)[0]], timeout=60, cwd=ROOT, env=env
         )
     assert done.returncode != 0
     named = rf"ReadError: {re.escape(_urls(net)[0])}: .*(503|Service Unavailable|SlowDown)"

@@ -181,6 +181,21 @@ def test_strict_errors_name_missing_and_unexpected(tmp_path: Path) -> None:
     assert set(result.missing_keys) == {"embed_tokens.weight", "lm_head.weight"}
 
 
+def test_load_into_refuses_a_tensor_of_another_shape_than_its_parameter_before_reading(tmp_path: Path) -> None:
+    """torch's load_state_dict says "size mismatch"; a weight of another shape assigned under the
+    module's declared one would load silently and fail (or compute garbage) later."""
+    save_file({"lm_head.weight": torch.ones(64, 32), "lm_head.bias": torch.ones(64)}, str(tmp_path / "m.safetensors"))
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(30, 64)
+    before = model.lm_head.weight.detach().clone()
+    said = (r"loading into Module: shapes differ: .*m.safetensors: tensor 'lm_head.weight' is \[64, 32\], parameter "
+            r"'lm_head.weight' is \[64, 30\]; nothing was read")  # fmt: skip
+    for strict in (True, False):
+        with pytest.raises(streamload.StreamloadError, match=said):
+            streamload.load_into(model, tmp_path, include="lm_head*", strict=strict)
+    assert torch.equal(model.lm_head.weight, before)
+
+
 def test_meta_buffer_left_behind_is_an_error(tiny_checkpoint: tuple[Tiny, Path]) -> None:
     _, path = tiny_checkpoint
     with torch.device("meta"):

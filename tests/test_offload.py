@@ -176,6 +176,40 @@ def test_cuda_offload_identical_and_bounded(llama: Path, host_cache: bool) -> No
     assert torch.cuda.max_memory_reserved() - base_reserved <= budget + max(ring, total) + (64 << 20)
 
 
+def test_each_streamed_block_is_waited_for_and_handed_to_the_compute_by_its_device_kind(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forward's thread waits for a block's copies and ties each of its tensors to its own work
+    (CUDA: the compute stream) through the device's kind, whatever the kind: a new accelerator's
+    kind is asked as CUDA's is."""
+    import threading
+
+    from streamload.device import kinds
+    from streamload.device.cpu import CPUKind
+
+    calls: list[str] = []
+
+    class Recording(CPUKind):
+        def wait_ready(self, dev: torch.device, ready: object | None) -> None:
+            if threading.current_thread() is threading.main_thread():
+                calls.append("wait")
+
+        def hand_off(self, t: torch.Tensor) -> None:
+            if threading.current_thread() is threading.main_thread():  # not the fetches' own hand-off
+                calls.append("hand_off")
+
+    monkeypatch.setitem(kinds.KINDS, "cpu", Recording())
+    model = empty_model()
+    with streamload.offload(model, llama, device="cpu", budget_bytes=streamload.inspect(llama).nbytes // 3,
+                            reader="posix") as off, torch.no_grad():  # fmt: skip
+        calls.clear()  # the resident weights' load, in this thread, handed off its own tensors
+        model(IDS)
+        blocks = off.stats.offloaded_blocks
+        tensors = sum(len(b.slots) for b in off.blocks)
+    assert blocks >= 4
+    assert calls.count("wait") == blocks and calls.count("hand_off") == tensors
+
+
 def test_tied_embeddings_and_a_foreign_checkpoint(tmp_path: Path) -> None:
     """The names are checked as load_into checks them: a tied head needs no tensor of its own, and a
     checkpoint of another model is refused before anything is read."""

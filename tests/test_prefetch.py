@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 import streamload
 from streamload.commands.bench import evict
 from streamload.integrations.startup import prefetch
+from tests.cli_runs import cli, one_line_error, small_checkpoint
 from tests.servers import RangeServer
 
 
@@ -68,6 +69,13 @@ def test_object_storage_lands_whole_in_the_cache_dir_and_the_load_reads_it_local
 def test_a_checkpoint_over_the_budget_is_not_fetched(tmp_path: Path) -> None:
     report = prefetch.fetch(str(_checkpoint(tmp_path / "m")), budget=1000)
     assert report["ok"] is False and "do not fit the prefetch's budget of 1000 bytes" in str(report["error"])
+
+
+def test_the_prefetch_command_warms_a_folder_and_names_one_that_is_not_there(tmp_path: Path) -> None:
+    folder = small_checkpoint(tmp_path)
+    run = cli("prefetch", str(folder), timeout=120)
+    assert run.returncode == 0 and f"prefetched {folder}: " in run.stdout, run.stderr
+    one_line_error(cli("prefetch", str(tmp_path / "typo"), timeout=120), str(tmp_path / "typo"))
 
 
 def test_start_reports_through_its_file_and_ends(tmp_path: Path) -> None:

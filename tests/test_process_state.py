@@ -149,7 +149,7 @@ def test_transformers_own_load_after_streamload_in_a_fresh_process(bert: Path, t
         other = _truncated(bert, tmp_path / "broken")
     elif first == "diffusers":
         pytest.importorskip("diffusers")
-        from . import diffusers_pipelines as made
+        from testbed import diffusers_pipelines as made
 
         other = made.stable_diffusion(tmp_path / "sd")
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(PROGRAM), first, str(bert), str(other)],

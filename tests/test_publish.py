@@ -4,6 +4,7 @@ bit for bit, with the digest file `verify=` checks; a step is never half there, 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,18 @@ def test_a_step_is_never_rewritten_nor_left_half_written(tmp_path: Path) -> None
     with pytest.raises(TypeError, match="no-name"):
         publish(bad, tmp_path, step=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]  # nothing of step 2, not even a temporary
+
+
+def test_publish_names_what_is_not_a_tensor_and_writes_nothing(tmp_path: Path) -> None:
+    cases: list[tuple[object, str]] = [
+        ({"a": 3}, "tensor 'a': must be a torch.Tensor, not int 3"),
+        ({"w": torch.ones(2), "b": [1.0]}, "tensor 'b': must be a torch.Tensor, not list"),
+        ({1: torch.ones(2)}, "tensor names must be text, not int 1"),
+        ([("a", torch.ones(2), "extra")], "tensors must be a mapping or (name, tensor) pairs"),
+        (torch.ones(2), "tensors must be a mapping of names to tensors, not Tensor"),
+    ]
+    for tensors, message in cases:
+        with pytest.raises(TypeError, match=re.escape(message)):
+            publish(tensors, tmp_path / "run", step=1)  # type: ignore[arg-type]
+    assert not (tmp_path / "run").exists()
+    assert publish({"a": torch.ones(2)}, tmp_path / "run", step=1).name == "step-1"

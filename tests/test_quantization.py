@@ -444,7 +444,8 @@ def test_a_compressed_tensors_checkpoint_loads_as_transformers_places_it(tmp_pat
     parameters: every tensor bit for bit, the same logits (decompressed on the first forward pass)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("compressed_tensors")
-    from .quantized_layouts import make
+    from testbed.quantized_layouts import make
+
     from .vllm_engines import SMALL
 
     folder = make(tmp_path, SMALL, [layout])[layout]
@@ -460,7 +461,8 @@ def test_gptq_and_awq_are_refused_before_reading_naming_the_method(tmp_path: Pat
     """transformers loads GPTQ and AWQ through optimum and gptqmodel (not installed with streamload's
     extras): refused in one line naming the quantization, before a byte is read."""
     pytest.importorskip("transformers")
-    from .quantized_layouts import make
+    from testbed.quantized_layouts import make
+
     from .vllm_engines import SMALL
 
     folder = make(tmp_path, SMALL, [layout])[layout]
@@ -475,7 +477,7 @@ def compressed_moe(tmp_path: Path, layout: str) -> Path:
     pytest.importorskip("compressed_tensors")
     from safetensors.torch import load_file, save_file
 
-    from .quantized_layouts import CONFIGS, quantized
+    from testbed.quantized_layouts import CONFIGS, quantized
 
     sizes = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 2,
              "shared_expert_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,

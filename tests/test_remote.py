@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import streamload
+import streamload.pipeline.verify
 
 from .conftest import same_bits
 from .servers import RangeServer, s3_server, upload

@@ -312,7 +312,10 @@ def test_redacted_hides_user_info_in_any_text() -> None:
     assert redacted(Path("/local/a@b")) == "/local/a@b"
 
 
-def test_credentials_in_an_s3_url_are_refused_without_showing_them() -> None:
-    with pytest.raises(streamload.SourceError, match=r"s3://\*\*\*@bucket: credentials in an s3:// URL") as e:
-        streamload.load(f"s3://key:{SECRET}@bucket/model/", device="cpu")
+@pytest.mark.parametrize("scheme, names", [("s3", "AWS_ACCESS_KEY_ID"), ("gs", "GOOGLE_APPLICATION_CREDENTIALS"),
+                                           ("az", "AZURE_STORAGE_ACCOUNT_KEY")])  # fmt: skip
+def test_credentials_in_a_cloud_url_are_refused_without_showing_them(scheme: str, names: str) -> None:
+    with pytest.raises(streamload.SourceError, match=rf"{scheme}://\*\*\*@bucket: credentials in the URL are not "
+                       rf"used: .* from the environment: set .*{names}") as e:  # fmt: skip
+        streamload.load(f"{scheme}://key:{SECRET}@bucket/model/", device="cpu")
     assert SECRET not in str(e.value)

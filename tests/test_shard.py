@@ -16,6 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import streamload
+import streamload.plan.plan
 from streamload import ShardSpec
 from streamload.plan.layer_keys import layer_rank
 from streamload.plan.plan import Plan, make_plan
@@ -140,6 +141,31 @@ def test_bad_specs_are_clear(model: Path) -> None:
         streamload.iter(model, shard=ShardSpec(RULES, 2, 2))
     with pytest.raises(ValueError, match="dimension 5"):
         streamload.iter(model, shard=ShardSpec({"*": 5}, 0, 2))
+
+
+def test_shard_rules_that_are_not_rules_are_a_type_error_saying_what_rules_are() -> None:
+    with pytest.raises(TypeError, match=r"rules must be a mapping of fnmatch patterns .* not str 'lm_head'"):
+        ShardSpec("lm_head", rank=0, world_size=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"ShardSpec rule '\*.q_proj.weight': str '0' is not a dimension"):
+        ShardSpec({"*.q_proj.weight": "0"}, rank=0, world_size=2)
+    with pytest.raises(TypeError, match=r"ShardSpec rule 0: patterns must be text"):
+        ShardSpec({0: 0}, rank=0, world_size=2)  # type: ignore[dict-item]
+    assert ShardSpec({"a": 0, "b": None, "c": ShardSpec.SKIP, "d": -1}, rank=0, world_size=2).rank == 0
+
+
+def test_shard_rules_that_match_no_tensor_are_named(tmp_path: Path) -> None:
+    import warnings
+
+    save_file({"model.q_proj.weight": torch.arange(8.0).reshape(4, 2), "lm_head.weight": torch.ones(2, 2)},
+              tmp_path / "model.safetensors")  # fmt: skip
+    typo = ShardSpec({"*.q_proj.weight": 0, "*.qproj.weight": 1, "lm-head*": 0}, rank=1, world_size=2)
+    with pytest.warns(UserWarning, match=r"ShardSpec rules '\*.qproj.weight', 'lm-head\*' match none of the "
+                      r"checkpoint's 2 tensors"):  # fmt: skip
+        got = streamload.load(tmp_path, device="cpu", shard=typo)
+    assert torch.equal(got["model.q_proj.weight"], torch.arange(8.0).reshape(4, 2)[2:])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        streamload.load(tmp_path, device="cpu", shard=ShardSpec({"*.q_proj.weight": 0}, rank=0, world_size=2))
 
 
 def _rank_main(rank: int, world: int, model: str, out: str, options: dict[str, Any]) -> None:
@@ -399,6 +425,42 @@ def test_a_fleet_of_two_processes_loads_cooperatively(model: Path, tmp_path: Pat
     total = sum(t.nbytes for t in streamload.inspect(model).tensors.values())
     assert all(r["ok"] for r in results)
     assert sum(r["read"] for r in results) == total  # a share each, not the checkpoint each
+
+
+def test_a_fleet_address_that_does_not_resolve_fails_at_once_naming_it(model: Path) -> None:
+    fleet = streamload.Fleet("nohost.invalid:29511", world_size=2, rank=1)  # waits 5 minutes by default
+    started = time.monotonic()
+    with pytest.raises(
+        streamload.StreamloadError, match=r"fleet at nohost.invalid:29511 as rank 1 of 2: cannot resolve"
+    ):
+        streamload.load(model, cooperative=fleet)
+    assert time.monotonic() - started < 30
+
+
+def test_a_member_waiting_for_rank_0_says_so_and_gives_up_at_its_timeout(
+    model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import socket
+    import threading
+
+    from streamload.cooperative import fleet as fleets
+
+    monkeypatch.setattr(fleets, "_SAY_AFTER", 0.5)
+    monkeypatch.setattr(fleets, "_SAY_EVERY", 1.0)
+    with socket.socket() as s:  # a port nothing listens on (rank 0 never started)
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    fleet = streamload.Fleet(address, world_size=2, rank=1, timeout=timedelta(seconds=3))
+    threads = threading.active_count()
+    started = time.monotonic()
+    with pytest.raises(
+        streamload.StreamloadError, match=rf"{address} as rank 1 of 2: nothing served the fleet's store"
+    ):
+        streamload.load(model, cooperative=fleet)
+    assert 2.5 < time.monotonic() - started < 15
+    said = [r.getMessage() for r in caplog.records if "waiting for rank 0 to serve the fleet's store" in r.getMessage()]
+    assert len(said) >= 2 and all(address in line and "of at most 3 s" in line for line in said), said
+    assert threading.active_count() == threads  # the thread that said it ended with the wait
 
 
 def test_cooperative_jobs_under_torchrun_exit_cleanly(model: Path) -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -13,6 +16,10 @@ import torch
 from safetensors.torch import save_file
 
 import streamload
+
+from .cli_runs import ROOT, small_checkpoint
+
+NOBODY = 65534
 
 
 def shard(path: Path, **tensors: torch.Tensor) -> Path:
@@ -69,6 +76,13 @@ def test_bad_index(tmp_path: Path, doc: str) -> None:
         streamload.iter(tmp_path)
 
 
+def test_an_index_that_maps_no_tensor_is_warned_of(tmp_path: Path) -> None:
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {}}')
+    with pytest.warns(UserWarning, match=re.escape(f"{index}: its weight_map is empty")):
+        assert streamload.load(tmp_path) == {}
+
+
 def test_same_tensor_in_two_files(tmp_path: Path) -> None:
     a = shard(tmp_path / "a.safetensors", w=torch.ones(1))
     b = shard(tmp_path / "b.safetensors", w=torch.ones(1))
@@ -105,6 +119,45 @@ def test_unreadable_file() -> None:
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         shutil.rmtree(folder)
+
+
+def test_a_folder_this_user_may_not_list_is_a_source_error_naming_it() -> None:
+    """Root reads every folder, so the load runs as nobody (a process of its own that drops to that user
+    once streamload is imported); as another user, in this process."""
+    # (the session's temporary folders are root's alone: nobody could not reach a folder in them at all)
+    base = Path(tempfile.mkdtemp(prefix="streamload-locked-", dir="/tmp" if os.geteuid() == 0 else None))
+    try:
+        base.chmod(0o755)
+        for name, mode in (("open", 0o755), ("locked", 0o000), ("unlisted", 0o311)):  # not entered; not listed
+            (base / name).mkdir()
+            small_checkpoint(base / name)
+            if name == "unlisted":  # found by listing its files (with an index, it loads: nothing is listed)
+                (base / name / "model.safetensors.index.json").unlink()
+            (base / name).chmod(mode)
+        code = (
+            "import os, sys, streamload\n"
+            "streamload.load(sys.argv[1] + '/open')  # every module a load uses imported, before the switch\n"
+            f"os.getuid() == 0 and os.setuid({NOBODY})\n"
+            "for name in ('locked', 'locked/model-00001-of-00002.safetensors', 'unlisted'):\n"
+            "    try:\n"
+            "        streamload.load(f'{sys.argv[1]}/{name}')\n"
+            "    except Exception as exc:\n"
+            "        print(type(exc).__name__, isinstance(exc, streamload.StreamloadError), exc)\n"
+        )
+        run = subprocess.run([sys.executable, "-c", code, str(base)], capture_output=True, text=True, timeout=120,
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+        if "Operation not permitted" in run.stderr:
+            pytest.skip(f"cannot switch to user {NOBODY} here")
+        assert run.returncode == 0, run.stderr
+        lines = run.stdout.splitlines()
+        assert len(lines) == 3, run.stdout
+        for line, name in zip(lines, ("locked", "locked/model-00001-of-00002.safetensors", "unlisted"), strict=True):
+            assert line.startswith(f"SourceError True {base}/{name}: "), line
+            assert "Permission denied" in line, line
+    finally:
+        for child in base.iterdir():
+            child.chmod(0o755)
+        shutil.rmtree(base)
 
 
 def test_directory_given_as_file_in_list(tmp_path: Path) -> None:

@@ -13,8 +13,7 @@ import pytest
 
 import streamload
 from streamload.base.errors import UnsupportedError
-
-from . import diffusers_pipelines as made
+from testbed import diffusers_pipelines as made
 
 pytest.importorskip("diffusers")
 

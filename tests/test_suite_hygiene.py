@@ -20,6 +20,7 @@ import streamload
 
 from .conftest import have_vllm
 
+ROOT = Path(__file__).resolve().parent.parent
 CACHES = ("HOME", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "HF_HOME", "XDG_CACHE_HOME", "TMPDIR")
 SHOWN = "import os, tempfile; print(*(os.environ.get(n, '') for n in {names!r}), tempfile.gettempdir(), sep='\\n')"
 
@@ -75,6 +76,23 @@ def test_an_s3_load_without_credentials_asks_no_address_off_the_machine(monkeypa
         streamload.load("s3://bucket/model.safetensors", device="cpu")
     said = f"{caught.value} {caught.value.__cause__!r}"
     assert "127.0.0.1:9" in said and "169.254" not in said, said
+
+
+def test_a_passing_tests_temporary_files_are_not_kept(tmp_path: Path) -> None:
+    """The suite writes gigabytes of checkpoints under pytest's temporary directory: with this
+    project's settings only a failed test's are kept to look at (pytest keeps every test's of the last
+    three runs otherwise: ~1.3 GB)."""
+    (tmp_path / "test_two.py").write_text(
+        "def test_passes(tmp_path):\n    (tmp_path / 'ckpt').write_bytes(b'x')\n\n"
+        "def test_fails(tmp_path):\n    (tmp_path / 'ckpt').write_bytes(b'x')\n    assert False\n"
+    )
+    base = tmp_path / "base"
+    argv = ["-q", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path), "-p", "no:cacheprovider",
+            "--basetemp", str(base), str(tmp_path / "test_two.py")]  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "pytest", *argv], capture_output=True, text=True, timeout=120)
+    assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
+    kept = sorted(p.name for p in base.iterdir() if not p.is_symlink()) if base.exists() else []
+    assert kept == ["test_fails0"], kept
 
 
 def test_one_engines_error_fails_only_the_tests_that_read_it() -> None:

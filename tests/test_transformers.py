@@ -3,10 +3,14 @@ outputs identical to `transformers`' own `from_pretrained`."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 import streamload
@@ -146,6 +150,112 @@ def test_a_missing_key_is_an_error_before_any_weight_is_read(tmp_path: Path, mon
     with pytest.raises(streamload.StreamloadError, match=missing):
         streamload.from_pretrained(tmp_path, device="cpu")
     assert batches == []
+
+
+@pytest.fixture
+def edited_llama(tmp_path: Path) -> Callable[[str, Callable[[dict[str, torch.Tensor]], object]], Path]:
+    """A small llama saved by transformers; `edited_llama(name, edit)` copies it to `name` with `edit`
+    applied to its weights."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+
+    def variant(name: str, edit: Callable[[dict[str, torch.Tensor]], object]) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "llama", folder)
+        state = load_file(folder / "model.safetensors")
+        edit(state)
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+        return folder
+
+    return variant
+
+
+def _gptq(state: dict[str, torch.Tensor]) -> None:
+    w = state.pop("model.layers.0.mlp.down_proj.weight")
+    state["model.layers.0.mlp.down_proj.qweight"] = torch.zeros(w.shape[1] // 8, w.shape[0], dtype=torch.int32)
+    state["model.layers.0.mlp.down_proj.scales"] = torch.ones(1, w.shape[0], dtype=torch.float16)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_quantized_checkpoint_is_named_and_strict_false_is_not_offered(edited_llama: Callable, strict: bool) -> None:
+    folder = edited_llama("gptq", _gptq)
+    with pytest.raises(streamload.UnsupportedError) as caught:
+        streamload.from_pretrained(folder, device="cpu", strict=strict)
+    text = str(caught.value)
+    assert "the checkpoint is quantized (it holds 'model.layers.0.mlp.down_proj.qweight'" in text, text
+    assert "with strict=False it would load wrong values or none" in text and "nothing was read" in text
+    assert "missing keys: 'model.layers.0.mlp.down_proj.weight'" in text
+    assert "pass strict=False" not in text
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_missing_parameter_says_strict_false_does_not_help(edited_llama: Callable, strict: bool) -> None:
+    """strict=False is not offered where it cannot help: the parameter would stay on the meta device, and
+    torch would fail later ('Cannot copy out of meta tensor')."""
+    folder = edited_llama("missing", lambda state: state.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(streamload.StreamloadError) as caught:
+        streamload.from_pretrained(folder, device="cpu", strict=strict)
+    text = str(caught.value)
+    assert text.startswith("loading into LlamaForCausalLM: missing keys: 'model.layers.1.mlp.up_proj.weight'; "
+                           "nothing was read."), text  # fmt: skip
+    assert "strict=False does not help: the model's 'model.layers.1.mlp.up_proj.weight' would have no values" in text
+    assert "pass strict=False" not in text
+
+
+def test_an_unexpected_key_offers_strict_false_which_then_loads(edited_llama: Callable, tmp_path: Path) -> None:
+    folder = edited_llama("extra", lambda state: state.update({"model.layers.1.mlp.extra": torch.ones(2)}))
+    offer = r", or pass strict=False to load the keys that match: the unexpected keys are ignored$"
+    with pytest.raises(
+        streamload.StreamloadError, match=r"unexpected keys: 'model.layers.1.mlp.extra'; nothing was read\."
+    ):
+        streamload.from_pretrained(folder, device="cpu")
+    with pytest.raises(streamload.StreamloadError, match=offer):
+        streamload.from_pretrained(folder, device="cpu")
+    model = streamload.from_pretrained(folder, device="cpu", strict=False)
+    reference = load_file(tmp_path / "llama" / "model.safetensors")
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, reference["model.layers.1.mlp.up_proj.weight"])
+
+
+def test_from_pretrained_names_the_config_field_a_shape_came_from(tmp_path: Path) -> None:
+    """A config.json whose intermediate_size disagrees with the weights: refused before reading (as
+    transformers refuses without ignore_mismatched_sizes), naming tensor, both shapes and the field."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    edited = json.loads((tmp_path / "config.json").read_text()) | {"intermediate_size": 200}
+    (tmp_path / "config.json").write_text(json.dumps(edited))
+    said = (
+        r"tensor 'model.layers.0.mlp.down_proj.weight' is \[64, 256\], parameter "
+        r"'model.layers.0.mlp.down_proj.weight' is \[64, 200\] \(the config's intermediate_size = 200\)"
+        r".*nothing was read"
+    )
+    with pytest.raises(streamload.StreamloadError, match=said):
+        streamload.from_pretrained(tmp_path, device="cpu")
+
+
+def test_from_pretrained_on_a_config_that_is_not_json_names_the_file(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{nope")
+    with pytest.raises(
+        streamload.StreamloadError, match=rf"{tmp_path}/config.json: transformers cannot read this config"
+    ):
+        streamload.from_pretrained(tmp_path, device="cpu")
+
+
+def test_from_pretrained_takes_torch_dtype_as_transformers_does_and_refuses_an_unknown_option_first(
+    tmp_path: Path,
+) -> None:
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = streamload.from_pretrained(tmp_path, device="cpu", torch_dtype=torch.float16)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    with pytest.raises(ValueError, match="give dtype= or torch_dtype= .*not both"):
+        streamload.from_pretrained(tmp_path, device="cpu", dtype=torch.float16, torch_dtype=torch.float16)
+    with pytest.raises(TypeError, match="from_pretrained\\(\\) got unexpected keyword arguments: low_cpu_mem_usage"):
+        streamload.from_pretrained(tmp_path, device="cpu", low_cpu_mem_usage=True)
 
 
 def test_empty_weights_makes_buffers_for_real_and_parameters_on_meta() -> None:

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import streamload
+import streamload.pipeline.verify
 from streamload import IntegrityError, ShardSpec
 from streamload.pipeline.verify import BLOCK_BYTES, DIGEST_FILE, write_digests
 

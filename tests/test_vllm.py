@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from . import quantized_layouts
+from testbed import quantized_layouts
+
 from .conftest import have_vllm
 from .vllm_engines import QUANTIZED_KERNELS, QUANTIZED_MODES, QUANTIZED_MOE_TP2, QUANTIZED_TP2, QUANTIZED_TP2_MODES
 
@@ -289,7 +290,7 @@ def test_a_quantized_mixture_of_experts_generates_as_vllms_own_loader(engines: d
 
 
 def test_the_reference_kernels_dequantize_as_the_layouts_quantize() -> None:
-    """tests/vllm_reference_kernels.py reads back what tests/quantized_layouts.py writes: W4A16's packed
+    """tests/vllm_reference_kernels.py reads back what testbed/quantized_layouts.py writes: W4A16's packed
     values exactly, FP8 blocks and MXFP4 within their formats' rounding (which the reference forward's
     tokens would not show)."""
     import torch

@@ -26,7 +26,9 @@ from typing import Any
 import torch
 
 import streamload
-from tests import quantized_layouts, vllm_reference_kernels
+import streamload.commands.publish
+from testbed import quantized_layouts
+from tests import vllm_reference_kernels
 from tests.conftest import in_environment
 
 SMALL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -612,9 +614,9 @@ def run(root: Path) -> dict[str, Any]:
 
 
 def fresh_processes(root: Path) -> dict[str, Any]:
-    """vLLM in processes of their own (test_vllm_plugin.py's scripts, test_papercuts.py's vllm-check on
+    """vLLM in processes of their own (test_vllm_plugin.py's scripts, test_vllm_check.py's vllm-check on
     a bare CPU): run here, beside the suite, rather than on its critical path."""
-    from tests import test_papercuts, test_vllm_plugin
+    from tests import test_vllm_check, test_vllm_plugin
 
     out: dict[str, Any] = {}
     for name, script in test_vllm_plugin.SCRIPTS.items():
@@ -624,7 +626,7 @@ def fresh_processes(root: Path) -> dict[str, Any]:
     bare.mkdir()
     key = "vllm-check/without-cpu-variables"
     with recording(out, key):
-        out[key] = test_papercuts.vllm_check_without_cpu_variables(bare, SUITE_ENVIRONMENT)
+        out[key] = test_vllm_check.vllm_check_without_cpu_variables(bare, SUITE_ENVIRONMENT)
     return out
 
 
@@ -867,7 +869,7 @@ QUANTIZED_KERNELS = ("w8a8-int8", "w8a8-int8-tensor", "fp8-channel", "w4a8", "fp
 if os.environ.get("STREAMLOAD_QUANTIZED_KERNELS") == "all":
     QUANTIZED_KERNELS += ("w4a16-channel", "gptq", "gptq-g-idx")
 HALF = {*quantized_layouts.GPTQ_OR_AWQ, "fp8-block"}  # vLLM runs these in float16 or bfloat16 only
-# Mixtures of experts (tests/quantized_layouts.py's MOE_CONFIGS), whose MoE kernels this CPU lacks: vLLM's
+# Mixtures of experts (testbed/quantized_layouts.py's MOE_CONFIGS), whose MoE kernels this CPU lacks: vLLM's
 # parameters and weight loaders, the experts' forward on tests/vllm_reference_kernels.py's reference, in
 # bfloat16 (as their checkpoints are). At TP=2, gpt-oss (its own load_weights narrows the fused experts, with
 # their scales, and zeroes on rank 1 the down projection's bias it is handed).
@@ -881,7 +883,7 @@ def _dtype(layout: str) -> str:
 
 
 def quantized(root: Path) -> dict[str, Any]:
-    """Every quantization vLLM's CPU build loads, in its real layout (tests/quantized_layouts.py): every
+    """Every quantization vLLM's CPU build loads, in its real layout (testbed/quantized_layouts.py): every
     tensor right after `load_weights` against vLLM's default loader in each mode; where the kernel runs
     here, greedy tokens and an in-place reload of other weights, against vLLM's own loader and reload."""
     from streamload.integrations.vllm.check import check_modes

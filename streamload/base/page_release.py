@@ -37,7 +37,7 @@ class Release:
         self._lock = threading.Lock()
 
     def __call__(self, t: torch.Tensor) -> None:
-        if madvise is None or t.device.type != "cpu" or not t.is_contiguous():
+        if madvise is None or not t.is_cpu or not t.is_contiguous():  # only host memory maps files
             return
         storage = t.untyped_storage()
         base = storage.data_ptr()

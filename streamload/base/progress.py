@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, ParamSpec, TextIO, TypeVar
 
+from streamload.base import settings
+
 if TYPE_CHECKING:
     from streamload.base.stats import Stats
 
@@ -55,9 +57,8 @@ def progress_bar(**kwargs: Any) -> Any:
 
 # -- the bar of a library load (load, load_into, from_pretrained) ---------------------------------------
 
-AFTER_ENV = "STREAMLOAD_PROGRESS_AFTER"  # seconds a load runs before its bar is drawn (default `AFTER`)
-AFTER = 1.0  # a load that ends sooner draws nothing: no bar flashing by for a small model
-_TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of its switches
+AFTER_ENV = settings.PROGRESS_AFTER.name  # seconds a load runs before its bar is drawn (default `AFTER`)
+AFTER = settings.PROGRESS_AFTER.default  # a load that ends sooner draws nothing: no bar flashing by for a small model
 
 
 def size(n: float) -> str:
@@ -77,7 +78,7 @@ def bars_enabled() -> bool:
     `huggingface_hub.utils.disable_progress_bars()`, transformers' `logging.disable_progress_bar()`
     (each read only where already imported: one that is not imported was not switched), and tqdm's
     own `TQDM_DISABLE`."""
-    if any(os.environ.get(name, "").upper() in _TRUE for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE")):
+    if any(settings.switched_on(os.environ.get(name)) for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE")):
         return False
     hub = sys.modules.get("huggingface_hub.utils.tqdm")
     if hub is not None and hub.are_progress_bars_disabled():
@@ -88,16 +89,7 @@ def bars_enabled() -> bool:
 
 def _after() -> float:
     """`STREAMLOAD_PROGRESS_AFTER` (seconds, 0: from the start), else `AFTER`."""
-    raw = os.environ.get(AFTER_ENV, "").strip()
-    if not raw:
-        return AFTER
-    try:
-        after = float(raw)
-    except ValueError:
-        after = -1.0
-    if not after >= 0:  # also NaN
-        raise ValueError(f"{AFTER_ENV}={raw!r}: give the seconds a load runs before its bar is drawn (0 or more)")
-    return after
+    return settings.PROGRESS_AFTER.get()
 
 
 class LoadBar:

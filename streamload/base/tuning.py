@@ -54,6 +54,18 @@ class Tuning(NamedTuple):
             raise ValueError(f"chunk_bytes must be at least 4096, not {self.chunk_bytes}")
 
 
+class Staging(NamedTuple):
+    """A device kind's defaults for staging (device/kinds.py gives each kind one): the figures above."""
+
+    chunk_bytes: int  # the largest read request
+    slots: int
+    ring_from_memory: bool  # the ring sized by the load and the memory available, else a fixed host ring
+
+
+HOST_STAGING = Staging(8 * MiB, 4, False)  # into host memory: mapping and page faults bound the reads
+DEVICE_STAGING = Staging(32 * MiB, 8, True)  # into device memory: every byte crosses a bus after its read
+
+
 def cpu_count() -> int:
     """CPUs this process may run on (its affinity mask, not the machine's count)."""
     if hasattr(os, "sched_getaffinity"):
@@ -78,7 +90,7 @@ def reader_threads() -> int:
 
 
 def tuning(
-    device_type: str,
+    staging: Staging,
     total_bytes: int,
     *,
     ring_bytes: int | None = None,
@@ -87,17 +99,16 @@ def tuning(
     chunk_bytes: int | None = None,
     copies: bool = False,
 ) -> Tuning:
-    """The tuning for a load of `total_bytes` into `device_type` ("cpu", "cuda"); given values win.
-    `copies`: most bytes are copied into tensors that exist already (`into=`)."""
-    gpu = device_type == "cuda"
+    """The tuning for a load of `total_bytes` with a device kind's `staging` defaults (its `.staging`);
+    given values win. `copies`: most bytes are copied into tensors that exist already (`into=`)."""
     threads = threads or reader_threads()
     if chunk_bytes is None:
         share = _power_of_two_below(max(MiB, total_bytes // threads))
-        chunk_bytes = min(32 * MiB if gpu else 8 * MiB, share)
+        chunk_bytes = min(staging.chunk_bytes, share)
     if slots is None:
-        slots = 8 if gpu else 4
+        slots = staging.slots
     if ring_bytes is None:
-        if gpu:
+        if staging.ring_from_memory:
             memory = available_memory()
             ring_bytes = min(GiB, memory // 8 if memory else GiB, max(total_bytes, slots * MiB))
             ring_bytes = max(ring_bytes, slots * 4096)

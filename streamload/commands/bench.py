@@ -101,7 +101,7 @@ def _touch(t: Any) -> None:
     """Make a tensor resident: on the CPU read one byte per page; on a GPU its bytes are there."""
     import torch
 
-    if t.is_cuda or t.numel() == 0:
+    if not t.is_cpu or t.numel() == 0:
         return
     raw = torch.empty(0, dtype=torch.uint8).set_(
         t.untyped_storage(), t.storage_offset() * t.element_size(), (t.numel() * t.element_size(),), (1,)
@@ -149,7 +149,7 @@ def _tensors(loader: str, files: list[str], device: str, options: dict[str, int]
         with SafetensorsStreamer() as streamer:
             streamer.stream_files(files)
             for name, t in streamer.get_tensors():
-                yield name, t.to(device) if device != "cpu" else t
+                yield name, t.to(device)  # the tensor itself where it is on `device` already
     elif loader == "instanttensor":
         from instanttensor import safe_open as it_open
 
@@ -159,11 +159,11 @@ def _tensors(loader: str, files: list[str], device: str, options: dict[str, int]
         raise SystemExit(f"unknown loader {loader}")
 
 
-def _ceiling(loader: str, files: list[str], device: str) -> Callable[[], None]:
+def _ceiling(loader: str, files: list[str], device: str, host: bool) -> Callable[[], None]:
     """The ceiling's transfer, ready to run: buffers (pinned ones cost ~0.6 s per GiB) are made here."""
     if loader == "ceiling-h2d":
         return _h2d(sum(os.path.getsize(f) for f in files), device)
-    return parallel_read(files, direct=loader == "ceiling-odirect", pinned=device.startswith("cuda"))
+    return parallel_read(files, direct=loader == "ceiling-odirect", pinned=not host)
 
 
 def parallel_read(files: list[str], direct: bool, pinned: bool) -> Callable[[], None]:
@@ -211,16 +211,17 @@ def _h2d(nbytes: int, device: str) -> Callable[[], None]:
     import torch
 
     chunk = 256 << 20
+    module = torch.get_device_module(device)  # torch's own for the device's type (torch.cuda)
     host = torch.ones(chunk, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(chunk, dtype=torch.uint8, device=device)
     dev.copy_(host[: 1 << 20])  # the first copy sets up the CUDA context's copy engine
-    torch.cuda.synchronize(device)
+    module.synchronize(device)
 
     def run() -> None:
         for off in range(0, nbytes, chunk):
             n = min(chunk, nbytes - off)
             dev[:n].copy_(host[:n], non_blocking=True)
-        torch.cuda.synchronize(device)
+        module.synchronize(device)
 
     return run
 
@@ -234,19 +235,27 @@ _MODULES = {
 }
 
 
-def child(loader: str, files: list[str], device: str, options: dict[str, int] | None = None, keep: bool = True) -> Run:
+def child(
+    loader: str, files: list[str], device: str, options: dict[str, int] | None = None, keep: bool = True,
+    host: bool = True,
+) -> Run:  # fmt: skip
     """One timed load. `keep`: hold every tensor to the end (as `load_file`'s dict does); else drop each
-    once touched, as a server that copies each weight into its own buffers does."""
-    cuda = device.startswith("cuda")
-    if cuda:
+    once touched, as a server that copies each weight into its own buffers does. `host`: `device` is
+    host memory (its kind's `host_memory`, asked by the parent: the child imports nothing of
+    streamload's before the clock); else the device's memory is measured, and its work waited for,
+    with torch's module for its type (torch.cuda)."""
+    memory: Any = None
+    base = 0
+    if not host:
         import torch
 
-        torch.cuda.init()
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        memory = torch.get_device_module(device)
+        memory.init()
+        base = memory.memory_allocated(device)
+        memory.reset_peak_memory_stats(device)
     layer0 = _layer0_names(files)
     if loader.startswith("ceiling"):  # no torch on a CPU (its import is ~3 s of CPU here, outside the clock)
-        transfer = _ceiling(loader, files, device)
+        transfer = _ceiling(loader, files, device, host)
         start = time.perf_counter()
         transfer()
         seconds = time.perf_counter() - start
@@ -271,12 +280,12 @@ def child(loader: str, files: list[str], device: str, options: dict[str, int] | 
         pending.discard(name)
         if first_layer is None and layer0 and not pending:
             first_layer = now
-    if cuda:
-        torch.cuda.synchronize(device)
+    if memory is not None:
+        memory.synchronize(device)
     seconds = time.perf_counter() - start
     extra = None
-    if cuda:
-        extra = max(0, torch.cuda.max_memory_allocated(device) - base - done)
+    if memory is not None:
+        extra = max(0, memory.max_memory_allocated(device) - base - done)
     first = arrivals[0][0] if arrivals else seconds
     return Run(seconds, arrivals, first, first_layer, _peak_rss(), extra)
 
@@ -341,15 +350,29 @@ def available(loaders: Iterable[str], device: str, scheme: str = "file") -> tupl
     return ok, notes
 
 
+def _indexed(device: str) -> str:
+    """`device` with an index where its kind has devices of their own ("cuda" -> "cuda:0"): the peers
+    need one, and device 0 is the one a fresh child process means."""
+    import torch
+
+    from streamload.device import kind_of
+
+    dev = torch.device(device)
+    return f"{dev.type}:0" if dev.index is None and not kind_of(dev).host_memory else device
+
+
 def run_child(
     loader: str, files: list[str], device: str, options: dict[str, int] | None = None, keep: bool = True
 ) -> Run:
     """`child` in a fresh interpreter that imports this very streamload: it starts in the folder that
     holds the package, since `-m` puts the working directory first on the path (a clone's `streamload/`
     folder there would shadow the installed package)."""
+    from streamload.device import kind_of
+
     files = [f if "://" in f else os.path.abspath(f) for f in files]
-    cmd = [sys.executable, "-m", "streamload.commands.bench", "--child", loader, device, json.dumps(options or {}),
-           "keep" if keep else "drop", *files]  # fmt: skip
+    memory = "host" if kind_of(device).host_memory else "device"
+    cmd = [sys.executable, "-m", "streamload.commands.bench", "--child", loader, device, memory,
+           json.dumps(options or {}), "keep" if keep else "drop", *files]  # fmt: skip
     home = Path(__file__).resolve().parent.parent
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=home)  # nosec B603 # argv built here
     if out.returncode:
@@ -396,8 +419,7 @@ def bench(
     compile_streamload()
 
     files = [str(f.path) for f in open_checkpoint(path).files]
-    if device == "cuda":
-        device = "cuda:0"  # the peers need an indexed device; this is the one "cuda" means
+    device = _indexed(device)
     scheme = scheme_of(files)
     everything = loaders is None
     default = [ld.name for ld in LOADERS if scheme in ld.schemes and "+verify" not in ld.name]
@@ -467,10 +489,11 @@ def sweep(
 
     compile_streamload()
 
+    from streamload.device import kind_of
+
     files = [str(f.path) for f in open_checkpoint(path).files]
-    if device == "cuda":
-        device = "cuda:0"
-    base = defaults.tuning(device.split(":")[0], sum(os.path.getsize(f) for f in files))
+    device = _indexed(device)
+    base = defaults.tuning(kind_of(device).staging, sum(os.path.getsize(f) for f in files))
     threads = sorted({max(1, base.threads // 2), base.threads, base.threads * 2})
     chunks = sorted({max(1 << 16, base.chunk_bytes // 4), base.chunk_bytes, base.chunk_bytes * 4})
     rings = [(base.ring_bytes // 4, max(1, base.slots // 2)), (base.ring_bytes, base.slots),
@@ -623,8 +646,9 @@ def _timed(fn: Callable[[], object]) -> float:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--child"]:
-        loader, device, options, pattern, *files = args[1:]
-        print(json.dumps(asdict(child(loader, files, device, json.loads(options), keep=pattern == "keep"))))
+        loader, device, memory, options, pattern, *files = args[1:]
+        run = child(loader, files, device, json.loads(options), keep=pattern == "keep", host=memory == "host")
+        print(json.dumps(asdict(run)))
 
 
 if __name__ == "__main__":

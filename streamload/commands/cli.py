@@ -35,58 +35,61 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="also print what streamload logs at INFO "
                         "(the reader chosen, what peers served...) to stderr (default: warnings only)")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in (_reading_commands, _bench_command, _serving_commands, _vllm_commands):  # in --help's order
+        add(sub)
+    return parser
+
+
+def _reading_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """demo, inspect, digest, load: the commands that read a checkpoint and report."""
     device = "cpu, cuda or cuda:N (default: cuda when available, else cpu)"
-
     demo = sub.add_parser("demo", help="write a small synthetic checkpoint and stream it, with numbers")
-    demo.add_argument("--device", default=None, help=device)
+    demo.add_argument("--device", help=device)
     demo.add_argument("--warm", action="store_true", help="leave the files in the page cache (default: cold)")
-    demo.add_argument("--keep", type=Path, default=None, help="write the checkpoint here and keep it "
+    demo.add_argument("--keep", type=Path, help="write the checkpoint here and keep it "
                       "(default: a temporary directory, removed at the end)")  # fmt: skip
-
     inspect = sub.add_parser("inspect", help="describe a checkpoint from its headers alone")
     inspect.add_argument("path")
     inspect.add_argument("--json", action="store_true", help="print JSON, every tensor listed (default: tables)")
-
     digest = sub.add_parser("digest", help="write streamload.digests.json for a checkpoint",
                             description="Hash every file of a checkpoint (BLAKE3 of each MiB of each tensor, "
                             "SHA-256 and MD5 of each file, and the version of the file it was read at) and "
                             "write streamload.digests.json next to it (a remote one: to --out, to publish "
                             "beside the objects), so that loads with verify=True check every tensor they "
                             "read, and peers and cache copies can be checked.")  # fmt: skip
-    digest.add_argument("path", help="a file, directory or index, or an s3:// or http(s):// URL")
+    digest.add_argument("path", help="a file, directory or index, or an s3://, gs://, az://, abfs:// or http(s):// URL")
     digest.add_argument("--out", help="where to write the digest file (needed for a remote checkpoint)")
-
     load = sub.add_parser("load", help="load a checkpoint and report, with a progress bar")
-    load.add_argument("path", help="a file, directory, index, or an s3:// or http(s):// URL")
-    load.add_argument("--device", default=None, help=device)
-    load.add_argument("--dtype", default=None, help="convert floating-point tensors to this floating-point dtype, "
+    load.add_argument("path", help="a file, directory, index, or an s3://, gs://, az://, abfs:// or http(s):// URL")
+    load.add_argument("--device", help=device)
+    load.add_argument("--dtype", help="convert floating-point tensors to this floating-point dtype, "
                       "e.g. float16, bfloat16 (default: keep the stored dtypes)")  # fmt: skip
     load.add_argument(
         "--reader",
         default="auto",
         help="how the files are read: mmap (CPU: tensors view the mapped files, no copy), posix (parallel reads "
         "into staging memory), direct (as posix, bytes not in the page cache read with O_DIRECT), kvikio (CUDA: "
-        "files straight into GPU memory), range (HTTP range requests, for s3:// and http(s):// sources) "
+        "files straight into GPU memory), range (HTTP range requests, for s3://, gs://, az:// and http(s)://) "
         "(default: auto, the first that fits the source and device)",
     )
-    load.add_argument(
-        "--cache-dir",
-        default=None,
-        help="keep a local copy of a remote checkpoint here, and read it next time (default: none)",
-    )
-    load.add_argument("--peers", action="append", default=None, metavar="PEER",
+    load.add_argument("--cache-dir", help="keep a local copy of a remote checkpoint here, and read it next time "
+                      "(default: none)")  # fmt: skip
+    load.add_argument("--peers", action="append", metavar="PEER",
                       help="a node seeding the objects (http://HOST:PORT, HOST[:PORT] or a name whose addresses are "
                       "the nodes; repeat, or commas, for several): read from first, each block checked against the "
                       "source's digests (docs/peers.md)")  # fmt: skip
     load.add_argument("--verify", action="store_true", help="check the bytes against known digests as they are "
                       "read (a Hugging Face cache's, or streamload.digests.json from `streamload digest`)")  # fmt: skip
-    load.add_argument("--threads", type=_positive, default=None, help="reader threads (default: from the machine)")
-    load.add_argument("--slots", type=_positive, default=None, help="ring slots (default: from the machine)")
+    load.add_argument("--threads", type=_positive, help="reader threads (default: from the machine)")
+    load.add_argument("--slots", type=_positive, help="ring slots (default: from the machine)")
     for flag, what in (("--chunk-bytes", "largest read request"), ("--ring-bytes", "staging ring size")):
-        load.add_argument(flag, type=_size, default=None, metavar="SIZE",
+        load.add_argument(flag, type=_size, metavar="SIZE",
                           help=f"{what}, in bytes or with a unit: 4MiB, 512KiB, 1GiB, 8M "
                           "(default: from the machine)")  # fmt: skip
 
+
+def _bench_command(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """bench: every installed loader timed on one checkpoint (bench.py)."""
     bench = sub.add_parser("bench", help="compare every installed loader on a checkpoint, in one run",
                            description="Compare every installed loader on a checkpoint, each run in a fresh "
                            "process. Defaults: a warm page cache, 5 runs, on the cpu.")  # fmt: skip
@@ -96,14 +99,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--cold", action="store_true",
                        help="evict the files from the page cache before each run (default: warm only)")  # fmt: skip
     bench.add_argument("--warm", action="store_true", help="with --cold: measure a warm cache too")
-    bench.add_argument("--runs", type=_positive, default=None,
-                       help="runs per loader (default: 5; with --sweep: 3 per setting)")  # fmt: skip
-    bench.add_argument("--loaders", nargs="+", default=None,
-                       help="names from `streamload.commands.bench.LOADERS` (default: every one that runs "
-                            "here)")  # fmt: skip
-    bench.add_argument("--json", type=Path, default=None, help="write rows and raw runs here (default: none)")
-    bench.add_argument("--plot", type=Path, default=None, help="write the arrival-curve PNG here (default: none)")
-    bench.add_argument("--markdown", type=Path, default=None, help="write the tables here (default: none)")
+    bench.add_argument("--runs", type=_positive, help="runs per loader (default: 5; with --sweep: 3 per setting)")
+    bench.add_argument("--loaders", nargs="+", help="names from `streamload.commands.bench.LOADERS` (default: every "
+                       "one that runs here)")  # fmt: skip
+    bench.add_argument("--json", type=Path, help="write rows and raw runs here (default: none)")
+    bench.add_argument("--plot", type=Path, help="write the arrival-curve PNG here (default: none)")
+    bench.add_argument("--markdown", type=Path, help="write the tables here (default: none)")
     bench.add_argument("--verify", action="store_true",
                        help="time streamload with and without verify=True (the digests known for the files) and "
                        "print each digest's speed on one core (default: off)")  # fmt: skip
@@ -113,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", action="store_true",
                        help="time streamload alone on a grid of threads x request size x ring around its defaults, "
                             "and print the best setting as options to pass")  # fmt: skip
+
+
+def _serving_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """serve, seed, prefetch: fetching ahead of a server, and serving the copies to other nodes."""
     serve = sub.add_parser(
         "serve", help="start fetching a server's weights, then run the server (streamload serve -- vllm serve ...)",
         description="Start fetching the weights at once (object storage into a staging directory or "
@@ -121,25 +126,24 @@ def _parser() -> argparse.ArgumentParser:
         "imports. The weights' source is --source, else the command's --model-loader-extra-config "
         "'{\"source\": ...}', else its model when that is a path or URL. Exits with COMMAND's status.",
     )  # fmt: skip
-    serve.add_argument("--source", default=None, help="the weights (default: from the command's arguments)")
-    serve.add_argument("--cache-dir", type=Path, default=None, help="keep the download here (default: a "
+    serve.add_argument("--source", help="the weights (default: from the command's arguments)")
+    serve.add_argument("--cache-dir", type=Path, help="keep the download here (default: a "
                        "staging directory, removed once the engine has loaded and when the command ends)")  # fmt: skip
-    serve.add_argument("--compile-cache", action="append", default=None, metavar="sha256:HEX",
+    serve.add_argument("--compile-cache", action="append", metavar="sha256:HEX",
                        help="fetch, first, the compiled-artifact archive of this digest published beside the "
                        "weights (it runs as code: only a pinned one is installed; repeat for several)")  # fmt: skip
-    serve.add_argument("--peers", action="append", default=None, metavar="PEER",
-                       help="a node seeding the weights, fetched from first (as for `streamload load`; default: the "
-                       "command's \"peers\" option)")  # fmt: skip
-    serve.add_argument("--seed", default=None, metavar="[HOST:]PORT",
+    serve.add_argument("--peers", action="append", metavar="PEER", help="a node seeding the weights, fetched from "
+                       "first (as for `streamload load`; default: the command's \"peers\" option)")  # fmt: skip
+    serve.add_argument("--seed", metavar="[HOST:]PORT",
                        help="serve the complete copies in --cache-dir to other nodes' peers at this address, once the "
                        "fetch has ended, until the server exits (e.g. 8470; to peers that read each object from its "
                        "origin: see `streamload seed`)")  # fmt: skip
-    serve.add_argument("--seed-token-file", type=Path, default=None, metavar="FILE",
+    serve.add_argument("--seed-token-file", type=Path, metavar="FILE",
                        help="--seed: the peers' token, the file's first line (default: STREAMLOAD_PEER_TOKEN_FILE, "
                        "STREAMLOAD_PEER_TOKEN)")  # fmt: skip
-    serve.add_argument("--seed-cert", type=Path, default=None, metavar="PEM", help="--seed: serve TLS (https://) with "
-                       "this certificate (chain)")  # fmt: skip
-    serve.add_argument("--seed-key", type=Path, default=None, metavar="PEM", help="--seed: the certificate's key")
+    serve.add_argument("--seed-cert", type=Path, metavar="PEM", help="--seed: serve TLS (https://) with this "
+                       "certificate (chain)")  # fmt: skip
+    serve.add_argument("--seed-key", type=Path, metavar="PEM", help="--seed: the certificate's key")
     serve.add_argument("server", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the server to run")
     seed = sub.add_parser("seed", help="serve the complete copies in a cache directory to peers over HTTP ranges",
                           description="Serve the complete copies a --cache-dir holds to other nodes' loads with "
@@ -148,24 +152,28 @@ def _parser() -> argparse.ArgumentParser:
                           "with a token, that it holds the token); --cert/--key serve TLS.")  # fmt: skip
     seed.add_argument("--cache-dir", type=Path, required=True, help="the cache directory loads keep copies in")
     seed.add_argument("--host", default="0.0.0.0", help="the address to serve on (default: all)")  # nosec B104 # seeding serves other nodes
-    seed.add_argument("--port", type=_port, default=None, help="the port (default: 8470; 0: any free one)")
-    seed.add_argument("--rate", type=_rate, default=None, metavar="SIZE", help="the most bytes a second sent to "
+    seed.add_argument("--port", type=_port, help="the port (default: 8470; 0: any free one)")
+    seed.add_argument("--rate", type=_rate, metavar="SIZE", help="the most bytes a second sent to "
                       "all peers together, with a unit: 50MB, 200MiB, 1GB (default: no cap)")  # fmt: skip
     seed.add_argument("--connections", type=_positive, default=32, help="connections at once (default: 32)")
-    seed.add_argument("--token-file", type=Path, default=None, metavar="FILE", help="the peers' token, the file's "
+    seed.add_argument("--token-file", type=Path, metavar="FILE", help="the peers' token, the file's "
                       "first line (default: STREAMLOAD_PEER_TOKEN_FILE, else STREAMLOAD_PEER_TOKEN; none: the proof "
                       "of reading the origin alone)")  # fmt: skip
-    seed.add_argument("--cert", type=Path, default=None, metavar="PEM", help="serve TLS (https://) with this "
-                      "certificate (chain), PEM")  # fmt: skip
-    seed.add_argument("--key", type=Path, default=None, metavar="PEM", help="the certificate's private key, PEM "
+    seed.add_argument("--cert", type=Path, metavar="PEM", help="serve TLS (https://) with this certificate "
+                      "(chain), PEM")  # fmt: skip
+    seed.add_argument("--key", type=Path, metavar="PEM", help="the certificate's private key, PEM "
                       "(default: in --cert's file)")  # fmt: skip
     ahead = sub.add_parser("prefetch", help="read a checkpoint ahead of its load: local files into the page cache, "
                            "object storage into --cache-dir")  # fmt: skip
-    ahead.add_argument("source", help="a checkpoint directory, file, s3:// or http(s):// prefix")
-    ahead.add_argument("--cache-dir", type=Path, default=None, help="where objects go (loads with it read them there)")
-    ahead.add_argument("--threads", type=_positive, default=None, help="reads at once (default: as a load)")
-    ahead.add_argument("--peers", action="append", default=None, metavar="PEER",
-                       help="a node seeding the objects, read from first (as for `streamload load`)")  # fmt: skip
+    ahead.add_argument("source", help="a checkpoint directory, file, or s3://, gs://, az:// or http(s):// prefix")
+    ahead.add_argument("--cache-dir", type=Path, help="where objects go (loads with it read them there)")
+    ahead.add_argument("--threads", type=_positive, help="reads at once (default: as a load)")
+    ahead.add_argument("--peers", action="append", metavar="PEER", help="a node seeding the objects, read from first "
+                       "(as for `streamload load`)")  # fmt: skip
+
+
+def _vllm_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """compile-cache, vllm-check: vLLM's compiled artifacts, and a check of its loads."""
     compiled = sub.add_parser(
         "compile-cache", help="publish vLLM's compiled artifacts beside a checkpoint, for nodes that start cold",
         description="Pack vLLM's torch.compile cache (VLLM_CACHE_ROOT, ~/.cache/vllm) into "
@@ -176,7 +184,7 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     compiled.add_argument("action", choices=["publish"])
     compiled.add_argument("checkpoint", type=Path, help="the local checkpoint directory to publish beside")
-    compiled.add_argument("--cache-root", type=Path, default=None, help="vLLM's cache root (default: VLLM_CACHE_ROOT)")
+    compiled.add_argument("--cache-root", type=Path, help="vLLM's cache root (default: VLLM_CACHE_ROOT)")
     check = sub.add_parser("vllm-check", help="load a model through vLLM's default loader and through streamload, "
                            "and compare every parameter", description="Load MODEL twice in real vLLM engines, with "
                            "vLLM's default loader and with load_format='streamload', and compare every parameter "
@@ -186,11 +194,10 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("model", help="a local model directory or a hub id, as for `vllm serve`")
     check.add_argument("--tp", type=_positive, default=1, help="tensor-parallel ranks (default: 1)")
     check.add_argument("--dtype", default="auto", help="vLLM's --dtype (default: auto)")
-    check.add_argument("--extra-config", type=json.loads, default=None, metavar="JSON",
+    check.add_argument("--extra-config", type=json.loads, metavar="JSON",
                        help="streamload's model_loader_extra_config, e.g. '{\"cooperative\": true}'")  # fmt: skip
-    check.add_argument("--engine", type=json.loads, default=None, metavar="JSON",
+    check.add_argument("--engine", type=json.loads, metavar="JSON",
                        help="more vllm.LLM arguments, e.g. '{\"runner\": \"pooling\"}'")  # fmt: skip
-    return parser
 
 
 def _positive(text: str) -> int:
@@ -589,7 +596,7 @@ def _bench(args: argparse.Namespace) -> int:
                   f"{redacted(args.path)}` first ({exc})", file=sys.stderr)  # fmt: skip
             return 1
         if loaders is None:
-            readers = ("mmap", "posix") if args.device == "cpu" else ("posix",)
+            readers = ("mmap", "posix") if "mapped" in device.kind_of(args.device).lands else ("posix",)
             loaders = [f"streamload-{r}" for r in readers]
         known = {ld.name for ld in bench.LOADERS}  # each streamload loader named, with and without verify=
         loaders = [v for n in loaders for v in (n, f"{n}+verify") if v == n or (v in known and v not in loaders)]

@@ -59,8 +59,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from streamload.base.errors import StreamloadError, UnsupportedError
-from streamload.device import Delivered, Device
-from streamload.format.header import FileHeader
+from streamload.device import Delivered, Device, DeviceKind, kind_of
+from streamload.format.header import FileHeader, FileVersion
 from streamload.plan.checkpoint import Checkpoint
 from streamload.plan.plan import Batch, Item
 from streamload.read import Reader, Work
@@ -104,7 +104,8 @@ def group_timeout(group: ProcessGroup | None, device: torch.device) -> timedelta
     except (AttributeError, RuntimeError):
         pass
     nccl = getattr(dist, "default_pg_nccl_timeout", None)  # NCCL's is shorter (its watchdog acts on it)
-    return nccl if device.type == "cuda" and isinstance(nccl, timedelta) else dist.default_pg_timeout
+    on_nccl = kind_of(device).collective_backend == "nccl"
+    return nccl if on_nccl and isinstance(nccl, timedelta) else dist.default_pg_timeout
 
 
 def wait(work: Work, deadline: float, abort: Any, given_up: Callable[[], bool] | None = None) -> None:
@@ -149,21 +150,21 @@ def version(header: FileHeader, checkpoint: Checkpoint, mounts: dict[int, tuple[
     """32 bytes naming the version of a file as its storage identifies it, without reading data:
     equal on two ranks means the same bytes; different proves nothing (copies). `mounts`: this host's
     network file systems (`_network_mounts`), read once for all files."""
-    if checkpoint.storage.kind == "local":
+    if checkpoint.storage.local:
         named = _local_version(header.identity, mounts)
     else:  # an ETag names a version of one URL's object (a server on the loopback is each host's own)
-        named = (str(header.path), *header.identity, *_loopback_host(str(header.path)))
+        named = (str(header.path), header.identity, *_loopback_host(str(header.path)))
     return hashlib.sha256(repr((header.size, named)).encode()).digest()
 
 
-def _local_version(identity: tuple[object, ...], mounts: dict[int, tuple[str, ...]] | None) -> tuple[object, ...]:
+def _local_version(identity: FileVersion | None, mounts: dict[int, tuple[str, ...]] | None) -> tuple[object, ...]:
     """A local file's version: on a network file system, its server's inode number, size and mtime
     (the same on every host that mounts it; the device number is each host's own); else its host's
     identity with its device, inode, size and mtime. Without an identity, one no other rank names."""
-    if len(identity) != 4:
+    if identity is None or identity.device is None:
         return ("unknown", secrets.token_hex(16))
-    device, inode, size, mtime = identity
-    shared = _shared_file_system(int(device), mounts)  # type: ignore[call-overload]
+    device, inode, size, mtime = identity.device, identity.inode, identity.size, identity.mtime_ns
+    shared = _shared_file_system(device, mounts)
     if shared is not None:
         return ("shared", *shared, inode, size, mtime)
     return ("host", _host_identity(), device, inode, size, mtime)
@@ -347,7 +348,7 @@ class Exchange:
 
         self.device = device
         self._buffer: torch.Tensor | None = None
-        self._stream: torch.cuda.Stream | None = None
+        self._copies: DeviceKind | None = None  # whose copy stream the exchange's copies run on (on_device)
         self.aborted = False
         self.lost: str = ""  # why no group is used any more: this rank then reads alone
         self._backend: Any = None  # a fleet's gloo group, or the survivors' once one was formed
@@ -375,17 +376,17 @@ class Exchange:
         self.rank = dist.get_rank(group)
         self.world = self.first_world = dist.get_world_size(group)
         backend = str(dist.get_backend(group)).lower()
-        # On a CUDA device, exchange device memory when the group speaks NCCL; else go through host memory.
-        self.on_device = device.type == "cuda" and "nccl" in backend
+        # On a device (CUDA), exchange device memory when the group speaks its backend (NCCL); else go
+        # through host memory.
+        kind = kind_of(device)
+        self.on_device = not kind.host_memory and kind.collective_backend in backend
         if not self.on_device and "nccl" in backend and "gloo" not in backend:
             raise UnsupportedError(
                 f"cooperative loading to {device} needs a process group that can exchange host memory "
                 f"(gloo), not {backend!r}"
             )
         if self.on_device:
-            from streamload.device.cuda import loader_stream
-
-            self._stream = loader_stream(device)
+            self._copies = kind
         self._pg = group if group is not None else dist.group.WORLD
         self.timeout = group_timeout(group, device if self.on_device else torch.device("cpu"))
         self.members = tuple(range(self.world))
@@ -495,11 +496,9 @@ class Exchange:
         """Blocking: every rank's part of `batch` into one buffer (`slot`, or the device buffer), returned."""
         lo, size = self._part(batch)
         target = slot
-        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            if self.on_device and not slot.is_cuda:
-                from streamload.device.cuda import pin_host
-
-                pin_host(slot, batch.extent)
+        with self._copies.copy_stream(self.device) if self._copies is not None else contextlib.nullcontext():
+            if self.on_device and slot.is_cpu:  # a host slot (the posix reader's): copied to the device first
+                kind_of(self.device).pin_slot(slot, batch.extent)
                 if self._buffer is None:
                     self._buffer = torch.empty(slot.numel(), dtype=torch.uint8, device=self.device)
                 target = self._buffer
@@ -562,7 +561,7 @@ class Exchange:
         """Collective: refuses files that are not the same bytes on every rank (the rules: "Which bytes",
         above): the plan says which bytes of which file name each rank reads, not which file."""
         files = sorted(checkpoint.files, key=lambda h: h.path.name)
-        mounts = _network_mounts() if checkpoint.storage.kind == "local" else {}
+        mounts = _network_mounts() if checkpoint.storage.local else {}
         named = b"".join(version(h, checkpoint, mounts) for h in files)
         versions = torch.frombuffer(bytearray(named), dtype=torch.uint8)
         every = self._gather_small(versions).view(self.world, len(files), -1)
@@ -758,7 +757,7 @@ class Exchange:
         keep them alive past the caller's `destroy_process_group`, nor until the interpreter's exit. The
         others are told where this rank leaves before the end of the load."""
         self.leave()
-        self._buffer = self._stream = None
+        self._buffer = self._copies = None
         self._backend = self._store = self._pg = self.group = None
 
 

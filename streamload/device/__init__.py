@@ -1,10 +1,14 @@
-"""Devices: they turn a slot's bytes into owned tensors and say when a slot may be reused; and which
-torch device a caller's `device=` means (`resolve`, `same`: base/devices.py), for every entry point alike."""
+"""Devices: they turn a slot's bytes into owned tensors and say when a slot may be reused; the device
+kinds, which own everything device-specific (`kind_of`: kinds.py); and which torch device a caller's
+`device=` means (`resolve`, `same`), for every entry point alike."""
 
 from __future__ import annotations
 
-from streamload.base.devices import resolve, same
-from streamload.device.base import Delivered, Device
+from streamload.device.base import Delivered, Device, DeviceKind, Into
 from streamload.device.cpu import MappedCPU, StagedCPU
+from streamload.device.kinds import KINDS, default_kind, hand_off, kind_of, resolve, same
 
-__all__ = ["Delivered", "Device", "MappedCPU", "StagedCPU", "resolve", "same"]
+__all__ = [
+    "KINDS", "Delivered", "Device", "DeviceKind", "Into", "MappedCPU", "StagedCPU", "default_kind", "hand_off",
+    "kind_of", "resolve", "same",
+]  # fmt: skip

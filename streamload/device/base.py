@@ -1,19 +1,25 @@
-"""The device interface, and the piece-by-piece copy every staging device shares."""
+"""The device interface, the device kind every torch device type streamload serves has, and the
+piece-by-piece copy every staging device shares."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-from typing import Protocol
+from contextlib import AbstractContextManager
+from typing import Literal, Protocol
 
 import torch
 
 from streamload.base.limits import shared_limits
+from streamload.base.tuning import Staging
 from streamload.format.dtypes import torch_shape
 from streamload.plan.plan import Batch, Item, Piece
 from streamload.storage import Files
 
 Delivered = tuple[str, torch.Tensor]
+# Where a reader's bytes land: staging slots in host memory, the page cache viewed in place (file
+# mappings), or staging slots in device memory (kvikio's).
+Into = Literal["host", "mapped", "device"]
 
 # Copies this small between host tensors keep the GIL: torch's copy_ (and ctypes.memmove) give it up
 # for the few microseconds of the copy and then queue for it behind the reader threads, up to the
@@ -43,6 +49,75 @@ class Device(Protocol):
     def instantiate(self, batch: Batch, slot: torch.Tensor | None, files: Files) -> list[Delivered]: ...
 
     def close(self) -> None: ...
+
+
+class DeviceKind:
+    """Everything streamload does differently on one torch device type, asked of its kind (one object a
+    type, registered in device/kinds.py's KINDS): nothing outside device/ compares a device type.
+
+    The defaults are the host's: an operation an accelerator needs (streams, pinning, hand-off) does
+    nothing here. A new device type is a module with its staging `Device` and its kind, and one row."""
+
+    type: str  # torch's device type
+    host_memory: bool  # its tensors are in host memory: file-mapping views, CPU kernels' alignment, page release
+    lands: tuple[Into, ...]  # where a reader's bytes may land for a load onto it
+    staging: Staging  # its tuning defaults (base/tuning.py)
+    collective_backend: str  # the torch.distributed backend that exchanges its memory
+    examples: tuple[str, ...]  # how a caller names its devices, for errors
+    missing = ""  # why a device of this type cannot be used, where `available()` says so
+
+    def available(self) -> bool:
+        return True
+
+    def current_index(self) -> int:
+        """The index a device of this type named without one means, in the calling thread."""
+        return 0
+
+    def indexed(self, dev: torch.device) -> torch.device:
+        """`dev` with the index it means in the calling thread, where the type has indices."""
+        return dev
+
+    def device_count(self) -> int:
+        return 1
+
+    def compute_capability(self) -> tuple[int, int] | None:
+        """(major, minor) of the current device, for kernels that need one (FP8, MXFP4); None: no such kernels."""
+        return None
+
+    def fingerprint(self) -> str:
+        """What compiled code for this kind depends on, on this machine (vLLM's compile caches)."""
+        return f"{self.type} {torch.backends.cpu.get_cpu_capability()}"
+
+    def staging_device(self, dev: torch.device, into: Into) -> Device:
+        """The device that turns the bytes a reader landed `into` into tensors on `dev` (each kind's own)."""
+        raise NotImplementedError(f"the {self.type} device kind builds no staging device")
+
+    def hand_off(self, t: torch.Tensor) -> None:
+        """Tie a tensor handed to the caller to the caller's work on it (called in the receiving thread),
+        so that its memory is not reused while that work may still read it."""
+
+    def copy_stream(self, dev: torch.device) -> AbstractContextManager[object]:
+        """Within it, copies onto `dev` queue on the loader's copy stream (one a device: see device/cuda.py)."""
+        return contextlib.nullcontext()
+
+    def mark_ready(self, dev: torch.device) -> object | None:
+        """A marker recorded after the copies queued so far on `dev`'s copy stream (None: they are done)."""
+        return None
+
+    def wait_ready(self, dev: torch.device, ready: object | None) -> None:
+        """The calling thread's current work on `dev` waits for `ready` on the device, not the host."""
+
+    def synchronize(self, dev: torch.device) -> None:
+        """Block until the work queued on `dev` is done."""
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (host memory) where copies from it to this kind's devices are asynchronous."""
+        return t
+
+    def pin_slot(self, slot: torch.Tensor, used: int) -> bool:
+        """Make a kept host slot's first `used` bytes ready for asynchronous copies (once a slot); False
+        where it stays as it is (copies from it still work)."""
+        return False
 
 
 class HostRing:

@@ -6,11 +6,26 @@ from __future__ import annotations
 import torch
 
 from streamload.base.page_release import Release
-from streamload.device.base import Assembler, Delivered, HostRing, convert
+from streamload.base.tuning import HOST_STAGING
+from streamload.device.base import Assembler, Delivered, Device, DeviceKind, HostRing, Into, convert
 from streamload.format.dtypes import torch_shape
 from streamload.format.header import TensorInfo
 from streamload.plan.plan import Batch, Item
 from streamload.storage import Files, LocalFiles
+
+
+class CPUKind(DeviceKind):
+    """The host: no streams, no pinning; bytes staged in host slots, or viewed in file mappings."""
+
+    type = "cpu"
+    host_memory = True
+    lands = ("host", "mapped")
+    staging = HOST_STAGING
+    collective_backend = "gloo"
+    examples = ("'cpu'",)
+
+    def staging_device(self, dev: torch.device, into: Into) -> Device:
+        return MappedCPU() if into == "mapped" else StagedCPU()
 
 
 class StagedCPU:

@@ -24,15 +24,78 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
 from streamload.base.limits import shared_limits
-from streamload.device.base import Assembler, Delivered, HostRing
+from streamload.base.tuning import DEVICE_STAGING
+from streamload.device.base import Assembler, Delivered, Device, DeviceKind, HostRing, Into
 from streamload.plan.plan import Batch
 from streamload.storage import Files
 
 log = logging.getLogger("streamload")
+
+
+class CudaKind(DeviceKind):
+    """CUDA devices: one loader stream a device, host slots registered with CUDA, tensors handed out
+    tied to the receiving thread's current stream (`record_stream`: the module's docstring)."""
+
+    type = "cuda"
+    host_memory = False
+    lands = ("host", "device")  # host slots copied over, or device slots kvikio reads into
+    staging = DEVICE_STAGING
+    collective_backend = "nccl"
+    examples = ("'cuda'", "'cuda:N'")
+    missing = "this torch sees no CUDA device"
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def current_index(self) -> int:
+        return torch.cuda.current_device()
+
+    def indexed(self, dev: torch.device) -> torch.device:
+        # in the caller's thread: worker threads (offload's fetches, the async face) see device 0 as current
+        if dev.index is None and torch.cuda.is_available():
+            return torch.device(self.type, torch.cuda.current_device())
+        return dev
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def compute_capability(self) -> tuple[int, int] | None:
+        return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+    def fingerprint(self) -> str:
+        return "cuda sm_{}{}".format(*torch.cuda.get_device_capability())
+
+    def staging_device(self, dev: torch.device, into: Into) -> Device:
+        return CudaDevice(dev, host_slots=into == "host")
+
+    def hand_off(self, t: torch.Tensor) -> None:
+        t.record_stream(torch.cuda.current_stream(t.device))
+
+    def copy_stream(self, dev: torch.device) -> AbstractContextManager[object]:
+        return torch.cuda.stream(loader_stream(dev))
+
+    def mark_ready(self, dev: torch.device) -> object | None:
+        ready = torch.cuda.Event()
+        ready.record(loader_stream(dev))
+        return ready
+
+    def wait_ready(self, dev: torch.device, ready: object | None) -> None:
+        if ready is not None:
+            torch.cuda.current_stream(dev).wait_event(ready)  # type: ignore[arg-type]
+
+    def synchronize(self, dev: torch.device) -> None:
+        torch.cuda.synchronize(dev)
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory()
+
+    def pin_slot(self, slot: torch.Tensor, used: int) -> bool:
+        return pin_host(slot, used)
 
 
 class CudaDevice:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, fields
+from datetime import datetime
 from pathlib import PurePath
 from typing import Any, NamedTuple
 
@@ -39,6 +41,31 @@ class TensorInfo(NamedTuple):
         return math.prod(self.shape)
 
 
+@dataclass(frozen=True)
+class FileVersion:
+    """Which version of a file its header was read from, as its storage tells it; the storage checks every
+    later read against it. Only the fields the storage knows are set."""
+
+    size: int
+    device: int | None = None  # a local file: its file system, inode and modification time
+    inode: int | None = None
+    mtime_ns: int | None = None
+    etag: str | None = None  # an object's strong ETag: any change to the object changes it
+    weak: str | None = None  # or only a weak one ("W/..."), which a change may keep
+    modified: datetime | None = None  # an object's Last-Modified (one-second resolution)
+    generation: str | None = None  # which of an object's versions (GCS's generation, S3's version id)
+    content: str | None = None  # the hash a store names the bytes by (a hub file's etag: SHA-256 or git SHA-1)
+
+    def __str__(self) -> str:
+        """As a message shows it: "1234 bytes, ETag "abc", generation 17"."""
+        said = [f"{LABELS[f.name]} {v}" for f in fields(self)[1:] if (v := getattr(self, f.name)) is not None]
+        return ", ".join([f"{self.size} bytes", *said])
+
+
+LABELS = {"device": "device", "inode": "inode", "mtime_ns": "mtime_ns", "etag": "ETag", "weak": "weak ETag",
+           "modified": "Last-Modified", "generation": "generation", "content": "content hash"}  # fmt: skip
+
+
 class FileHeader(NamedTuple):
     """A parsed, validated safetensors file header."""
 
@@ -47,8 +74,8 @@ class FileHeader(NamedTuple):
     data_start: int
     tensors: tuple[TensorInfo, ...]  # in file order
     metadata: dict[str, str] | None
-    identity: tuple[object, ...] = ()  # as read (local: device, inode, size, mtime; objects: size, ETag):
-    # the storage checks that the data it reads later comes from the very same file
+    identity: FileVersion | None = None  # the version read: the storage checks that the data it reads
+    # later comes from the very same file
     prefix: bytes = b""  # the file's bytes before the data section (length word and header), as read:
     # a whole-file digest is checked from these and the tensor bytes, without reading the header twice
 

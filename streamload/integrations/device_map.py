@@ -58,7 +58,7 @@ def one_device(path: object, device: str | torch.device | None, device_map: Devi
             )
         mapped: torch.device | None = named.pop()
     elif device_map in _SPREAD:
-        gpus = torch.cuda.device_count()
+        gpus = devices.default_kind().device_count()  # the accelerator's devices (the host: one)
         if gpus > 1:
             raise ValueError(
                 f"{where}: device_map={device_map!r} spreads the model over this machine's {gpus} GPUs; "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,8 @@ from streamload.integrations import transformers_internals as internals
 from streamload.integrations.device_map import check_mapped
 from streamload.nn.load_into import Filler, OnLayer, empty_weights, fill, make_filler
 from streamload.plan.placement import Conversion, Region, Step
-from streamload.quant.dequantize import FORMATS, Dequantization, Format
+from streamload.quant.dequantize import Dequantization, Format
+from streamload.quant.methods import METHODS, Kernels, Method, quantized_name
 from streamload.storage.base import redacted
 from streamload.storage.remote import is_url
 
@@ -100,8 +101,28 @@ def from_pretrained(
     else:
         dtype = internals.default_dtype(transformers, config) if dtype is None else as_torch_dtype(dtype)
     _buildable(dtype)
-    kwargs = {} if dtype is None else {"dtype": dtype}
     quantizer = placing_quantizer(config)
+    model = _model(transformers, config, model_class, dtype, quantizer, trust_remote_code)
+    check_mapped(path, mapped, model)
+    if checkpoint is None:
+        checkpoint = inspect(source, options.get("cache_dir"))
+    filler, computed, placed = _filler(model, config, quantizer, checkpoint.tensors, strict)
+    if dtype is not None:  # each tensor as its parameter was built (transformers keeps some in float32)
+        dtype = _dtypes(model, placed, checkpoint.tensors, dtype)
+    fill(filler, checkpoint, device=dev, dtype=dtype, strict=strict, on_layer=on_layer, dequantize=computed, **options)
+    model.to(dev)  # the buffers the constructor made on the CPU; parameters are there already
+    if quantizer is not None:
+        internals.finish(quantizer, model)
+    return model.eval()
+
+
+def _model(
+    transformers: Any, config: Any, model_class: type[nn.Module] | None, dtype: torch.dtype | None, quantizer: Any,
+    trust_remote_code: bool,
+) -> nn.Module:  # fmt: skip
+    """The model built on meta in `dtype` (its buffers real), laid out by `quantizer` where there is one,
+    its tied weights tied."""
+    kwargs = {} if dtype is None else {"dtype": dtype}
     # transformers' switch first: its module, imported on first use, copies torch's initialisers
     with internals.no_init_weights(), empty_weights():
         if model_class is not None:
@@ -115,11 +136,14 @@ def from_pretrained(
         if quantizer is not None:  # its modules, laid out for the stored bytes, as transformers' loader does
             with _default_dtype(dtype):  # (theirs in the model's dtype: a quantized layer's bias is built so)
                 internals.prepare(quantizer, model, dtype)
-    internals.tied(model)
-    check_mapped(path, mapped, model)
-    if checkpoint is None:
-        checkpoint = inspect(source, options.get("cache_dir"))
-    stored = checkpoint.tensors
+    return internals.tied(model)
+
+
+def _filler(
+    model: nn.Module, config: Any, quantizer: Any, stored: Mapping[str, Any], strict: bool
+) -> tuple[Filler, Dequantization | None, Conversion]:
+    """Where each stored tensor goes in `model` (what is computed as it streams, the placement as
+    transformers' loader has it), checked against the model before any weight is read."""
     computed, placed = dequantization(config, stored), None
     if computed is None and (experts := decompressed_experts(quantizer, model, stored)) is not None:
         computed, placed = experts  # placed as computed: the quantizer's conversions would decompress them
@@ -130,13 +154,7 @@ def from_pretrained(
     filler.aligns = False  # views of the file kept as stored, as transformers' own loader keeps them
     fits(filler, config, placed.targets(shapes), strict)
     shapes_fit(filler, config, placed, shapes, stored, computed)
-    if dtype is not None:  # each tensor as its parameter was built (transformers keeps some in float32)
-        dtype = _dtypes(model, placed, stored, dtype)
-    fill(filler, checkpoint, device=dev, dtype=dtype, strict=strict, on_layer=on_layer, dequantize=computed, **options)
-    model.to(dev)  # the buffers the constructor made on the CPU; parameters are there already
-    if quantizer is not None:
-        internals.finish(quantizer, model)
-    return model.eval()
+    return filler, computed, placed
 
 
 # The dtypes a model can be built in (torch's default dtype while transformers builds it).
@@ -170,41 +188,36 @@ def _stored_dtype(checkpoint: Any) -> torch.dtype | None:
     return None if chosen is None else chosen.dtype.torch_dtype
 
 
-# Quantizations whose tensors transformers' own loader puts, as stored, into the modules its quantizer
-# lays out, by whether it does so for this config here: compressed-tensors always (packed weights,
-# scales; decompressed on the first forward pass); FP8 where it has the kernels (a GPU of compute
-# capability 8.9 or more) and is not told to dequantize: float8 weights with their block scales, the
-# experts' stacked as their weights are. streamload reads them straight into those parameters.
-PLACED_AS_STORED: dict[str, Callable[[Any], bool]] = {
-    "compressed-tensors": lambda config: True,
-    "fp8": lambda config: not _quantization(config, "dequantize") and not _fp8_kernel_missing(),
-}
+def _kept(method: Method, config: Any) -> bool:
+    """Whether transformers' own loader keeps `method`'s layers quantized here: always where it needs no
+    kernels; else where it has them (`method.kernels`) and the config does not say `dequantize: true`."""
+    return method.kernels is None or not (_quantization(config, "dequantize") or _kernels_missing(method.kernels))
 
 
 def placing_quantizer(config: Any) -> Any | None:
-    """transformers' own quantizer for a checkpoint it loads as stored here (`PLACED_AS_STORED`), else None.
+    """transformers' own quantizer where its loader puts the stored tensors as they are into the layers it
+    lays out (the method's `as_stored`, kept quantized here): streamload reads them straight in. Else None.
 
     Raises:
         UnsupportedError: the quantization's package is not installed (named, as transformers names it).
     """
-    rule = PLACED_AS_STORED.get(_quantization(config, "quant_method"))
-    if rule is None or not rule(config):
+    method = METHODS.get(_quantization(config, "quant_method"))
+    if method is None or not (method.as_stored and _kept(method, config)):
         return None
     try:
         return internals.hf_quantizer(config)
     except ImportError as exc:
-        raise UnsupportedError(f"{_quantization(config, 'quant_method')} checkpoint: {exc}") from None
+        raise UnsupportedError(f"{method.name} checkpoint: {exc}") from None
 
 
 def dequantization(config: Any, stored: Mapping[str, Any]) -> Dequantization | None:
-    """The quantized tensors transformers' own loader dequantizes here (`DEQUANTIZED_HERE`), computed
-    as they stream; None for anything else (a quantized checkpoint is then refused by `fits`)."""
-    method = _quantization(config, "quant_method")
-    rule = DEQUANTIZED_HERE.get(method)
-    if rule is None or not (_quantization(config, "dequantize") or rule()):
+    """The quantized tensors transformers' own loader dequantizes here (not kept quantized), computed as
+    they stream; None for anything else (a quantized checkpoint is then refused by `fits`)."""
+    method = METHODS.get(_quantization(config, "quant_method"))
+    if method is None or method.computed is None or _kept(method, config):
         return None  # transformers keeps them quantized in its own layers here: refused, named by `fits`
-    fmt = FORMATS[method]
-    if method == "mxfp4" and internals.mxfp4_in_parameter_dtype():  # bfloat16 whatever the model's before
+    fmt = method.computed
+    if internals.in_parameter_dtype(method):  # the format's own dtype (bfloat16) whatever the model's before
         fmt = dataclasses.replace(fmt, own_dtype=lambda parts: None)
     return Dequantization.of(fmt, stored)
 
@@ -248,36 +261,20 @@ def decompressed_experts(
     return chosen, conversion(model, chosen.shapes(stored))
 
 
-def _fp8_kernel_missing() -> bool:
-    """transformers' `FineGrainedFP8`: FP8 layers need a GPU of compute capability 8.9 or more."""
-    return not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9))
-
-
-def _mxfp4_kernel_missing() -> bool:
-    """transformers' `Mxfp4`: kept as MXFP4 only on a GPU of compute capability 7.5 or more with triton
-    and the `kernels` package (on the CPU it always dequantizes, its kernels being opt-in)."""
+def _kernels_missing(kernels: Kernels) -> bool:
+    """transformers keeps a method quantized only on a GPU of `kernels.capability` or more with its `packages`
+    (FineGrainedFP8: 8.9; Mxfp4: 7.5, triton and `kernels`; on the CPU it always dequantizes them)."""
     from importlib.util import find_spec
 
-    on_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (7, 5)
-    return not (on_gpu and find_spec("triton") is not None and find_spec("kernels") is not None)
-
-
-# quant_method -> whether transformers' own loader dequantizes it on this machine (besides the config's
-# `dequantize: true`, which always does).
-DEQUANTIZED_HERE = {"fp8": _fp8_kernel_missing, "mxfp4": _mxfp4_kernel_missing}
+    capability = devices.default_kind().compute_capability()  # None: no GPU
+    on_gpu = capability is not None and capability >= kernels.capability
+    return not (on_gpu and all(find_spec(p) is not None for p in kernels.packages))
 
 
 def _quantization(config: Any, key: str) -> Any:
     """A setting of the config's `quantization_config` (a dict, or transformers' config object)."""
     quantization = getattr(config, "quantization_config", None)
     return quantization.get(key) if isinstance(quantization, dict) else getattr(quantization, key, None)
-
-
-# Names only quantized checkpoints hold beside (or instead of) a layer's `weight`: GPTQ/AWQ, FP8 and
-# compressed-tensors, bitsandbytes.
-_QUANTIZED = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_scale_inv", ".input_scale",
-              ".weight_packed", ".weight_shape", ".weight_zero_point", ".absmax", ".quant_map", ".quant_state",
-              ".SCB", ".weight_format")  # fmt: skip
 
 
 def fits(filler: Filler, config: Any, names: Iterable[str], strict: bool) -> None:
@@ -295,7 +292,7 @@ def fits(filler: Filler, config: Any, names: Iterable[str], strict: bool) -> Non
     what = type(model).__name__
     parts = [f"missing keys: {listed(missing, 10)}"] if missing else []
     parts += [f"unexpected keys: {listed(unexpected, 10)}"] if unexpected else []
-    marked = [n for n in unexpected if n.endswith(_QUANTIZED)]
+    marked = [n for n in unexpected if quantized_name(n, present)]
     if getattr(config, "quantization_config", None) is not None or marked:
         method = _quantization(config, "quant_method")
         how = f"its config's quant_method is {str(method)!r}" if method else f"it holds {listed(marked, 3)}"

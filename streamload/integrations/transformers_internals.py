@@ -23,13 +23,10 @@ from torch import nn
 
 from streamload.base.errors import UnsupportedError
 from streamload.format.dtypes import as_torch_dtype
+from streamload.quant.methods import METHODS, Method
 
 LOWEST = (5, 19)  # the oldest release tested
 HIGHEST = (5, 24)  # the newest release tested; later ones of its major version are taken
-# from 5.21 on, compressed-tensors' FP8 experts come out in their fused parameter's dtype (bfloat16 before),
-# and its operation reads that dtype from the model it is given
-_EXPERTS_IN_PARAMETER_DTYPE = (5, 21)
-_MXFP4_IN_PARAMETER_DTYPE = (5, 23)  # gpt-oss's dequantized experts: the same, from 5.23 on
 
 
 def version(transformers: Any) -> tuple[int, int]:
@@ -54,12 +51,18 @@ def check_version(transformers: Any) -> None:
         )
 
 
-def mxfp4_in_parameter_dtype() -> bool:
-    """Whether transformers dequantizes MXFP4 experts into their parameter's dtype (else bfloat16), the
-    arithmetic otherwise the same (each value from the FP4 table in that dtype, then `ldexp`)."""
+def in_parameter_dtype(method: Method) -> bool:
+    """Whether this transformers computes `method`'s weights into their parameter's dtype (else bfloat16),
+    the arithmetic otherwise the same: from its record's `in_parameter_dtype_from` release on."""
     import transformers
 
-    return version(transformers) >= _MXFP4_IN_PARAMETER_DTYPE
+    since = method.in_parameter_dtype_from
+    return since is not None and version(transformers) >= since
+
+
+def mxfp4_in_parameter_dtype() -> bool:
+    """gpt-oss's dequantized experts (each value from the FP4 table in that dtype, then `ldexp`)."""
+    return in_parameter_dtype(METHODS["mxfp4"])
 
 
 def no_init_weights() -> contextlib.AbstractContextManager[Any]:
@@ -122,7 +125,7 @@ class ExpertsDecompression:
 
     fp8: bool
     bits: int
-    in_bfloat16: bool  # FP8 experts come out bfloat16 whatever the parameter's dtype (before 5.21)
+    in_bfloat16: bool  # FP8 experts come out bfloat16 whatever the parameter's dtype (its record's release rule)
     decompress: Callable[[dict[str, torch.Tensor], torch.dtype], torch.Tensor]  # {part name: tensor}, dtype
 
 
@@ -131,7 +134,6 @@ def experts_decompression(quantizer: Any) -> ExpertsDecompression | None:
     a quantizer that is not compressed-tensors'."""
     if quantizer is None or not hasattr(quantizer, "compressor"):
         return None
-    import transformers
     from transformers.integrations.compressed_tensors import DecompressExperts, get_experts_scheme
 
     scheme = get_experts_scheme(quantizer.quantization_config.quantization_config)
@@ -146,7 +148,8 @@ def experts_decompression(quantizer: Any) -> ExpertsDecompression | None:
         return out[first][0]
 
     fp8 = scheme.weights.type == "float" and scheme.weights.num_bits == 8
-    in_bfloat16 = version(transformers) < _EXPERTS_IN_PARAMETER_DTYPE
+    # from 5.21 on its FP8 experts come out in their fused parameter's dtype, read from the model it is given
+    in_bfloat16 = not in_parameter_dtype(METHODS["compressed-tensors"])
     return ExpertsDecompression(fp8, scheme.weights.num_bits, in_bfloat16, decompress)
 
 

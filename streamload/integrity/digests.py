@@ -117,14 +117,14 @@ class Version(NamedTuple):
 
 
 def version_of(header: FileHeader, sha256: str | None = None) -> Version:
-    """The origin version a header was read at (local: device, inode, size, mtime; objects: size, "etag", tag)."""
-    identity = header.identity
-    if len(identity) >= 3 and identity[1] == "hub":  # a hub file: its LFS ETag is the file's SHA-256
-        return Version(sha256=str(identity[2]).strip('"').lower())
-    if len(identity) >= 3 and identity[1] == "etag":
-        return Version(etag=str(identity[2]), sha256=sha256)
-    if len(identity) == 4 and isinstance(identity[3], int) and identity[2] == header.size:
-        return Version(mtime_ns=identity[3], sha256=sha256)
+    """The origin version a header was read at (its storage's `FileVersion`: a strong ETag, else a local mtime)."""
+    v = header.identity
+    if v is not None and v.content is not None:  # a hub file: its LFS ETag is the file's SHA-256
+        return Version(sha256=v.content.strip('"').lower())
+    if v is not None and v.etag is not None:
+        return Version(etag=v.etag, sha256=sha256)
+    if v is not None and v.mtime_ns is not None and v.size == header.size:
+        return Version(mtime_ns=v.mtime_ns, sha256=sha256)
     return Version(sha256=sha256)
 
 

@@ -375,7 +375,7 @@ def aligned(tensor: torch.Tensor) -> torch.Tensor:
     slower): a model's weights are placed as torch would place them, so its outputs are those of the
     same model built and loaded in torch, whatever the file's layout.
     """
-    if tensor.device.type == "cpu" and tensor.data_ptr() % ALIGNMENT:
+    if tensor.is_cpu and tensor.data_ptr() % ALIGNMENT:  # host memory: CPU kernels read it
         return torch.empty_like(tensor).copy_(tensor)
     return tensor
 

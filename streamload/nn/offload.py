@@ -40,7 +40,7 @@ class _KeptOpen:
     """Local storage whose files stay open (descriptors, and the mappings the mapped reader views)
     from one fetch to the next, where each layer's load would map its shard anew and unmap it after."""
 
-    kind = "local"
+    local = True
     first_batch = 0
 
     def __init__(self, checkpoint: Checkpoint) -> None:
@@ -104,7 +104,7 @@ class _Slot(NamedTuple):
 
 class _Fetched(NamedTuple):
     tensors: dict[str, torch.Tensor]
-    ready: torch.cuda.Event | None  # recorded after the block's host-to-device copies (host_cache)
+    ready: object | None  # the device kind's marker, recorded after the block's host-to-device copies (host_cache)
 
 
 class _Block(NamedTuple):
@@ -144,10 +144,11 @@ class Offloaded:
         host_cache: bool,
         options: dict[str, Any],
     ) -> None:
-        self._kept = _KeptOpen(checkpoint) if checkpoint.storage.kind == "local" else None
+        self._kept = _KeptOpen(checkpoint) if checkpoint.storage.local else None
         if self._kept is not None:
             checkpoint = checkpoint._replace(storage=self._kept)
         self.model, self.checkpoint, self.blocks, self.device = model, checkpoint, blocks, device
+        self._kind = devices.kind_of(device)
         self.budget_bytes, self.resident_bytes, self.ahead = budget_bytes, resident_bytes, ahead
         self.resident_blocks = resident_blocks
         self.host_cache, self.options = host_cache, options
@@ -158,13 +159,6 @@ class Offloaded:
         self._streams: set[Any] = set()  # open TensorStreams of fetches in flight, closed on reset
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="streamload-offload")
         shared_limits().join()  # the reader threads stay up between the fetches of one block and the next
-        # host_cache copies run on the loader's stream of the device, so that they overlap the compute
-        # (one stream for every fetch: blocks freed there are reused there)
-        self._copies = None
-        if host_cache:
-            from streamload.device.cuda import loader_stream
-
-            self._copies = loader_stream(device)
         self._lock = threading.Lock()
         self._held = resident_bytes
         self._fetches = 0
@@ -210,12 +204,9 @@ class Offloaded:
         start = time.perf_counter()
         fetched = future.result()
         self._waited += time.perf_counter() - start
-        if self.device.type == "cuda":
-            compute = torch.cuda.current_stream(self.device)
-            if fetched.ready is not None:  # the compute stream waits on the GPU, never the host
-                compute.wait_event(fetched.ready)
-            for t in fetched.tensors.values():  # the block is freed after the forward: after compute's use
-                t.record_stream(compute)
+        self._kind.wait_ready(self.device, fetched.ready)  # the compute waits on the device, never the host
+        for t in fetched.tensors.values():  # the block is freed after the forward: after the compute's use
+            self._kind.hand_off(t)
         block = self.blocks[i]
         for name, t in fetched.tensors.items():
             slot = block.slots[name]
@@ -237,14 +228,15 @@ class Offloaded:
     def _load(self, i: int) -> _Fetched:
         block = self.blocks[i]
         ready = None
-        if self._copies is not None:
+        if self.host_cache:
             host = self._host.get(i)
             if host is None:
-                host = self._host[i] = {n: t.pin_memory() for n, t in self._stream(block, "cpu")}
-            with torch.cuda.stream(self._copies):
+                host = self._host[i] = {n: self._kind.pin(t) for n, t in self._stream(block, "cpu")}
+            # on the device's copy stream, so that the copies overlap the compute (one stream for every
+            # fetch: blocks freed there are reused there)
+            with self._kind.copy_stream(self.device):
                 out = {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
-                ready = torch.cuda.Event()
-                ready.record(self._copies)
+                ready = self._kind.mark_ready(self.device)
         elif (out := self._views.get(i)) is None:  # the loader hands a tensor out once it is complete
             out = dict(self._stream(block, self.device))
             if self._only_views(out):
@@ -260,7 +252,7 @@ class Offloaded:
         conversion): such a block holds no memory of its own, only page-cache pages the kernel can
         reclaim, so it is kept for the next passes instead of being mapped and planned anew each time
         (measured: 2.5-4.5 ms a layer on 2 cores, most of the gap to the whole model)."""
-        files = self._kept.open(()) if self._kept is not None and self.device.type == "cpu" else None
+        files = self._kept.open(()) if self._kept is not None and self._kind.host_memory else None
         if files is None:
             return False
         for name, t in tensors.items():
@@ -401,15 +393,43 @@ def offload(
     dev = devices.resolve(device)
     if ahead < 0:
         raise ValueError(f"ahead must be 0 or more, not {ahead}")
-    if host_cache and dev.type != "cuda":
+    if host_cache and devices.kind_of(dev).host_memory:
         raise UnsupportedError("host_cache keeps blocks in pinned host memory for a GPU: use it with device='cuda'")
     for banned in ("include", "exclude", "shard", "cooperative"):
         if banned in options:
             raise UnsupportedError(f"offload chooses what to read itself: {banned}= is not an option here")
     checkpoint = open_checkpoint(source, options.get("cache_dir"))  # type: ignore[arg-type]
-    target = DTypeRules.ready(options.get("dtype"))
-    sizes = {n: _out_bytes(t, target) for n, t in checkpoint.tensors.items()}
     convert = conversion or Conversion()
+    layout = _layout(checkpoint, convert, DTypeRules.ready(options.get("dtype")), budget_bytes, ahead)
+    _check_fits(model, checkpoint, convert)  # before any read
+    if layout.keep:
+        from streamload.nn.load_into import load_into
+
+        load_into(model, checkpoint, device=dev, include=layout.keep, strict=False,
+                  conversion=convert.only(layout.keep), **options)  # type: ignore[misc]  # fmt: skip
+    _materialise_buffers(model, dev)
+    by_key, block_bytes = layout.by_key, layout.block_bytes
+    blocks = [_block(model, key, by_key[key], block_bytes[key], convert.only(by_key[key])) for key in layout.streamed]
+    resident_bytes = layout.fixed_bytes + sum(block_bytes[k] for k in layout.resident)
+    return Offloaded(model, checkpoint, blocks, dev, budget_bytes, resident_bytes, len(layout.resident), ahead,
+                     host_cache, dict(options))  # fmt: skip
+
+
+class _Layout(NamedTuple):
+    """Which weights stay on the device and which blocks stream, within the budget."""
+
+    by_key: dict[str, list[str]]  # the checkpoint's names by the module they land in
+    block_bytes: dict[str, int]  # by block, in the order the forward runs them
+    fixed_bytes: int  # the weights outside the blocks
+    resident: list[str]  # the blocks kept on the device (the first ones)
+    streamed: list[str]  # the blocks fetched as the forward reaches them
+    keep: list[str]  # the names loaded once, up front
+
+
+def _layout(checkpoint: Checkpoint, convert: Conversion, dtype: DTypeRules, budget_bytes: int, ahead: int) -> _Layout:
+    """The weights outside the blocks and `ahead + 1` of the largest block must fit the budget (else a
+    one-line error with the numbers); as many of the first blocks as the rest allows stay resident."""
+    sizes = {n: _out_bytes(t, dtype) for n, t in checkpoint.tensors.items()}
     by_key: dict[str, list[str]] = {}
     for name in checkpoint.tensors:  # by the module the tensor lands in (a rename may move it)
         by_key.setdefault(group_of(convert.target_of(name)), []).append(name)
@@ -434,11 +454,14 @@ def offload(
             left -= block_bytes[key]
         else:
             break
-    streamed = layer_keys[len(resident) :]
     keep = fixed + [n for k in resident for n in by_key[k]]
-    from streamload.nn.load_into import Filler, load_into
+    return _Layout(by_key, block_bytes, fixed_bytes, resident, layer_keys[len(resident) :], keep)
 
-    # what the model needs and the checkpoint lacks (tied weights count as present), before any read
+
+def _check_fits(model: nn.Module, checkpoint: Checkpoint, convert: Conversion) -> None:
+    """What the model needs and the checkpoint lacks (tied weights count as present), as one line."""
+    from streamload.nn.load_into import Filler
+
     if convert.regions:
         convert.check({n: t.shape for n, t in checkpoint.tensors.items() if n in convert.regions})
     names = convert.targets(checkpoint.tensors)
@@ -452,15 +475,6 @@ def offload(
             "fill them (the model was built under torch.device('meta')?): build it under "
             "streamload.empty_weights(), which makes buffers for real and leaves only parameters on meta"
         )
-
-    if keep:
-        load_into(model, checkpoint, device=dev, include=keep, strict=False, conversion=convert.only(keep),
-                  **options)  # type: ignore[misc]  # fmt: skip
-    _materialise_buffers(model, dev)
-    blocks = [_block(model, key, by_key[key], block_bytes[key], convert.only(by_key[key])) for key in streamed]
-    resident_bytes = fixed_bytes + sum(block_bytes[k] for k in resident)
-    return Offloaded(model, checkpoint, blocks, dev, budget_bytes, resident_bytes, len(resident), ahead,
-                     host_cache, dict(options))  # fmt: skip
 
 
 def _out_bytes(info: TensorInfo, dtype: DTypeOption | DTypeRules) -> int:

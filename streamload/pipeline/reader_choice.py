@@ -1,9 +1,11 @@
-"""Which reader and device serve a load: one table row per reader, one per device, no other branching.
+"""Which reader and device serve a load: one table row per reader, and the device's kind, no other branching.
 
-A reader row says which storage it reads (`storage.Storage.kind`), which device types it serves, where
-its bytes land ("host": staging slots in host memory; "mapped": the page cache, viewed in place;
-"device": GPU slots), and how it is built. `reader="auto"` takes the first row, in table order, that
-fits and whose builder accepts the load; a named reader is checked against its row.
+A reader row says whether it reads local files by descriptor or ranges through the storage (asking
+the storage's capability `Storage.local`, never which storage it is), where its bytes land ("host":
+staging slots in host memory; "mapped": the page cache, viewed in place; "device": GPU slots), and
+how it is built; a device kind says where bytes may land for it (`DeviceKind.lands`) and builds the
+device that makes them tensors. `reader="auto"` takes the first row, in table order, that fits and
+whose builder accepts the load; a named reader is checked against its row.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ import torch
 from streamload.base import tuning as defaults
 from streamload.base.errors import UnsupportedError
 from streamload.base.tuning import Tuning
-from streamload.device import Device, MappedCPU, StagedCPU
+from streamload.device import Device, DeviceKind, Into, kind_of
 from streamload.read import Reader
 
 ReaderName = Literal["auto", "mmap", "posix", "direct", "kvikio", "range"]
-Into = Literal["host", "mapped", "device"]
 log = logging.getLogger("streamload")
+WHERE: dict[Into, str] = {"host": "host staging slots", "mapped": "file mappings", "device": "device memory"}
 
 
 class Load(NamedTuple):
@@ -39,9 +41,8 @@ class Load(NamedTuple):
 
 class ReaderRow(NamedTuple):
     name: str
-    storage: str
-    devices: tuple[str, ...]
-    into: Into
+    local: bool  # reads a local storage's files (else a remote storage's ranges: `Files.read`)
+    into: Into  # it serves the devices whose kind takes bytes landing here
     build: Callable[[Load], Reader | None]
 
 
@@ -107,44 +108,31 @@ def _range(load: Load) -> Reader:
 
 
 READERS: tuple[ReaderRow, ...] = (
-    ReaderRow("kvikio", "local", ("cuda",), "device", _kvikio),
-    ReaderRow("mmap", "local", ("cpu",), "mapped", _mmap),
-    ReaderRow("direct", "local", ("cpu", "cuda"), "host", _direct),
-    ReaderRow("posix", "local", ("cpu", "cuda"), "host", _posix),
-    ReaderRow("range", "object", ("cpu", "cuda"), "host", _range),
+    ReaderRow("kvikio", True, "device", _kvikio),
+    ReaderRow("mmap", True, "mapped", _mmap),
+    ReaderRow("direct", True, "host", _direct),
+    ReaderRow("posix", True, "host", _posix),
+    ReaderRow("range", False, "host", _range),
 )
 
 
-def _cuda(host_slots: bool) -> Callable[[torch.device], Device]:
-    def make(dev: torch.device) -> Device:
-        from streamload.device.cuda import CudaDevice
-
-        return CudaDevice(dev, host_slots=host_slots)
-
-    return make
-
-
-DEVICES: dict[tuple[str, Into], Callable[[torch.device], Device]] = {
-    ("cpu", "host"): lambda dev: StagedCPU(),
-    ("cpu", "mapped"): lambda dev: MappedCPU(),
-    ("cuda", "host"): _cuda(host_slots=True),
-    ("cuda", "device"): _cuda(host_slots=False),
-}
+def _storage(local: bool) -> str:
+    """A storage as messages name it, by its capability."""
+    return "local" if local else "object"
 
 
 def usable(dev: torch.device) -> torch.device:
     """`dev`, where a load can put tensors here; else one line saying why."""
-    if dev.type not in {kind for kind, _ in DEVICES}:
-        raise UnsupportedError(f"device {dev} is not supported (use 'cpu', 'cuda' or 'cuda:N')")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UnsupportedError(f"device {dev}: this torch sees no CUDA device")
+    kind = kind_of(dev)
+    if not kind.available():
+        raise UnsupportedError(f"device {dev}: {kind.missing}")
     return dev
 
 
 def route(
     dev: torch.device,
     reader: str,
-    storage: str,
+    local: bool,
     tuning: Tuning,
     first_file: PurePath | None = None,
     total_bytes: int = 0,
@@ -152,38 +140,41 @@ def route(
     why: str = "",
     copies: bool = False,
 ) -> tuple[Reader, Device]:
-    """The reader and device for a load. `lands`: where the load needs the bytes to land, and `why`
+    """The reader and device for a load of a storage that is `local` or not (`Storage.local`). `lands`:
+    where the load needs the bytes to land, and `why`
     (cooperative loading over a host-memory process group exchanges them in host staging slots,
     verification hashes them in host memory)."""
     names = [r.name for r in READERS]
     if reader != "auto" and reader not in names:
         raise ValueError(f"reader must be 'auto' or one of {', '.join(repr(n) for n in names)}, not {reader!r}")
     usable(dev)
+    kind = kind_of(dev)
     chosen = reader != "auto"
     load = Load(dev, tuning, first_file, total_bytes, chosen, copies)
     for row in READERS:
         if chosen and row.name != reader:
             continue
-        fits = _fits(row, dev, storage, lands, why)
+        fits = _fits(row, dev, kind, local, lands, why)
         if fits is not None:
             if chosen:
                 raise UnsupportedError(fits)
             continue
         built = row.build(load)
         if built is not None:
-            return built, DEVICES[(dev.type, row.into)](dev)
-    raise UnsupportedError(f"no reader reads {storage} storage into {dev}")  # the table lacks a row
+            return built, kind.staging_device(dev, row.into)
+    raise UnsupportedError(f"no reader reads {_storage(local)} storage into {dev}")  # the table lacks a row
 
 
-def _fits(row: ReaderRow, dev: torch.device, storage: str, lands: Collection[Into], why: str) -> str | None:
+def _fits(
+    row: ReaderRow, dev: torch.device, kind: DeviceKind, local: bool, lands: Collection[Into], why: str
+) -> str | None:
     """None if the row serves this load, else why not (the error for a reader named by the caller)."""
-    others = ", ".join(repr(r.name) for r in READERS if r.storage == storage and dev.type in r.devices)
-    if row.storage != storage:
-        return f"the {row.name} reader reads {row.storage} storage, not {storage}: use {others}"
-    if dev.type not in row.devices:
-        where = "GPU memory" if row.devices == ("cuda",) else f"device={row.devices[0]!r}"
-        return f"the {row.name} reader reads into {where}, not {dev.type}: use {others}"
+    others = ", ".join(repr(r.name) for r in READERS if r.local == local and r.into in kind.lands)
+    if row.local != local:
+        return f"the {row.name} reader reads {_storage(row.local)} storage, not {_storage(local)}: use {others}"
+    if row.into not in kind.lands:
+        return f"the {row.name} reader reads into {WHERE[row.into]}, which {dev.type} does not take: use {others}"
     if row.into not in lands:
-        fit = ", ".join(repr(r.name) for r in READERS if r.into in lands and r.storage == storage)
+        fit = ", ".join(repr(r.name) for r in READERS if r.into in lands and r.local == local)
         return f"{why}: use a reader that does ({fit}), not {row.name!r}"
     return None

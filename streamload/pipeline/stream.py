@@ -13,11 +13,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-import torch
-
 from streamload.base.errors import StreamloadError
 from streamload.base.stats import Stats
-from streamload.device import Delivered
+from streamload.device import Delivered, hand_off
 from streamload.pipeline.pipeline import Pipeline, Stopped
 from streamload.plan.checkpoint import Checkpoint
 from streamload.plan.plan import Plan
@@ -84,9 +82,7 @@ class TensorStream:
     def _handoff(self) -> Delivered:
         item = self._ready.pop()
         self.stats.delivered()
-        t = item[1]
-        if t.is_cuda:  # tie the tensor to the receiving thread's current stream (see device/cuda.py)
-            t.record_stream(torch.cuda.current_stream(t.device))
+        hand_off(item[1])  # tied to the receiving thread's work on it (CUDA: its current stream)
         return item
 
     def close(self) -> None:

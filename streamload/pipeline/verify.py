@@ -352,7 +352,7 @@ class Verifier:
         """Queue the hashing of `batch` (called in plan order, as its reads are handed out): each of its
         files' parts waits for `reads` on a verifier thread, then is hashed, while the consumer is
         still on earlier batches."""
-        if slot is not None and slot.device.type != "cpu":
+        if slot is not None and not slot.is_cpu:
             raise UnsupportedError("verify hashes bytes in host memory: this reader put them on the device")
         view = writable_bytes(slot) if slot is not None else None
         pieces: dict[PurePath, list[Piece]] = {}
@@ -410,7 +410,7 @@ def write_digests(
     folders = {h.path.parent for h in checkpoint.files}
     if len(folders) > 1:
         raise UnsupportedError(f"the checkpoint's files are in {len(folders)} folders: a digest file covers one")
-    if out is None and checkpoint.storage.kind != "local":
+    if out is None and not checkpoint.storage.local:
         raise UnsupportedError(
             "streamload digest of a remote checkpoint writes the digest file locally: name where (--out FILE), "
             f"then publish it beside the objects as {DIGEST_FILE}"

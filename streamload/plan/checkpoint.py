@@ -95,7 +95,7 @@ def merged(parts: Mapping[str, Checkpoint]) -> Checkpoint:
 
 
 def _headers(storage: Storage, files: list[PurePath]) -> tuple[FileHeader, ...]:
-    if storage.kind == "local" or len(files) < 2:
+    if storage.local or len(files) < 2:
         return tuple(storage.header(p) for p in files)
     with ThreadPoolExecutor(min(16, len(files))) as pool:  # one round trip per object, all at once
         return tuple(pool.map(storage.header, files))

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 
-from streamload.base.devices import same
 from streamload.base.errors import UnsupportedError
 from streamload.base.gc_pause import collector_paused
 from streamload.format.dtypes import DTYPES, as_torch_dtype, torch_shape
@@ -339,9 +338,10 @@ def cannot_convert(stored: torch.dtype, dest: torch.dtype) -> str:
 
 def why_not_into(stored: torch.dtype, dest: torch.Tensor, device: torch.device | None = None) -> str:
     """Why `iter(into=...)` refuses to write bytes stored as `stored` into `dest`, whatever the shapes
-    (`_into` checks those against the rank's part), or "". With `device`: also a `dest` elsewhere than
-    the stream's device (as `api.iter` refuses it)."""
-    if device is not None and not same(dest.device, device):
+    (`_into` checks those against the rank's part), or "". With `device` (resolved: `device.resolve`,
+    as a tensor's own device is): also a `dest` elsewhere than the stream's device (as `api.iter`
+    refuses it)."""
+    if device is not None and dest.device != device:
         return f"cannot load in place into a tensor on {dest.device} from a stream into {device}"
     if not converts(stored, dest.dtype):
         return f"cannot load {stored} in place into a {dest.dtype} tensor: {cannot_convert(stored, dest.dtype)}"
@@ -363,7 +363,7 @@ def _into(item: Item, dest: torch.Tensor, in_place: bool = False) -> Item:
         )
     if why := why_not_into(item.stored, dest):
         raise UnsupportedError(f"{where}: {why}")
-    direct = in_place and dest.device.type == "cpu" and dest.dtype == item.stored and dest.is_contiguous()
+    direct = in_place and dest.is_cpu and dest.dtype == item.stored and dest.is_contiguous()  # host memory
     return item._replace(out=dest.dtype, into=dest, read_in_place=direct and not item.read_whole)
 
 

@@ -42,7 +42,7 @@ def fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     `Fp8Dequantize`)."""
     rows, cols = weight.shape[-2:]
     scale_rows, scale_cols = scale.shape[-2:] if scale.dim() >= 2 else (1, 1)  # whole blocks: `_fp8_grid`
-    if weight.numel() < _FEWEST or weight.device.type != "cpu":  # torch's own, in place: the fewest operations
+    if weight.numel() < _FEWEST or not weight.is_cpu:  # torch's own, in place: the fewest operations
         values = weight.to(torch.float32)
         blocks = values.view(-1, scale_rows, rows // scale_rows, scale_cols, cols // scale_cols)
         blocks.mul_(fp8_scales(scale).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2))
@@ -169,19 +169,18 @@ class Format:
     own_dtype: Callable[[list[TensorInfo]], torch.dtype | None] = lambda parts: None
 
 
-FORMATS: dict[str, Format] = {
-    "fp8": Format(
-        parts=lambda t: (t, t + "_scale_inv"), target=lambda n: n, shape=lambda s: s,
-        compute=lambda p, dtype: fp8_blocks(p[0], p[1], dtype), grid=_fp8_grid,
-    ),
-    "mxfp4": Format(
-        parts=lambda t: (t + "_blocks", t + "_scales"),
-        target=lambda n: n.removesuffix("_blocks") if n.endswith("_blocks") else None,
-        shape=lambda s: (s[0], s[2] * s[3] * 2, s[1]) if len(s) == 4 else s,
-        compute=lambda p, dtype: mxfp4_blocks(p[0], p[1], dtype), grid=_mxfp4_grid,
-        own_dtype=lambda parts: torch.bfloat16,
-    ),
-}  # fmt: skip
+# The computations of the methods that have one (`methods.METHODS` names them by `quant_method`)
+FP8 = Format(
+    parts=lambda t: (t, t + "_scale_inv"), target=lambda n: n, shape=lambda s: s,
+    compute=lambda p, dtype: fp8_blocks(p[0], p[1], dtype), grid=_fp8_grid,
+)  # fmt: skip
+MXFP4 = Format(
+    parts=lambda t: (t + "_blocks", t + "_scales"),
+    target=lambda n: n.removesuffix("_blocks") if n.endswith("_blocks") else None,
+    shape=lambda s: (s[0], s[2] * s[3] * 2, s[1]) if len(s) == 4 else s,
+    compute=lambda p, dtype: mxfp4_blocks(p[0], p[1], dtype), grid=_mxfp4_grid,
+    own_dtype=lambda parts: torch.bfloat16,
+)  # fmt: skip
 
 
 class Dequantization:
@@ -196,10 +195,9 @@ class Dequantization:
         self.dtypes: dict[str, torch.dtype] = {}  # targets of the format's own dtype (`check` finds them)
 
     @staticmethod
-    def of(fmt: str | Format, names: Iterable[str]) -> Dequantization:
-        """The targets `names` hold in a format (its name in `FORMATS`, or one of its own): each whose
-        values and scale are there, with the optional parts that are."""
-        fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
+    def of(fmt: Format, names: Iterable[str]) -> Dequantization:
+        """The targets `names` hold in a format (a method's, by its name: `methods.dequantization`): each
+        whose values and scale are there, with the optional parts that are."""
         present = set(names)
         pairs: dict[str, tuple[str, ...]] = {}
         for target in sorted(t for n in present if (t := fmt.target(n)) is not None):

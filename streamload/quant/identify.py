@@ -13,15 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from streamload.plan.checkpoint import Checkpoint
-
-# Tensor-name endings that hold scales, zero points or packing indices beside a quantized weight, by
-# the formats that write them: FP8 (DeepSeek-V3, Qwen3-FP8), compressed-tensors, GPTQ/AWQ, MXFP4
-# (gpt-oss), bitsandbytes.
-SCALE_ENDINGS = (".weight_scale_inv", ".weight_scale", ".input_scale", ".weight_zero_point", ".weight_g_idx",
-                 ".weight_global_scale", ".qzeros", ".scales", ".g_idx", "_scales", ".absmax", ".quant_map",
-                 ".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__fp4")  # fmt: skip
-# Endings of the quantized weights themselves, where they are not named `.weight`.
-PACKED_ENDINGS = (".weight_packed", ".qweight", "_blocks")
+from streamload.quant.methods import METHODS, SCALES, WEIGHTS, quantized_name
 
 
 class Quantization(NamedTuple):
@@ -53,8 +45,8 @@ def describe(checkpoint: Checkpoint, config: dict[str, Any] | None = None) -> Qu
     declared = declared if isinstance(declared, dict) else None
     tensors = checkpoint.tensors.values()
     names = checkpoint.tensors.keys()
-    scales = [t for t in tensors if t.name.endswith(SCALE_ENDINGS) and _beside_a_weight(t.name, names)]
-    weights = [t for t in tensors if t.name.endswith(PACKED_ENDINGS) or _scaled_float(t.dtype.name)]
+    scales = [t for t in tensors if t.name.endswith(SCALES) and quantized_name(t.name, names)]
+    weights = [t for t in tensors if t.name.endswith(WEIGHTS) or _scaled_float(t.dtype.name)]
     if declared is None and not scales and not weights:
         return None
     method, bits, group = _declared(declared) if declared else (None, None, None)
@@ -62,19 +54,9 @@ def describe(checkpoint: Checkpoint, config: dict[str, Any] | None = None) -> Qu
         method = "float8 weights" if any(_scaled_float(t.dtype.name) for t in weights) else "unnamed (no config)"
     if bits is None and any(t.dtype.name.startswith("F8_") for t in weights):
         bits = 8  # packed integers do not tell their bits (an I32 holds eight 4-bit values, or four 8-bit)
-    patterns = sorted({"*" + next(e for e in SCALE_ENDINGS if t.name.endswith(e)) for t in scales})
+    patterns = sorted({"*" + next(e for e in SCALES if t.name.endswith(e)) for t in scales})
     return Quantization(method=method, bits=bits, group=group, scales=len(scales), scale_names=tuple(patterns),
                         weights=len(weights), weight_dtypes=tuple(sorted({t.dtype.name for t in weights})))  # fmt: skip
-
-
-def _beside_a_weight(name: str, names: Any) -> bool:
-    """Generic endings (GPTQ's `.scales`, MXFP4's `_scales`) count beside the weight they scale only: a
-    plain model may name a tensor `layer_scales`."""
-    if name.endswith("_scales"):
-        return name.removesuffix("_scales") + "_blocks" in names
-    if name.endswith(".scales"):
-        return name.removesuffix(".scales") + ".qweight" in names
-    return True
 
 
 def _config_beside(checkpoint: Checkpoint) -> dict[str, Any] | None:
@@ -110,10 +92,8 @@ def _declared(config: dict[str, Any]) -> tuple[str | None, int | None, str | Non
             kind = weights.get("type")
             method = " ".join(w for w in (method, config.get("format"), kind) if w)
             break
-    if method == "mxfp4":
-        bits, group = bits or 4, group or "blocks of 32"
-    if method == "fp8" and not bits:
-        bits = 8
+    if (known := METHODS.get(method) if isinstance(method, str) else None) is not None:  # what its config leaves unsaid
+        bits, group = bits or known.bits, group or known.group
     return (str(method) if method else None), (int(bits) if bits else None), group
 
 

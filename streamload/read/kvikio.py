@@ -64,7 +64,7 @@ class KvikioReader:
             raise UnsupportedError(f"kvikio read wrong bytes from {path}")
 
     def jobs(self, batch: Batch, slot: torch.Tensor | None, files: LocalFiles) -> list[Job]:
-        assert slot is not None and slot.is_cuda, "the kvikio reader reads into a device slot"
+        assert slot is not None and not slot.is_cpu, "the kvikio reader reads into a device slot"
         return [functools.partial(self._read_group, group, slot) for group in span_groups(batch, self.chunk_bytes)]
 
     def _read_group(self, group: list[Span], slot: torch.Tensor) -> int:

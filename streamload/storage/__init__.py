@@ -1,6 +1,7 @@
 """Where checkpoints live. One module per kind of storage; `STORAGES` maps a source's URL scheme to
-the storage that serves it (a plain path is local). A new storage: a module with a class that meets
-`base.Storage`, a row here, and a reader in `read/` that declares it serves the storage's `kind`."""
+the storage that serves it, as `remote.PROFILES` does each object store's (a plain path is local). A new
+object store: a row of `remote.PROFILES`. A new storage: a module with a class that meets `base.Storage`
+(its capabilities, `local`, choose its readers: pipeline/reader_choice.py) and a row here."""
 
 from __future__ import annotations
 
@@ -13,39 +14,32 @@ from streamload.storage.hub import hub_id
 from streamload.storage.local import LocalFiles, LocalStorage
 
 
-def _objects(root: str, cache_dir: Path | None) -> Storage:
-    from streamload.storage.remote import ObjectStorage  # obstore is imported only for URLs
-
-    return ObjectStorage(root, cache_dir)
-
-
 def _hub(root: str, cache_dir: Path | None) -> Storage:
     from streamload.storage.hub import HubStorage  # huggingface_hub is imported only for hub ids
 
     return HubStorage(cache_dir)
 
 
-STORAGES: dict[str, Callable[[str, Path | None], Storage]] = {"s3": _objects, "http": _objects, "https": _objects,
-                                                               "hf": _hub}  # fmt: skip
+STORAGES: dict[str, Callable[[str, Path | None], Storage]] = {"hf": _hub}  # and each object store's: remote.PROFILES
 
 
 def storage_for(source: Source, cache_dir: PathLike | None = None) -> Storage:
-    """The storage that holds `source`: by its URL scheme (s3://, http(s)://, hf://), a Hugging Face hub id
-    (`org/name[@revision]` where no local path has that name: storage/hub.py), else the local one.
-    `cache_dir`: where a remote storage keeps local copies of what it reads (local files need none)."""
+    """The storage that holds `source`: by its URL scheme (hf://, or an object store's: remote.PROFILES), a
+    Hugging Face hub id (`org/name[@revision]` where no local path has that name: storage/hub.py), else the
+    local one. `cache_dir`: where a remote storage keeps local copies of what it reads (local files need none)."""
     first = source if isinstance(source, (str, os.PathLike)) else next(iter(source), "")
+    cache = None if cache_dir is None else Path(cache_dir)
     if isinstance(first, str) and "://" in first:
         scheme = first.split("://", 1)[0]
-        make = STORAGES.get(scheme)
-        if make is None:
-            raise ValueError(
-                f"{redacted(first)}: no storage for {scheme}:// (known: {', '.join(STORAGES)}, or a local path)"
-            )
-        from streamload.storage.remote import ObjectPath
+        from streamload.storage.remote import PROFILES, ObjectPath, ObjectStorage  # obstore only for URLs
 
-        return make(ObjectPath(first).root, None if cache_dir is None else Path(cache_dir))
+        if scheme not in STORAGES and scheme not in PROFILES:
+            known = ", ".join([*STORAGES, *PROFILES])
+            raise ValueError(f"{redacted(first)}: no storage for {scheme}:// (known: {known}, or a local path)")
+        make = STORAGES.get(scheme, ObjectStorage)
+        return make(ObjectPath(first).root, cache)
     if hub_id(source) is not None:  # "org/name[@revision]" naming nothing local: the hub cache, else the hub
-        return STORAGES["hf"](str(source), None if cache_dir is None else Path(cache_dir))
+        return STORAGES["hf"](str(source), cache)
     return LocalStorage()
 
 

@@ -2,7 +2,9 @@
 
 A storage lists a source's files (`locate`), reads each header (`header`), and opens the files of a
 plan for the readers (`open`). The handle `open` returns is the storage's own (descriptors and
-mappings for local files, an HTTP client for objects); readers declare which storage they serve.
+mappings for local files, an HTTP client for objects); a storage says what it can do (`local`), and
+the reader table (pipeline/reader_choice.py) asks that, never which storage it is. Each header
+carries the version it was read from (`format.header.FileVersion`), typed, never read by position.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path, PurePath
 from typing import NamedTuple, Protocol
 
 from streamload.base.errors import SourceError
-from streamload.format.header import FileHeader
+from streamload.format.header import FileHeader, FileVersion
 from streamload.integrity.digests import Digest, Known
 
 PathLike = str | os.PathLike[str]
@@ -41,7 +43,7 @@ class Copied(NamedTuple):
 
     paths: list[Path]
     checks: dict[PurePath, Known]
-    identities: list[tuple[int, ...]] | None = None  # each copy's as judged (`local.file_identity`): a copy put
+    identities: list[FileVersion] | None = None  # each copy's as judged (`local.file_identity`): a copy put
     # in its place since (by a co-user who owns a folder above it) is not read
 
 
@@ -63,7 +65,7 @@ class Files(Protocol):
 
 
 class Storage(Protocol):
-    kind: str  # what readers declare they serve: "local" or "object"
+    local: bool  # files on a local file system, read by descriptor (else by ranges through `Files.read`)
     first_batch: int  # bytes of a plan's first batch, doubling up to a slot (0: every batch a slot; plan/plan.py)
 
     def locate(self, source: Source) -> Listing:

@@ -853,7 +853,7 @@ def _claim_all(
 
 def _record(header: FileHeader) -> dict[str, object]:
     """What identifies the version of an object that was copied: its size and ETag (or Last-Modified)."""
-    return {"size": header.size, "version": ":".join(str(x) for x in header.identity[1:])}
+    return {"size": header.size, "version": str(header.identity)}
 
 
 def _file(st: os.stat_result) -> dict[str, int]:

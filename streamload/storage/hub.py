@@ -36,6 +36,7 @@ from pathlib import Path, PurePath
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+from streamload.base import settings
 from streamload.base.errors import (
     IntegrityError,
     MissingFileError,
@@ -44,7 +45,7 @@ from streamload.base.errors import (
     StreamloadError,
     UnsupportedError,
 )
-from streamload.format.header import FIRST_READ, FileHeader, header_from
+from streamload.format.header import FIRST_READ, FileHeader, FileVersion, header_from
 from streamload.integrity.whole import WholeFile, WholeFileMismatch
 from streamload.storage.base import INDEX_NAME, Copied, Digest, Listing, Partly, Source, is_hex, parse_index
 from streamload.storage.local import LocalFiles, LocalStorage
@@ -91,8 +92,8 @@ def endpoint() -> str:
 
 
 def offline() -> bool:
-    said = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return said.strip().upper() in ("1", "ON", "YES", "TRUE") or bool(_hf().constants.HF_HUB_OFFLINE)
+    said = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return settings.switched_on(said) or bool(_hf().constants.HF_HUB_OFFLINE)
 
 
 def _hf() -> Any:
@@ -127,7 +128,7 @@ class Remote(NamedTuple):
 class HubStorage:
     """One hub repo at one revision: the snapshot's files in the local cache, and those downloading into it."""
 
-    kind = "object"  # read through `HubFiles.read` (the range reader): a file may still be arriving
+    local = False  # read through `HubFiles.read` (the range reader): a file may still be arriving
 
     @property
     def first_batch(self) -> int:
@@ -266,7 +267,7 @@ class HubStorage:
         never = threading.Event()
         head = download.read(0, min(download.size, FIRST_READ), never)
         header = header_from(path, download.size, bytes(head), lambda at, n: bytes(download.read(at, n, never)))
-        return header._replace(identity=(download.size, "hub", download.etag))
+        return header._replace(identity=FileVersion(download.size, content=download.etag))
 
     def open(self, headers: dict[PurePath, FileHeader], partly: Partly = None) -> HubFiles:
         return HubFiles(self, headers, self.held)

@@ -9,7 +9,7 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
 from streamload.base.errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError
-from streamload.format.header import FIRST_READ, FileHeader, header_from
+from streamload.format.header import FIRST_READ, FileHeader, FileVersion, header_from
 from streamload.storage.base import INDEX_NAME, Copied, Digest, Listing, Partly, Source, file_list, is_hex, parse_index
 
 if TYPE_CHECKING:
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 class LocalStorage:
     """Files on a local (or locally mounted) file system."""
 
-    kind = "local"
+    local = True
     first_batch = 0  # a slot arrives in milliseconds
 
     def locate(self, source: Source) -> Listing:
@@ -126,8 +126,8 @@ def open_regular(path: Path) -> int:
     return fd
 
 
-def file_identity(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+def file_identity(st: os.stat_result) -> FileVersion:
+    return FileVersion(st.st_size, device=st.st_dev, inode=st.st_ino, mtime_ns=st.st_mtime_ns)
 
 
 def _pread_exact(fd: int, path: PurePath, count: int, offset: int) -> bytes:

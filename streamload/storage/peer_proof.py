@@ -27,9 +27,11 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+from streamload.base import settings
+
 HEADER = "X-Streamload-Proof"
-TOKEN = "STREAMLOAD_PEER_TOKEN"  # nosec B105 # the name of the variable that holds it, not a secret
-TOKEN_FILE = "STREAMLOAD_PEER_TOKEN_FILE"  # nosec B105 # a variable's name
+TOKEN = settings.PEER_TOKEN.name
+TOKEN_FILE = settings.PEER_TOKEN_FILE.name
 WINDOW = 120.0  # seconds a proof's time may differ from the seeder's clock (and a nonce is remembered)
 REMEMBERED = 1 << 18  # nonces kept at most (~2,000 requests a second; past it, new proofs are refused)
 _VALUE = re.compile(r"t=(\d{1,12}),\s*n=([0-9a-f]{32}),\s*p=([0-9a-f]{64})")
@@ -39,7 +41,7 @@ def token(path: str | os.PathLike[str] | None = None) -> bytes | None:
     """The cluster's shared secret: the first line of `path` (`--token-file`), else of the file
     `STREAMLOAD_PEER_TOKEN_FILE` names, else `STREAMLOAD_PEER_TOKEN`; None where none is set. Raises
     ValueError naming a file that cannot be read or is empty."""
-    path = path or os.environ.get(TOKEN_FILE) or None
+    path = path or settings.PEER_TOKEN_FILE.get()
     if path is not None:
         try:
             text = Path(path).read_text().splitlines()
@@ -48,7 +50,7 @@ def token(path: str | os.PathLike[str] | None = None) -> bytes | None:
         if not text or not text[0].strip():
             raise ValueError(f"{path}: the peers' token file is empty")
         return text[0].strip().encode()
-    value = os.environ.get(TOKEN, "").strip()
+    value = settings.PEER_TOKEN.get()
     return value.encode() if value else None
 
 

@@ -53,7 +53,6 @@ import hashlib
 import http.client
 import json
 import logging
-import os
 import re
 import socket
 import ssl
@@ -67,6 +66,7 @@ from pathlib import Path, PurePath
 from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
 
+from streamload.base import settings
 from streamload.base.errors import SourceError
 from streamload.format.header import FileHeader
 from streamload.integrity.blocks import Outcome, Unit, Units, origin_units
@@ -80,9 +80,9 @@ log = logging.getLogger("streamload")
 
 DEFAULT_PORT = 8470
 PREFIX = "/v1/"
-UNVERIFIED = "STREAMLOAD_PEERS_UNVERIFIED"
-TIMEOUT = "STREAMLOAD_PEER_TIMEOUT"
-PEER_CA = "STREAMLOAD_PEER_CA"  # the CA file https:// peers' certificates are checked against
+UNVERIFIED = settings.PEERS_UNVERIFIED.name
+TIMEOUT = settings.PEER_TIMEOUT.name
+PEER_CA = settings.PEER_CA.name  # the CA file https:// peers' certificates are checked against
 REQUESTS = 4  # requests in flight to one peer at once, per load
 UNCHECKED_BLOCK = 1 << 20  # the pieces of a file without digests (STREAMLOAD_PEERS_UNVERIFIED=1)
 MEASURED = 1 << 20  # requests this large tell a peer's rate
@@ -112,14 +112,11 @@ def version_tag(version: Mapping[str, object]) -> str:
 
 def timeout() -> float:
     """Seconds a peer may take to connect, or between bytes (`STREAMLOAD_PEER_TIMEOUT`)."""
-    try:
-        return max(0.05, float(os.environ.get(TIMEOUT, "5")))
-    except ValueError:
-        return 5.0
+    return max(0.05, settings.PEER_TIMEOUT.get())
 
 
 def unverified_allowed() -> bool:
-    return os.environ.get(UNVERIFIED, "").strip().lower() in ("1", "true", "yes")
+    return settings.PEERS_UNVERIFIED.get()
 
 
 # -- who the peers are ---------------------------------------------------------------------------------
@@ -234,13 +231,13 @@ TALLY = Tally()
 
 
 def with_peers(storage: Any, peers: Peers | None) -> Any:
-    """`storage` reading from `peers` first where it is an object storage (s3://, http(s)://); else
-    `storage` itself (a local file, a cache's complete copy, a hub id: said once at INFO)."""
+    """`storage` reading from `peers` first where it is an object storage (s3://, gs://, http(s)://, ...);
+    else `storage` itself (a local file, a cache's complete copy, a hub id: said once at INFO)."""
     if not names(peers):
         return storage
     if not isinstance(storage, ObjectStorage):
-        log.info("streamload: peers are asked for the files of s3:// and http(s):// sources; this one is read "
-                 "from %s storage", getattr(storage, "kind", "its"))  # fmt: skip
+        log.info("streamload: peers are asked for the files of object stores' URLs; this one is read from %s",
+                 type(storage).__name__)  # fmt: skip
         return storage
     return PeerStorage(storage, peers)
 
@@ -251,7 +248,7 @@ class PeerStorage:
 
     def __init__(self, inner: ObjectStorage, peers: Peers) -> None:
         self.inner, self.peers = inner, peers
-        self.kind, self.first_batch = inner.kind, inner.first_batch
+        self.local, self.first_batch = inner.local, inner.first_batch
         self.root, self.cache_dir = inner.root, inner.cache_dir
 
     def locate(self, source: Source) -> Listing:
@@ -453,7 +450,7 @@ def _retry_after(value: str | None) -> float:
 def _tls_context() -> tuple[ssl.SSLContext, str]:
     """The context https:// peers are verified with, and what it trusts (for messages): the CA file
     `STREAMLOAD_PEER_CA` names, else the system's store. Raises ValueError naming a file it cannot load."""
-    ca = os.environ.get(PEER_CA, "").strip() or None
+    ca = settings.PEER_CA.get()
     try:
         context = ssl.create_default_context(cafile=ca)
     except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError

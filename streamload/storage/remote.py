@@ -1,12 +1,13 @@
-"""Objects: S3 and S3-compatible stores, and HTTP(S) servers that honour `Range`.
+"""Objects: S3 and S3-compatible stores, Google Cloud Storage, Azure Blob, and HTTP(S) servers that honour `Range`.
 
 Every read is a ranged GET made by obstore (Rust's `object_store`: one client for S3, GCS, Azure and
 HTTP, async requests that release the GIL and can be dropped mid-flight). Requests run on one
 event loop thread per process; readers block on them from their own threads, so a load's
 concurrency is its reader threads, as for local files. A process forked after it made requests has
 neither that thread nor obstore's runtime: it starts its own of both (`_forked`, `_native`).
-Credentials, region and endpoint come from the standard environment (`AWS_ACCESS_KEY_ID`,
-`AWS_ENDPOINT_URL`, `AWS_REGION`, ...).
+Each URL scheme is one row of `PROFILES`: which obstore store serves it, whether it lists, which of
+its SDK's environment variables give credentials and endpoint (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`,
+`GOOGLE_APPLICATION_CREDENTIALS`, `AZURE_STORAGE_ACCOUNT_KEY`, ...), and what its messages say.
 
 Versions. A tensor is handed out as soon as its own bytes are in, so a change to an object mid-load must
 be seen on the response that brings the changed bytes, before they are used: a check at the end of a
@@ -36,7 +37,7 @@ fail (`Silence`): requests queued behind the connection cap do not each wait the
 Credentials in an HTTP(S) URL (`https://user:password@host/...`) are sent as Basic authorization and
 kept in the client only: the storage's paths, hence every message, log line, record and cache folder
 made from them, carry the bare URL, and a source as the caller wrote it is formatted through
-`base.redacted` (`***@host`). An `s3://` URL with user info is refused: S3 keys come from the
+`base.redacted` (`***@host`). A cloud store's URL with user info is refused: its keys come from the
 environment.
 """
 
@@ -55,11 +56,19 @@ import time
 from collections.abc import Callable, Coroutine, Iterable
 from datetime import datetime
 from pathlib import Path, PurePath, PurePosixPath
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from streamload.base.errors import IntegrityError, MissingFileError, ReadError, SourceError, UnsupportedError
-from streamload.format.header import FIRST_READ, FileHeader, header_from
+from streamload.base import settings
+from streamload.base.errors import (
+    IntegrityError,
+    MissingFileError,
+    ReadError,
+    SourceError,
+    StreamloadError,
+    UnsupportedError,
+)
+from streamload.format.header import FIRST_READ, FileHeader, FileVersion, header_from
 from streamload.integrity.blocks import origin_known
 from streamload.integrity.digests import DIGEST_FILE, parse, version_of
 from streamload.storage.base import (
@@ -82,7 +91,56 @@ if TYPE_CHECKING:
     from streamload.storage.cache import Copies
 
 T = TypeVar("T")
-SCHEMES = ("s3", "http", "https")
+
+
+def _aws_profile() -> dict[str, Any]:
+    """A named profile (`AWS_PROFILE`, from ~/.aws/config and credentials) is resolved by boto3 where
+    it is installed; keys in the environment, instance roles and web identity need no profile."""
+    if not os.environ.get("AWS_PROFILE") or os.environ.get("AWS_ACCESS_KEY_ID"):
+        return {}
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        raise UnsupportedError(
+            f"AWS_PROFILE={os.environ['AWS_PROFILE']}: reading a named profile needs boto3 (pip install boto3), "
+            "or export the profile's keys (aws configure export-credentials --format env)"
+        ) from None
+    return {"credential_provider": Boto3CredentialProvider(boto3.Session())}
+
+
+class Profile(NamedTuple):
+    """One URL scheme's store: how obstore makes its client, what it can do, what its messages say.
+    Credentials and endpoint are read by obstore from the environment as the cloud's SDK names them."""
+
+    cloud: str  # as messages name it
+    store: str  # obstore's store class
+    listable: bool  # a prefix can be listed (an HTTP server cannot: its index, else model.safetensors)
+    credentials: str  # the environment that gives them ("": the URL's user info, sent as Basic authorization)
+    endpoints: tuple[str, ...] = ()  # variables that may point it at another server (plain http:// allowed there)
+    bucket: str = "bucket"  # what the URL's first part names
+    missing: str = "NoSuchBucket"  # the error code of a 404 whose bucket is absent
+    md5_etag: bool = False  # a strong ETag of 32 hex digits is the object's MD5 (S3 unless multipart or KMS)
+    extra: Callable[[], dict[str, Any]] = dict  # more arguments for the store
+
+
+_S3 = Profile("AWS", "S3Store", True, "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for "
+              "temporary keys), or AWS_PROFILE for a named profile (with boto3 installed)",
+              ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"), md5_etag=True, extra=_aws_profile)  # fmt: skip
+_AZURE = Profile("Azure", "AzureStore", True, "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or "
+                 "AZURE_STORAGE_SAS_TOKEN, or AZURE_CLIENT_ID, AZURE_CLIENT_SECRET and AZURE_TENANT_ID",
+                 ("AZURE_STORAGE_ENDPOINT", "AZURITE_BLOB_STORAGE_URL"), "container", "ContainerNotFound")  # fmt: skip
+_HTTP = Profile("HTTP", "HTTPStore", False, "", bucket="host", missing="")
+PROFILES: dict[str, Profile] = {
+    "s3": _S3,
+    "gs": Profile("Google Cloud", "GCSStore", True, "GOOGLE_APPLICATION_CREDENTIALS or GOOGLE_SERVICE_ACCOUNT (a "
+                  "service account's key file), or the instance's service account", ("GOOGLE_BASE_URL",)),
+    "az": _AZURE,
+    "abfs": _AZURE,
+    "http": _HTTP,
+    "https": _HTTP,
+}  # fmt: skip
+SCHEMES = tuple(PROFILES)
 
 
 class ObjectPath(PurePosixPath):
@@ -100,7 +158,7 @@ class ObjectPath(PurePosixPath):
         """scheme://bucket-or-host. Raises SourceError naming the URL where it has neither (`s3://`)."""
         if len(self.parts) < 2:
             raise SourceError(f"{self.parts[0] if self.parts else ''}//: names no bucket or host (e.g. "
-                              "s3://bucket/model/, https://host/model/, hf://org/name)")  # fmt: skip
+                              f"{_examples()}, hf://org/name)")  # fmt: skip
         return f"{self.parts[0]}//{self.parts[1]}"
 
     @property
@@ -109,6 +167,10 @@ class ObjectPath(PurePosixPath):
 
 
 log = logging.getLogger("streamload")
+
+
+def _examples() -> str:
+    return ", ".join(f"{scheme}://{profile.bucket}/model/" for scheme, profile in PROFILES.items())
 
 
 def is_url(source: object) -> bool:
@@ -132,17 +194,17 @@ def _authorization(root: str) -> str | None:
     return "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
 
 
-ALLOW_UNVALIDATED = "STREAMLOAD_ALLOW_UNVALIDATED"
+ALLOW_UNVALIDATED = settings.ALLOW_UNVALIDATED.name
 
 
 def _unvalidated_allowed() -> bool:
-    return os.environ.get(ALLOW_UNVALIDATED, "").strip().lower() in ("1", "true", "yes")
+    return settings.ALLOW_UNVALIDATED.get()
 
 
 class ObjectStorage:
     """The objects under one `scheme://bucket` (or `scheme://host`)."""
 
-    kind = "object"
+    local = False
     first_batch = SMALLEST  # a first tensor after its own bytes and a first-byte wait or two, not a slot's
 
     def __init__(self, root: str, cache_dir: Path | None = None) -> None:
@@ -153,15 +215,14 @@ class ObjectStorage:
                 f"{redacted(root)}: reading from object storage needs obstore: pip install -e '.[remote]'"
             ) from None
         authorization = _authorization(root)
-        if authorization is not None and root.startswith("s3://"):
-            raise SourceError(
-                f"{redacted(root)}: credentials in an s3:// URL are not used: set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) instead"
-            )
+        self.profile = PROFILES[root.split("://", 1)[0]]
+        if authorization is not None and self.profile.credentials:
+            raise SourceError(f"{redacted(root)}: credentials in the URL are not used: {self.profile.cloud} takes "
+                              f"them from the environment: set {self.profile.credentials}")  # fmt: skip
         self.root = bare(root)  # the credentials live in the client only, never in a path
-        self.store = _store(self.root, authorization)
+        self.store = _Store(self.root, authorization)
         self.cache_dir = cache_dir
-        self.retries = int(os.environ.get("STREAMLOAD_RETRIES", "4"))
+        self.retries = settings.RETRIES.get()
         self.pace = pace_of(root)
         self.silence = Silence(_timeout(), self.retries + 1)  # shared by every request: one verdict per store
 
@@ -178,7 +239,7 @@ class ObjectStorage:
 
     def _directory(self, prefix: ObjectPath) -> Listing:
         index = prefix / INDEX_NAME
-        if prefix.parts[0] != "s3:":  # HTTP cannot list: an index, else the usual single-file name
+        if not self.profile.listable:  # an index, else the usual single-file name
             try:
                 return self._index(index)
             except MissingFileError:
@@ -260,11 +321,10 @@ class ObjectStorage:
         return Copied(paths, {p: checks[h.path] for h, p in foreign}, [file_identity(st) for st in stats])
 
     def digest(self, header: FileHeader) -> Digest | None:
-        """S3's ETag is the object's MD5 unless it was uploaded in parts ("<hex>-<parts>") or encrypted
-        with KMS; an HTTP server's ETag is opaque, so only s3:// is trusted."""
-        kind, tag = (*header.identity, None, None, None)[1:3]
-        etag = str(tag or "").strip('"').lower()
-        if self.root.startswith("s3://") and kind == "etag" and len(etag) == 32 and is_hex(etag):
+        """The ETag, where the store's is the object's MD5 (`Profile.md5_etag`: S3's, unless uploaded in parts,
+        "<hex>-<parts>", or encrypted with KMS); other stores' ETags are opaque."""
+        etag = (header.identity.etag or "" if header.identity else "").strip('"').lower()
+        if self.profile.md5_etag and len(etag) == 32 and is_hex(etag):
             return Digest("md5", etag, "the object's ETag")
         return None
 
@@ -290,7 +350,7 @@ class ObjectStorage:
     def _path(self, url: str) -> ObjectPath:
         path = ObjectPath(bare(url))
         if not is_url(url) or len(path.parts) < 2:
-            raise SourceError(f"{redacted(url)}: not an object URL (s3://bucket/key, http(s)://host/path)")
+            raise SourceError(f"{redacted(url)}: not an object URL ({_examples()})")
         if path.root != self.root:
             raise SourceError(f"{redacted(url)}: every file of a checkpoint must be under {self.root}")
         return path
@@ -505,9 +565,7 @@ class ObjectFiles:
         )
         now = _identity(meta)
         if want and now != want:
-            raise ReadError(
-                f"{path}: object changed after its header was read (was {_version(want)}, now {_version(now)})"
-            )
+            raise ReadError(f"{path}: object changed after its header was read (was {want}, now {now})")
         view = memoryview(data)
         if len(view) != length:
             raise ReadError(f"{path}: {_what(span)}: got {len(view)} bytes (truncated since its header?)")
@@ -739,78 +797,58 @@ def _fresh_obstore() -> Any:
 
 def _timeout() -> float:
     """Seconds a request may take, each attempt (STREAMLOAD_TIMEOUT)."""
-    return float(os.environ.get("STREAMLOAD_TIMEOUT", "30"))
+    return settings.TIMEOUT.get()
 
 
 class _Store:
-    """The obstore store of one root, made for each process that uses it: one made before a fork is
-    its parent's obstore's, which the child's refuses (`_native`). The first is made at once, so that a
-    root or credentials it cannot use are an error where the storage is made."""
+    """The obstore store of one root, made in each process that uses it, at its first request there: one
+    made before a fork is its parent's obstore's, which the child's refuses (`_native`). Credentials it
+    cannot use (a key file that is absent or broken) are then an error naming the object asked for."""
 
     def __init__(self, root: str, authorization: str | None) -> None:
         self._root, self._authorization = root, authorization
-        try:
-            self._made = (os.getpid(), _made_store(root, authorization))
-        except _NoObstore as exc:
-            raise _NoObstore(f"{root}: {exc}") from None
+        self._made: tuple[int, Any] | None = None  # (the process it was made in, it): used on the loop thread only
 
     def get(self) -> Any:
-        pid, store = self._made
-        if pid != os.getpid():
-            store = _made_store(self._root, self._authorization)
-            self._made = (os.getpid(), store)
-        return store
-
-
-def _store(root: str, authorization: str | None = None) -> _Store:
-    return _Store(root, authorization)
+        if self._made is None or self._made[0] != os.getpid():
+            try:
+                self._made = (os.getpid(), _made_store(self._root, self._authorization))
+            except StreamloadError:
+                raise
+            except Exception as exc:  # obstore's own, for credentials or options it cannot use
+                profile = PROFILES[self._root.split("://", 1)[0]]
+                raise SourceError(f"the {profile.cloud} client cannot be made from {profile.credentials or 'the URL'}: "
+                                  f"{_short(exc)}") from exc  # fmt: skip
+        return self._made[1]
 
 
 def _made_store(root: str, authorization: str | None) -> Any:
-    stores = _native().stores
-    timeout = f"{_timeout()}s"
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
-    plain = root.startswith("http://") or endpoint.startswith("http://")
-    options: dict[str, Any] = {"timeout": timeout, "connect_timeout": "5s", "allow_http": plain}
+    profile = PROFILES[root.split("://", 1)[0]]
+    # Given client options, obstore no longer reads the SDK's *_ALLOW_HTTP: an endpoint set to http:// allows it
+    plain = root.startswith("http://") or any(os.environ.get(v, "").startswith("http://") for v in profile.endpoints)
+    options: dict[str, Any] = {"timeout": f"{_timeout()}s", "connect_timeout": "5s", "allow_http": plain}
     if authorization is not None:  # the URL's user info (obstore would neither send it nor keep it out of errors)
         options["default_headers"] = {"Authorization": authorization}
     retry = {"max_retries": 0}  # retried by ObjectStorage.call, which also sees errors in a body
-    if root.startswith("s3://"):
-        return stores.S3Store.from_url(root, client_options=options, retry_config=retry, **_profile())
-    return stores.HTTPStore.from_url(root, client_options=options, retry_config=retry)
-
-
-def _profile() -> dict[str, Any]:
-    """A named profile (`AWS_PROFILE`, from ~/.aws/config and credentials) is resolved by boto3 where
-    it is installed; keys in the environment, instance roles and web identity need no profile."""
-    if not os.environ.get("AWS_PROFILE") or os.environ.get("AWS_ACCESS_KEY_ID"):
-        return {}
-    try:
-        import boto3
-        from obstore.auth.boto3 import Boto3CredentialProvider
-    except ImportError:
-        raise UnsupportedError(
-            f"AWS_PROFILE={os.environ['AWS_PROFILE']}: reading a named profile needs boto3 (pip install boto3), "
-            "or export the profile's keys (aws configure export-credentials --format env)"
-        ) from None
-    return {"credential_provider": Boto3CredentialProvider(boto3.Session())}
+    store = getattr(_native().stores, profile.store)
+    return store.from_url(root, client_options=options, retry_config=retry, **profile.extra())
 
 
 async def _get(
     store: _Store,
     key: str,
     span: tuple[int, int] | None,
-    identity: tuple[object, ...] | None,
+    identity: FileVersion | None,
     paced: tuple[Pace, tuple[int, int]] | None = None,  # the store's pace and the request's ticket, to learn
 ) -> Any:
     obstore = _obstore()
     options: dict[str, Any] = {}
     if span is not None:
         options["range"] = span
-    if identity and identity[1] == "etag":
-        options["if_match"] = identity[2]
-    elif identity and isinstance(identity[-1], datetime):  # no strong ETag: the server checks what it can
-        options["if_unmodified_since"] = identity[-1]
+    if identity and identity.etag:
+        options["if_match"] = identity.etag
+    elif identity and identity.modified:  # no strong ETag: the server checks what it can
+        options["if_unmodified_since"] = identity.modified
     timer = Timer()
     result = await obstore.get_async(store.get(), key, options=options)
     timer.headers()
@@ -828,29 +866,21 @@ async def _head(store: _Store, key: str) -> Any:
     return await _obstore().head_async(store.get(), key)
 
 
-def _identity(meta: Any) -> tuple[object, ...]:
-    """(size, "etag", ETag) for a strong ETag; else what the server gives: (size, "weak", W/ETag,
-    Last-Modified or None), (size, "modified", Last-Modified) or (size, "size")."""
+def _identity(meta: Any) -> FileVersion:
+    """The version a response names: its size, a strong ETag, else what the server gives (a weak ETag,
+    Last-Modified); and the object's generation where the store keeps versions (GCS, versioned S3)."""
     size, tag, modified = int(meta["size"]), meta.get("e_tag"), meta.get("last_modified")
+    generation = meta.get("version")
     if isinstance(modified, datetime) and modified.timestamp() == 0:
         modified = None  # obstore's stand-in for a response without Last-Modified
     if tag and not tag.startswith("W/"):
-        return (size, "etag", tag)
-    if tag:
-        return (size, "weak", tag, modified)
-    return (size, "modified", modified) if modified is not None else (size, "size")
-
-
-def _version(identity: tuple[object, ...]) -> str:
-    """An identity as a message shows it."""
-    size, kind, *rest = identity
-    said = {"etag": "ETag", "weak": "weak ETag, Last-Modified", "modified": "Last-Modified", "size": ""}[str(kind)]
-    return f"{size} bytes" + (f", {said} {', '.join(str(x) for x in rest)}" if said else "")
+        return FileVersion(size, etag=tag, generation=generation)
+    return FileVersion(size, weak=tag or None, modified=modified, generation=generation)
 
 
 def _unvalidated(headers: tuple[FileHeader, ...]) -> list[PurePath]:
     """The objects whose server gave no strong ETag: a change to them may go unseen."""
-    return [h.path for h in headers if h.identity and h.identity[1] != "etag"]
+    return [h.path for h in headers if h.identity and h.identity.etag is None]
 
 
 def _refuse_or_warn(weak: list[PurePath]) -> None:
@@ -886,29 +916,28 @@ def _connection_refused(exc: BaseException) -> bool:
 
 
 def _transient(exc: BaseException) -> bool:
-    if isinstance(exc, (_Exiting, _NoObstore)):
+    if isinstance(exc, (_Exiting, StreamloadError)):  # ours (the client could not be made, obstore not loaded)
         return False
     ox = _native().errors  # the exceptions of the obstore that raised it (a forked child's own)
     final = (ox.NotFoundError, ox.PreconditionError, ox.NotSupportedError, ox.PermissionDeniedError,
              ox.UnauthenticatedError, ox.InvalidPathError, FileNotFoundError)  # fmt: skip
     if isinstance(exc, final):
         return False
-    text = str(exc)
     if _no_credentials(exc) or _wrong_range(exc):
         return False
-    return not any(f"status: {code}" in text or f"HTTP status {code}" in text for code in (400, 401, 403, 404, 412))
+    return not _FINAL_STATUS.search(str(exc))  # a listing's 403 comes as a generic error
 
 
-_METADATA_SERVICE = "169.254.169.254"  # where an S3 client asks for an instance role's keys when given none
+_FINAL_STATUS = re.compile(r"(status:|HTTP status|status code:) (400|401|403|404|412)\b")
+_METADATA_SERVICE = "169.254.169.254"  # where a cloud client asks for an instance role's keys when given none
 _REFUSED = ("403", "401", "denied", "refused", "unreachable", "No route")  # not a passing timeout or 429
 
 
 def _no_credentials(exc: BaseException) -> bool:
-    """S3 with no keys in the environment: the client fell back to the instance metadata service, which
-    is absent or refused (off EC2), and reports that service's answer, not the missing keys."""
+    """A cloud store given no credentials: the client fell back to the instance metadata service, which
+    is absent or refused (off the cloud), and reports that service's answer, not the missing keys."""
     text = str(exc)
-    refused = any(word in text for word in _REFUSED)
-    return _METADATA_SERVICE in text and refused and not os.environ.get("AWS_ACCESS_KEY_ID")
+    return _METADATA_SERVICE in text and any(word in text for word in _REFUSED)
 
 
 _WRONG_RANGE = re.compile(r"Requested (\d+)\.\.(\d+), got (\d+)\.\.(\d+)")
@@ -922,26 +951,26 @@ def _wrong_range(exc: BaseException) -> re.Match[str] | None:
 def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> BaseException:
     if isinstance(exc, _Exiting):
         return ReadError(_exiting(path))
-    if isinstance(exc, _NoObstore):
-        return _NoObstore(f"{path}: {exc}")
+    if isinstance(exc, StreamloadError):
+        return type(exc)(f"{path}: {exc}")
     ox = _native().errors
+    profile = PROFILES.get(str(path).split("://", 1)[0], _HTTP)
     if wrong := _wrong_range(exc):
         asked, got = (int(wrong[1]), int(wrong[2]) - 1), (int(wrong[3]), int(wrong[4]) - 1)
         return ReadError(
             f"{path}: the server misbehaves: asked for bytes {asked[0]}-{asked[1]}, it answered 206 with "
             f"Content-Range bytes {got[0]}-{got[1]}; refused (not retried: its answers cannot be trusted)"
         )
-    if "NoSuchBucket" in str(exc):  # S3 answers 404 with an XML body: name the bucket and key, not the XML
+    if profile.missing and profile.missing in str(exc):  # a 404 with an XML body: name the bucket and key
         parts = PurePath(path).parts
         bucket, key = (parts[1], "/".join(parts[2:])) if len(parts) > 1 else (str(path), "")
-        return MissingFileError(f"{path}: no such bucket {bucket!r} (asked for the key {key!r})")
+        return MissingFileError(f"{path}: no such {profile.bucket} {bucket!r} (asked for the key {key!r})")
     if isinstance(exc, (ox.NotFoundError, FileNotFoundError)):
         return MissingFileError(f"{path}: no such object")
-    if _no_credentials(exc):
+    if _no_credentials(exc) and profile.credentials:
         return ReadError(
-            f"{path}: no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN "
-            "for temporary keys), or AWS_PROFILE for a named profile (with boto3 installed); on EC2 or EKS an "
-            f"instance or pod role provides them, but the instance metadata service did not ({_short(exc)})"
+            f"{path}: no {profile.cloud} credentials: set {profile.credentials}; on a cloud instance its role "
+            f"provides them, but the instance metadata service did not ({_short(exc)})"
         )
     if isinstance(exc, ox.PreconditionError):
         return ReadError(
@@ -950,8 +979,10 @@ def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> 
         )
     if isinstance(exc, ox.NotSupportedError) and "Range" in str(exc):
         return UnsupportedError(f"{path}: the server does not honour HTTP Range requests, which streaming needs")
-    if isinstance(exc, (ox.PermissionDeniedError, ox.UnauthenticatedError)):
-        return ReadError(f"{path}: access denied: check the credentials ({_short(exc)})")
+    final = _FINAL_STATUS.search(str(exc))  # a listing's refusal comes as a generic error
+    if isinstance(exc, (ox.PermissionDeniedError, ox.UnauthenticatedError)) or (final and final[2] in ("401", "403")):
+        given = profile.credentials or "the URL's user info"
+        return ReadError(f"{path}: access denied: check the credentials ({given}): {_short(exc)}")
     return ReadError(f"{path}: {_what(span)} failed: {_short(exc)}")
 
 

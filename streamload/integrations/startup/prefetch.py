@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from streamload.base import atomic
+from streamload.base import atomic, settings
 from streamload.base import leftovers as owned
 from streamload.storage.base import redacted
 
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
     from streamload.format.header import FileHeader
 
-ENV = "STREAMLOAD_FETCH"  # the fetch this process (or the one that started it) began: JSON, see `ahead`
+ENV = settings.FETCH.name  # the fetch this process (or the one that started it) began: JSON, see `ahead`
 
 
 @dataclass
@@ -180,7 +180,7 @@ def ahead(
         "cache_dir": str(staging) if staging is not None else None,
         "owned": staging is not None and not cache_dir,
     }
-    os.environ[ENV] = json.dumps(started)
+    settings.FETCH.put(json.dumps(started))
     return started
 
 
@@ -189,14 +189,14 @@ def adopt(source: str) -> dict[str, Any] | None:
     taken out of the environment (an engine adopts it once: a later one loads on its own); else None
     (another source: the caller fetches its own)."""
     try:
-        started = json.loads(os.environ.get(ENV, ""))
+        started = json.loads(settings.FETCH.get() or "")
     except ValueError:
         return None
     if not isinstance(started, dict) or started.get("host") != socket.gethostname():
         return None
     if not _same_source(str(started.get("source", "")), source):
         return None
-    os.environ.pop(ENV, None)
+    settings.FETCH.clear()
     return started
 
 
@@ -489,7 +489,7 @@ def _fetch_objects(
     from streamload.storage.peers import with_peers
 
     checkpoint = open_checkpoint(source, cache_dir)
-    if checkpoint.storage.kind == "local":  # every file is in the cache already
+    if checkpoint.storage.local:  # every file is in the cache already
         cached, size = [str(h.path) for h in checkpoint.files], sum(h.size for h in checkpoint.files)
         return {"ok": True, "bytes": 0, "cached": cached, "cached_bytes": size, "not_cached": []}
     if budget is None and cache_dir is not None:

@@ -142,13 +142,5 @@ def _register_refusal(version: str) -> None:
     log.info("streamload: %s", untested(version))
 
 
-__all__ = [
-    "FORMAT",
-    "OPTIONS",
-    "Report",
-    "StreamloadError",
-    "StreamloadModelLoader",
-    "check_options",
-    "last_load",
-    "register",
-]
+__all__ = ["FORMAT", "OPTIONS", "Report", "StreamloadError", "StreamloadModelLoader", "check_options", "last_load",
+           "register"]  # fmt: skip

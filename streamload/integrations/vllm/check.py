@@ -29,16 +29,17 @@ from typing import Any
 
 import torch
 
+from streamload.base import settings
 from streamload.base.errors import MissingFileError, SourceError
 
-ENV = "STREAMLOAD_VLLM_CHECK"
+ENV = settings.VLLM_CHECK.name
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def install() -> None:
     """Wrap vLLM's `process_weights_after_loading` (where `BaseModelLoader.load_model` calls it) so that
     each rank writes its tensors' digests to `$STREAMLOAD_VLLM_CHECK` first; nothing when it is unset."""
-    if not os.environ.get(ENV):
+    if not settings.VLLM_CHECK.get():
         return
     from vllm.model_executor.model_loader import base_loader
 
@@ -47,7 +48,7 @@ def install() -> None:
         return
 
     def process_weights_after_loading(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        out = os.environ.get(ENV)  # unset again after a check: later loads in this process go on as usual
+        out = settings.VLLM_CHECK.get()  # unset again after a check: later loads in this process go on as usual
         if out:
             _write(model, Path(out))
         return original(model, *args, **kwargs)
@@ -138,12 +139,12 @@ def _seen(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every rank's tensors right after `load_weights` by the `fmt` loader, and what streamload reported."""
     shutil.rmtree(out, ignore_errors=True)
-    os.environ[ENV] = str(out)
+    settings.VLLM_CHECK.put(str(out))
     install()  # in this process too (its plugins may have loaded before)
     try:
         state = _run(model, fmt, tp, loader, engine)
     finally:
-        os.environ.pop(ENV, None)
+        settings.VLLM_CHECK.clear()
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp)], state
 
 

@@ -133,5 +133,7 @@ def tp_group(device: torch.device) -> Any:
     in load_weights when it is used)."""
     from vllm.distributed import get_tp_group
 
+    from streamload.device import kind_of
+
     group = get_tp_group()
-    return group.device_group if device.type == "cuda" else group.cpu_group
+    return group.cpu_group if kind_of(device).host_memory else group.device_group

@@ -22,7 +22,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 
-from streamload.format.header import FileHeader
+from streamload.format.header import LABELS, FileVersion
 from streamload.plan.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
@@ -35,18 +35,8 @@ class Loaded:
 
     path: str
     size: int
-    version: tuple[object, ...]  # a local file: (device, inode, mtime_ns); an object: ("etag" | "modified", value)
+    version: FileVersion | None  # as its storage told it: a local file's inode and mtime, an object's ETag, ...
     digest: str = ""  # what `verify` checked it against (see `_fingerprint`); "" where it checked nothing
-
-    @staticmethod
-    def of(header: FileHeader, kind: str, digest: str = "") -> Loaded:
-        """From a header's identity (storage/local.py: device, inode, size, mtime; remote.py: size, kind, tag)."""
-        identity = header.identity
-        if kind == "local" and len(identity) == 4:
-            version: tuple[object, ...] = (identity[0], identity[1], identity[3])
-        else:
-            version = tuple(identity[1:])
-        return Loaded(str(header.path), header.size, version, digest)
 
     def change(self, now: Loaded | None) -> str:
         """What differs in `now` (this file as found to read it again; None: not found), or ""."""
@@ -61,20 +51,20 @@ class Loaded:
         return f"{self.path}: {', '.join(what)}" if what else ""
 
 
-def _version_change(then: tuple[object, ...], now: tuple[object, ...]) -> list[str]:
-    if then == now:
+def _version_change(then: FileVersion | None, now: FileVersion | None) -> list[str]:
+    if then is None or now is None or then == now:
         return []
-    if len(then) == len(now) == 3:  # local: (device, inode, mtime_ns)
-        what = []
-        if then[:2] != now[:2]:
-            what.append(f"replaced by another file (inode {then[1]} when loaded, {now[1]} now)")
-        if then[2] != now[2]:
-            what.append(f"modified (mtime {_when(then[2])} when loaded, {_when(now[2])} now)")
-        return what
-    if len(then) == len(now) == 2 and then[0] == now[0]:  # an object: ETag or Last-Modified
-        label = "ETag" if then[0] == "etag" else "Last-Modified"
-        return [f"{label} {then[1]} when loaded, {now[1]} now"]
-    return [f"version {then} when loaded, {now} now"]  # read from elsewhere (a cached copy, the store)
+    if (then.inode is None) != (now.inode is None):  # read from elsewhere (a cached copy, the store)
+        return [f"version ({then}) when loaded, ({now}) now"]
+    what = []
+    if (then.device, then.inode) != (now.device, now.inode):
+        what.append(f"replaced by another file (inode {then.inode} when loaded, {now.inode} now)")
+    if then.mtime_ns != now.mtime_ns:
+        what.append(f"modified (mtime {_when(then.mtime_ns)} when loaded, {_when(now.mtime_ns)} now)")
+    for field in ("etag", "weak", "modified", "generation", "content"):  # an object's
+        if (was := getattr(then, field)) != (is_now := getattr(now, field)):
+            what.append(f"{LABELS[field]} {was} when loaded, {is_now} now")
+    return what
 
 
 def _when(ns: object) -> str:
@@ -87,8 +77,7 @@ def loaded_files(checkpoints: Iterable[Checkpoint], verify: Any = False) -> tupl
     out: list[Loaded] = []
     for checkpoint in checkpoints:
         digests = _digests(checkpoint, verify)
-        kind = checkpoint.storage.kind
-        out += (Loaded.of(h, kind, digests.get(h.path, "")) for h in checkpoint.files)
+        out += (Loaded(str(h.path), h.size, h.identity, digests.get(h.path, "")) for h in checkpoint.files)
     return tuple(out)
 
 

@@ -13,8 +13,8 @@ from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from streamload.base.devices import resolve
 from streamload.base.stats import Stats
+from streamload.device import resolve
 from streamload.integrations.vllm import restore
 from streamload.integrations.vllm.files import Files, Part, checkpoints
 from streamload.integrations.vllm.options import STREAM

@@ -26,7 +26,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from vllm.config.load import LoadConfig
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -34,6 +33,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+from streamload.device import kind_of
 
 log = logging.getLogger("streamload")
 BACKEND = "streamload"
@@ -78,8 +79,7 @@ class StreamloadWeightTransferEngine(WeightTransferEngine[StreamloadInitInfo, St
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        kind_of(self.device).synchronize(self.device)
 
     def receive_weights(self, update_info: StreamloadUpdateInfo) -> None:
         """The step's weights, in place; a failed update raises once every rank serves its previous

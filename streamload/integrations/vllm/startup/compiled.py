@@ -55,10 +55,9 @@ def node_key() -> dict[str, str]:
     import torch
     import vllm
 
-    if torch.cuda.is_available():
-        device = "cuda sm_{}{}".format(*torch.cuda.get_device_capability())
-    else:
-        device = f"cpu {torch.backends.cpu.get_cpu_capability()}"
+    from streamload.device import default_kind
+
+    device = default_kind().fingerprint()  # "cuda sm_90", "cpu AVX512"
     return {"vllm": vllm.__version__, "torch": torch.__version__, "python": "{}.{}".format(*sys.version_info[:2]),
             "machine": platform.machine(), "device": device}  # fmt: skip
 

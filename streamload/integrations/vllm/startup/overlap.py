@@ -34,6 +34,7 @@ from torch import nn
 
 from streamload.base.errors import UnsupportedError
 from streamload.base.gc_pause import collector_paused
+from streamload.device import KINDS
 from streamload.integrations.vllm import restore
 from streamload.integrations.vllm.feed import feed, load_weights_from
 from streamload.integrations.vllm.files import Part
@@ -66,7 +67,8 @@ def refusal(model: nn.Module, model_config: Any, worker: Any) -> str:
         return "sleep mode keeps the weights in a memory pool of their own"
     if getattr(worker.vllm_config, "speculative_config", None) is not None:
         return "speculative decoding: its drafter is built and compared with the model before the weights are in"
-    if worker.device_config.device_type == "cpu" and any(isinstance(m, RoutedExperts) for m in model.modules()):
+    kind = KINDS.get(str(worker.device_config.device_type))  # None: a type streamload does not serve
+    if kind is not None and kind.host_memory and any(isinstance(m, RoutedExperts) for m in model.modules()):
         # vLLM 0.32's in-place reload copies a CPU MoE's new experts over their prepacked layout without
         # prepacking them (UnquantizedFusedMoEMethod._setup_kernel runs the experts' processing on the
         # first load only): its own reload_weights serves other tokens (tests/test_vllm.py)
@@ -103,7 +105,7 @@ def touch(model: nn.Module) -> None:
     CPU worker measures (its RSS) counts them as if they had been loaded."""
     page = 4096
     for p in model.parameters():
-        if p.device.type != "cpu" or not p.is_contiguous() or p.numel() == 0:
+        if not p.is_cpu or not p.is_contiguous() or p.numel() == 0:
             continue
         flat = p.detach().reshape(-1).view(torch.uint8)
         flat[::page] = flat[::page].clone()

@@ -1,8 +1,8 @@
-"""One node of a simulated fleet (tests/netsim.py): loads a checkpoint URL, alone or cooperatively with
+"""One node of a simulated fleet (testbed/netsim.py): loads a checkpoint URL, alone or cooperatively with
 the other nodes (a gloo group over their own links), and prints one JSON line: each tensor's digest,
 when the first tensor and the whole load were done, and the bytes this node read from storage.
 
-    python -m tests.fleet_node URL [--rank R --world W --master ADDR:PORT] [--die-after N] [--options JSON]
+    python -m testbed.fleet_node URL [--rank R --world W --master ADDR:PORT] [--die-after N] [--options JSON]
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def start(net: Any, node: int, urls: list[str], *extra: str) -> subprocess.Popen[str]:
-    """This module run on node `node` of a `tests.netsim.Net`, its output piped back; gloo on the node's
+    """This module run on node `node` of a `testbed.netsim.Net`, its output piped back; gloo on the node's
     own link, not its loopback."""
     env = {**net.env(), "GLOO_SOCKET_IFNAME": "eth0"}
-    argv = [sys.executable, "-m", "tests.fleet_node", *urls, *extra]
+    argv = [sys.executable, "-m", "testbed.fleet_node", *urls, *extra]
     return net.start(node, argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
