@@ -213,3 +213,22 @@ def test_benchmarks_and_examples_import_no_tests_and_the_package_no_scaffolding(
     planted.write_text('import os\nimport tests.servers\nfrom tests import netsim\nargv = ["-m", "tests.fleet_node"]\n')
     got = [line.split(": ", 1)[1] for line in reached(planted, {"tests"})]
     assert sorted(got) == ["tests", "tests.fleet_node", "tests.servers"]
+
+
+FUNCTION_LINES = 80  # a function longer than this is split where its steps are
+MODULE_LINES = {"integrations/vllm/__init__.py": 150}  # the plugin's entry: registration only
+
+
+def test_functions_and_the_plugins_entry_stay_short() -> None:
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {lines} lines")
+    for name, most in MODULE_LINES.items():
+        lines = len((PACKAGE / name).read_text().splitlines())
+        if lines > most:
+            long.append(f"{name}: {lines} lines (at most {most})")
+    assert not long, "\n".join(long)
