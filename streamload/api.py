@@ -70,7 +70,7 @@ def iter(
         dtype: converts floating-point tensors: a dtype, or {fnmatch pattern: dtype}.
         include, exclude: select tensors by pattern(s) or predicate; unselected bytes are never read.
         order: "layer" (layer i before layer i+1 across all files) or "file".
-        reader: "auto", or one of `routes.READERS` ("mmap", "posix", "direct", "kvikio", "range").
+        reader: "auto", or one of `pipeline.reader_choice.READERS` ("mmap", "posix", "direct", "kvikio", "range").
         ring_bytes, slots, threads, chunk_bytes: the tuning (default: from the machine, base/tuning.py);
             sizes in bytes or with a unit ("1GiB", "8MiB").
         shard: a `ShardSpec`: keep only this rank's part of each tensor, reading only its bytes.
@@ -286,9 +286,7 @@ def _stream(checkpoint: Checkpoint, plan: Plan, way: _Route, digests: Mapping[Pu
     stats = Stats(bytes_total=plan.nbytes, tensors_total=len(plan.items), reader=way.read.name, device=way.make.name)
     if way.exchange is not None:  # what a rank reads from storage for a lost rank counts as read
         way.read.on_bytes = stats.add_read  # type: ignore[attr-defined]  # (a CooperativeReader)
-    storage, held = checkpoint.storage, getattr(checkpoint.storage, "held_until_checked", None)
-    if digests is not None and held is not None:  # a verified load hands out nothing unchecked: a storage that
-        storage = held()  # checks what it serves (a hub download's SHA-256) holds each byte until its file passed
+    storage = checkpoint.storage if digests is None else checkpoint.storage.held_until_checked()
     pipeline = Pipeline(plan, storage, way.read, way.make, way.tuning, stats, check)
     return TensorStream(checkpoint, plan, pipeline)
 

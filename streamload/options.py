@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 
 def _checked_where_used(value: T, name: str) -> T:
-    """For an option whose check needs what a load finds: `device.resolve` the device, `routes.route`
+    """For an option whose check needs what a load finds: `device.resolve` the device, `reader_choice.route`
     the reader, `plan.make_plan` dtype and order, `api` cooperative, `source.open_checkpoint` cache_dir
     (a `Checkpoint` from `inspect` needs none)."""
     return value

@@ -729,3 +729,18 @@ def test_two_loads_of_one_object_in_one_process_wait_for_neither(
         assert state.keys() == tensors.keys() and all(same_bits(state[n], tensors[n]) for n in tensors)
     kept = [p for p in cache.rglob("*.safetensors") if Path(f"{p}{cache_module.RECORD}").exists()]
     assert len(kept) == 1, kept  # the first load's copy was kept all the same
+
+
+def test_a_records_version_is_named_as_earlier_releases_named_it() -> None:
+    """Copies an earlier release cached stay valid, and peers of either release agree on a version's tag: the
+    record's name of a version is fixed, whatever messages show."""
+    from datetime import datetime, timezone
+
+    from streamload.format.header import FileVersion
+
+    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    assert FileVersion(9, etag='"abc"').recorded() == 'etag:"abc"'
+    assert FileVersion(9, weak='W/"x"', modified=when).recorded() == 'weak:W/"x":2026-01-02 03:04:05+00:00'
+    assert FileVersion(9, modified=when).recorded() == "modified:2026-01-02 03:04:05+00:00"
+    assert FileVersion(9).recorded() == "size"
+    assert FileVersion(9, etag='"abc"', generation="17").recorded() == 'etag:"abc":generation:17'

@@ -202,3 +202,41 @@ def test_a_reader_landing_where_the_device_cannot_take_bytes_is_refused_naming_b
     tuning = defaults.tuning(defaults.HOST_STAGING, 1 << 20)
     with pytest.raises(UnsupportedError, match=r"the kvikio reader reads into device memory, which cpu does not take"):
         routes.route(torch.device("cpu"), "kvikio", True, tuning)  # a local storage's files
+
+
+def test_the_cuda_kinds_stream_work_goes_to_the_streams_it_must(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a GPU, torch.cuda's stream calls stand in as recorders: a tensor handed out is tied to the receiving
+    thread's current stream of its own device, a ready mark is recorded on the device's loader stream, and a wait
+    is the current stream waiting on that mark. (On a GPU: not measured here.)"""
+    import streamload.device.cuda as cuda_device
+    from streamload.device import KINDS
+
+    calls: list[tuple[str, object]] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_event(self, event: object) -> None:
+            calls.append((f"{self.name}.wait_event", event))
+
+    class Event:
+        def record(self, stream: Stream) -> None:
+            calls.append(("event.record", stream.name))
+
+    class Handed:
+        device = torch.device("cuda", 1)
+
+        def record_stream(self, stream: Stream) -> None:
+            calls.append(("record_stream", stream.name))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(f"current:{device}"))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(cuda_device, "loader_stream", lambda dev: Stream(f"loader:{dev}"))
+    kind, dev = KINDS["cuda"], torch.device("cuda", 1)
+    kind.hand_off(Handed())  # type: ignore[arg-type]
+    ready = kind.mark_ready(dev)
+    kind.wait_ready(dev, ready)
+    kind.wait_ready(dev, None)  # nothing marked: nothing to wait for
+    assert calls == [("record_stream", "current:cuda:1"), ("event.record", "loader:cuda:1"),
+                     ("current:cuda:1.wait_event", ready)]  # fmt: skip

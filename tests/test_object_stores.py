@@ -209,10 +209,14 @@ def _azure_env(monkeypatch: pytest.MonkeyPatch, base: str, key: str = AZ_KEY) ->
     monkeypatch.setenv("AZURE_STORAGE_ENDPOINT", f"{base}/{AZ_ACCOUNT}")
 
 
-@pytest.fixture(params=["gs", "az", "abfs"])
+@pytest.fixture(params=["gs", "az", "abfs", "abfs-account"])
 def bucket(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
-    """`scheme://models`, its emulator running and the environment pointing at it."""
+    """`scheme://models` (Azure's `abfs://models@account.dfs.core.windows.net` too), its emulator running and the
+    environment pointing at it."""
     scheme: str = request.param
+    if scheme == "abfs-account":  # the container and account in the URL, as Azure's own tools write it
+        _azure_env(monkeypatch, request.getfixturevalue("azurite"))
+        return f"abfs://{BUCKET}@{AZ_ACCOUNT}.dfs.core.windows.net"
     if scheme == "gs":
         _gcs_env(monkeypatch, request.getfixturevalue("gcs"), tmp_path)
     elif scheme == "az":

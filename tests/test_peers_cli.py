@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import http.client
 import logging
+import select
 import socket
 import subprocess
 import sys
@@ -106,7 +107,8 @@ def test_serve_fetches_from_peers_then_seeds_until_its_server_exits(store: Store
         )  # fmt: skip
         try:
             assert serve.stderr is not None
-            line = serve.stderr.readline()
+            said, _, _ = select.select([serve.stderr], [], [], 60)  # bounded: a serve that says nothing fails
+            line = serve.stderr.readline() if said else "(nothing within 60 s)"
             assert "streamload serve: seeding the complete copies in" in line, line
             url = next(w for w in line.split() if w.startswith("http://"))
             last = url_path(ObjectPath(f"{store.url}model-00003-of-00003.safetensors"))

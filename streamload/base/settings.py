@@ -126,7 +126,7 @@ ALLOW_UNVALIDATED: Setting[bool] = Setting(
 # -- peers (storage/peers.py, storage/peer_proof.py, servers/seed.py) -------------------------------------
 PEER_TIMEOUT: Setting[float] = Setting(
     "STREAMLOAD_PEER_TIMEOUT", "seconds", 5.0,
-    "seconds a peer may take to connect, or between bytes (at least 0.05 is used)", _seconds,
+    "seconds a peer may take to connect, or between bytes (more than 0; at least 0.05 is used)", _seconds,
 )  # fmt: skip
 PEERS_UNVERIFIED: Setting[bool] = Setting(
     "STREAMLOAD_PEERS_UNVERIFIED", "true/false", False,

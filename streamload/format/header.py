@@ -61,6 +61,20 @@ class FileVersion:
         said = [f"{LABELS[f.name]} {v}" for f in fields(self)[1:] if (v := getattr(self, f.name)) is not None]
         return ", ".join([f"{self.size} bytes", *said])
 
+    def recorded(self) -> str:
+        """How a cache record names this version of an object. Fixed across releases (messages may change,
+        this may not): a copy an earlier release made stays valid, and peers of either release agree on it
+        (their version tags are made from it)."""
+        if self.etag is not None:
+            named = f"etag:{self.etag}"
+        elif self.weak is not None:
+            named = f"weak:{self.weak}:{self.modified}"
+        elif self.content is not None:
+            named = f"hub:{self.content}"
+        else:
+            named = "size" if self.modified is None else f"modified:{self.modified}"
+        return named if self.generation is None else f"{named}:generation:{self.generation}"
+
 
 LABELS = {"device": "device", "inode": "inode", "mtime_ns": "mtime_ns", "etag": "ETag", "weak": "weak ETag",
            "modified": "Last-Modified", "generation": "generation", "content": "content hash"}  # fmt: skip

@@ -61,6 +61,9 @@ class _KeptOpen:
     def digest(self, header: Any) -> Any:
         return self.storage.digest(header)
 
+    def held_until_checked(self) -> _KeptOpen:
+        return self  # nothing it serves waits for a verdict
+
     def sidecar(self, near: Any, name: str) -> bytes | None:
         return self.storage.sidecar(near, name)
 

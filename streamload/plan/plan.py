@@ -341,7 +341,10 @@ def why_not_into(stored: torch.dtype, dest: torch.Tensor, device: torch.device |
     (`_into` checks those against the rank's part), or "". With `device` (resolved: `device.resolve`,
     as a tensor's own device is): also a `dest` elsewhere than the stream's device (as `api.iter`
     refuses it)."""
-    if device is not None and dest.device != device:
+    if device is not None and (
+        dest.device.type != device.type
+        or (None not in (device.index, dest.device.index) and dest.device.index != device.index)
+    ):  # an index left out: the current one
         return f"cannot load in place into a tensor on {dest.device} from a stream into {device}"
     if not converts(stored, dest.dtype):
         return f"cannot load {stored} in place into a {dest.dtype} tensor: {cannot_convert(stored, dest.dtype)}"

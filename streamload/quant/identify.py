@@ -46,7 +46,11 @@ def describe(checkpoint: Checkpoint, config: dict[str, Any] | None = None) -> Qu
     tensors = checkpoint.tensors.values()
     names = checkpoint.tensors.keys()
     scales = [t for t in tensors if t.name.endswith(SCALES) and quantized_name(t.name, names)]
-    weights = [t for t in tensors if t.name.endswith(WEIGHTS) or _scaled_float(t.dtype.name)]
+    weights = [
+        t
+        for t in tensors
+        if (t.name.endswith(WEIGHTS) and quantized_name(t.name, names)) or _scaled_float(t.dtype.name)
+    ]
     if declared is None and not scales and not weights:
         return None
     method, bits, group = _declared(declared) if declared else (None, None, None)

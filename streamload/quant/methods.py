@@ -35,7 +35,8 @@ class Method:
     scales: tuple[str, ...] = ()  # endings of the scales, zero points and indices beside a quantized weight
     weights: tuple[str, ...] = ()  # endings of its quantized weights, where they are not named `.weight`
     others: tuple[str, ...] = ()  # endings of what else only its checkpoints hold (shapes, formats)
-    # scale endings a plain model may use too ("layer_scales"): a scale only beside one of its `weights`
+    # endings a plain model may use too ("layer_scales", "rotary_blocks"): a scale only beside one of its
+    # `weights`, a weight only beside one of its `scales`
     generic: tuple[str, ...] = ()
     bits: int | None = None  # of a weight value, where its config does not say
     group: str | None = None  # where its config does not say
@@ -51,7 +52,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # transformers' FineGrainedFP8 (DeepSeek-V3/R1, Qwen3-FP8): float8 weights, a scale per block
     Method("fp8", scales=(".weight_scale_inv",), bits=8, computed=FP8, as_stored=True, kernels=Kernels((8, 9))),
     # gpt-oss's experts: 4-bit floats in blocks of 32 sharing an 8-bit exponent
-    Method("mxfp4", scales=("_scales",), weights=("_blocks",), generic=("_scales",), bits=4, group="blocks of 32",
+    Method("mxfp4", scales=("_scales",), weights=("_blocks",), generic=("_scales", "_blocks"), bits=4,
+           group="blocks of 32",
            computed=MXFP4, kernels=Kernels((7, 5), ("triton", "kernels")), in_parameter_dtype_from=(5, 23)),
     # llm-compressor's: int8 or FP8 by channel or tensor, packed 4-bit, NVFP4 (bits and groups in config_groups)
     Method("compressed-tensors", scales=(".weight_scale", ".input_scale", ".weight_zero_point", ".weight_g_idx",
@@ -71,13 +73,14 @@ def _every(field: str) -> tuple[str, ...]:
 SCALES = _every("scales")  # endings of scales, zero points, indices: any method's
 WEIGHTS = _every("weights")  # endings of quantized weights not named `.weight`
 ENDINGS = SCALES + WEIGHTS + _every("others")  # every name ending only a quantized checkpoint holds
-# a generic scale ending -> the endings of the weights it counts beside
-_PARTNERS = {e: tuple(w for m in METHODS.values() if e in m.generic for w in m.weights) for e in _every("generic")}
+# a generic ending -> the endings it counts beside (a scale's weights, a weight's scales)
+_PARTNERS = {e: tuple(p for m in METHODS.values() if e in m.generic for p in (m.weights if e in m.scales else m.scales))
+             for e in _every("generic")}  # fmt: skip
 
 
 def quantized_name(name: str, names: Container[str]) -> bool:
     """Whether `name` (of the checkpoint's `names`) is one only a quantized checkpoint holds: a generic
-    ending (GPTQ's `.scales`, MXFP4's `_scales`) only beside the weight it scales."""
+    ending (GPTQ's `.scales`, MXFP4's `_scales` and `_blocks`) only beside its partner."""
     if not name.endswith(ENDINGS):
         return False
     generic = next((e for e in _PARTNERS if name.endswith(e)), None)

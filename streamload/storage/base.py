@@ -96,6 +96,11 @@ class Storage(Protocol):
         """The bytes of the small file `name` in the folder (or prefix) of `near`; None if absent."""
         ...
 
+    def held_until_checked(self) -> Storage:
+        """This storage for a load that hands out nothing unchecked (`verify=`): one that checks what it
+        serves (a hub download's SHA-256) holds each byte until its file passed; any other is itself."""
+        ...
+
 
 # A URL's user info: from the scheme's "//" to the last "@" before the path (a password may hold a raw "@").
 _USER_INFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s]*@")

@@ -853,7 +853,8 @@ def _claim_all(
 
 def _record(header: FileHeader) -> dict[str, object]:
     """What identifies the version of an object that was copied: its size and ETag (or Last-Modified)."""
-    return {"size": header.size, "version": str(header.identity)}
+    assert header.identity is not None, header.path  # an object's header always names its version
+    return {"size": header.size, "version": header.identity.recorded()}
 
 
 def _file(st: os.stat_result) -> dict[str, int]:

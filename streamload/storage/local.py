@@ -57,6 +57,9 @@ class LocalStorage:
             return Digest("sha256", name, f"the Hugging Face cache's blob name ({target})")
         return None
 
+    def held_until_checked(self) -> LocalStorage:
+        return self  # nothing it serves waits for a verdict
+
     def sidecar(self, near: PurePath, name: str) -> bytes | None:
         try:
             return (Path(near).parent / name).read_bytes()

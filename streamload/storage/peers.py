@@ -263,6 +263,9 @@ class PeerStorage:
     def digest(self, header: FileHeader) -> Digest | None:
         return self.inner.digest(header)
 
+    def held_until_checked(self) -> PeerStorage:
+        return self  # nothing it serves waits for a verdict
+
     def sidecar(self, near: PurePath, name: str) -> bytes | None:
         return self.inner.sidecar(near, name)
 

@@ -121,6 +121,7 @@ class Profile(NamedTuple):
     bucket: str = "bucket"  # what the URL's first part names
     missing: str = "NoSuchBucket"  # the error code of a 404 whose bucket is absent
     md5_etag: bool = False  # a strong ETag of 32 hex digits is the object's MD5 (S3 unless multipart or KMS)
+    user_info: bool = True  # the URL's `x@` may hold credentials (Azure's `container@account.dfs...` names places)
     extra: Callable[[], dict[str, Any]] = dict  # more arguments for the store
 
 
@@ -129,7 +130,8 @@ _S3 = Profile("AWS", "S3Store", True, "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_K
               ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"), md5_etag=True, extra=_aws_profile)  # fmt: skip
 _AZURE = Profile("Azure", "AzureStore", True, "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or "
                  "AZURE_STORAGE_SAS_TOKEN, or AZURE_CLIENT_ID, AZURE_CLIENT_SECRET and AZURE_TENANT_ID",
-                 ("AZURE_STORAGE_ENDPOINT", "AZURITE_BLOB_STORAGE_URL"), "container", "ContainerNotFound")  # fmt: skip
+                 ("AZURE_STORAGE_ENDPOINT", "AZURITE_BLOB_STORAGE_URL"), "container", "ContainerNotFound",
+                 user_info=False)  # fmt: skip
 _HTTP = Profile("HTTP", "HTTPStore", False, "", bucket="host", missing="")
 PROFILES: dict[str, Profile] = {
     "s3": _S3,
@@ -180,6 +182,8 @@ def is_url(source: object) -> bool:
 def bare(url: str) -> str:
     """`url` without its user info (`user:password@`), which only the client keeps."""
     scheme, sep, rest = url.partition("://")
+    if scheme in PROFILES and not PROFILES[scheme].user_info:
+        return url  # `container@account` names places, not credentials
     netloc_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
     at = rest.rfind("@", 0, netloc_end)
     return url if not sep or at < 0 else f"{scheme}://{rest[at + 1 :]}"
@@ -214,8 +218,8 @@ class ObjectStorage:
             raise UnsupportedError(
                 f"{redacted(root)}: reading from object storage needs obstore: pip install -e '.[remote]'"
             ) from None
-        authorization = _authorization(root)
         self.profile = PROFILES[root.split("://", 1)[0]]
+        authorization = _authorization(root) if self.profile.user_info else None
         if authorization is not None and self.profile.credentials:
             raise SourceError(f"{redacted(root)}: credentials in the URL are not used: {self.profile.cloud} takes "
                               f"them from the environment: set {self.profile.credentials}")  # fmt: skip
@@ -327,6 +331,9 @@ class ObjectStorage:
         if self.profile.md5_etag and len(etag) == 32 and is_hex(etag):
             return Digest("md5", etag, "the object's ETag")
         return None
+
+    def held_until_checked(self) -> ObjectStorage:
+        return self  # nothing it serves waits for a verdict
 
     def sidecar(self, near: PurePath, name: str) -> bytes | None:
         """The object `name` beside `near`; None if it is absent, or refused (S3 answers 403 for a missing
@@ -951,8 +958,9 @@ def _wrong_range(exc: BaseException) -> re.Match[str] | None:
 def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> BaseException:
     if isinstance(exc, _Exiting):
         return ReadError(_exiting(path))
-    if isinstance(exc, StreamloadError):
-        return type(exc)(f"{path}: {exc}")
+    if isinstance(exc, StreamloadError):  # ours, made for this request: named, its other attributes kept
+        exc.args = (f"{path}: {exc}", *exc.args[1:])
+        return exc
     ox = _native().errors
     profile = PROFILES.get(str(path).split("://", 1)[0], _HTTP)
     if wrong := _wrong_range(exc):

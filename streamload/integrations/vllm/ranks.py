@@ -133,7 +133,8 @@ def tp_group(device: torch.device) -> Any:
     in load_weights when it is used)."""
     from vllm.distributed import get_tp_group
 
-    from streamload.device import kind_of
+    from streamload.device import KINDS
 
     group = get_tp_group()
-    return group.cpu_group if kind_of(device).host_memory else group.device_group
+    kind = KINDS.get(device.type)  # None: a type streamload does not serve, whose collectives go on the CPU group
+    return group.device_group if kind is not None and not kind.host_memory else group.cpu_group
