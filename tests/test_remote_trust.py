@@ -319,3 +319,10 @@ def test_credentials_in_a_cloud_url_are_refused_without_showing_them(scheme: str
                        rf"used: .* from the environment: set .*{names}") as e:  # fmt: skip
         streamload.load(f"{scheme}://key:{SECRET}@bucket/model/", device="cpu")
     assert SECRET not in str(e.value)
+
+
+def test_a_password_before_an_azure_account_is_still_a_credential_refused_unshown() -> None:
+    """`abfs://container@account.dfs.core.windows.net` names places; with a password in it, it names credentials."""
+    with pytest.raises(streamload.SourceError, match="credentials in the URL are not used") as e:
+        streamload.load(f"abfs://models:{SECRET}@account.dfs.core.windows.net/model/", device="cpu")
+    assert SECRET not in str(e.value)

@@ -121,7 +121,7 @@ class Profile(NamedTuple):
     bucket: str = "bucket"  # what the URL's first part names
     missing: str = "NoSuchBucket"  # the error code of a 404 whose bucket is absent
     md5_etag: bool = False  # a strong ETag of 32 hex digits is the object's MD5 (S3 unless multipart or KMS)
-    user_info: bool = True  # the URL's `x@` may hold credentials (Azure's `container@account.dfs...` names places)
+    places: str | None = None  # `x@host` with a host ending so names a container and its account, not credentials
     extra: Callable[[], dict[str, Any]] = dict  # more arguments for the store
 
 
@@ -131,7 +131,7 @@ _S3 = Profile("AWS", "S3Store", True, "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_K
 _AZURE = Profile("Azure", "AzureStore", True, "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or "
                  "AZURE_STORAGE_SAS_TOKEN, or AZURE_CLIENT_ID, AZURE_CLIENT_SECRET and AZURE_TENANT_ID",
                  ("AZURE_STORAGE_ENDPOINT", "AZURITE_BLOB_STORAGE_URL"), "container", "ContainerNotFound",
-                 user_info=False)  # fmt: skip
+                 places=".core.windows.net")  # fmt: skip
 _HTTP = Profile("HTTP", "HTTPStore", False, "", bucket="host", missing="")
 PROFILES: dict[str, Profile] = {
     "s3": _S3,
@@ -182,11 +182,18 @@ def is_url(source: object) -> bool:
 def bare(url: str) -> str:
     """`url` without its user info (`user:password@`), which only the client keeps."""
     scheme, sep, rest = url.partition("://")
-    if scheme in PROFILES and not PROFILES[scheme].user_info:
-        return url  # `container@account` names places, not credentials
     netloc_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
     at = rest.rfind("@", 0, netloc_end)
-    return url if not sep or at < 0 else f"{scheme}://{rest[at + 1 :]}"
+    if not sep or at < 0 or _names_places(scheme, rest[:at], rest[at + 1 : netloc_end]):
+        return url
+    return f"{scheme}://{rest[at + 1 :]}"
+
+
+def _names_places(scheme: str, user: str, host: str) -> bool:
+    """Whether a URL's `user@host` names a container and its account (Azure's `container@account.dfs.core.
+    windows.net`), not credentials: no password in it, and the host an account's."""
+    profile = PROFILES.get(scheme)
+    return profile is not None and profile.places is not None and ":" not in user and host.endswith(profile.places)
 
 
 def _authorization(root: str) -> str | None:
@@ -219,7 +226,7 @@ class ObjectStorage:
                 f"{redacted(root)}: reading from object storage needs obstore: pip install -e '.[remote]'"
             ) from None
         self.profile = PROFILES[root.split("://", 1)[0]]
-        authorization = _authorization(root) if self.profile.user_info else None
+        authorization = _authorization(root)
         if authorization is not None and self.profile.credentials:
             raise SourceError(f"{redacted(root)}: credentials in the URL are not used: {self.profile.cloud} takes "
                               f"them from the environment: set {self.profile.credentials}")  # fmt: skip
