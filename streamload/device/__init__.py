@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from streamload.device.base import Delivered, Device, DeviceKind, Into
 from streamload.device.cpu import MappedCPU, StagedCPU
-from streamload.device.kinds import KINDS, default_kind, hand_off, kind_of, resolve, same
+from streamload.device.kinds import KINDS, default_kind, kind_of, resolve, same
 
 __all__ = [
-    "KINDS", "Delivered", "Device", "DeviceKind", "Into", "MappedCPU", "StagedCPU", "default_kind", "hand_off",
+    "KINDS", "Delivered", "Device", "DeviceKind", "Into", "MappedCPU", "StagedCPU", "default_kind",
     "kind_of", "resolve", "same",
 ]  # fmt: skip

@@ -79,9 +79,4 @@ def same(a: torch.device, b: torch.device) -> bool:
     return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
-def hand_off(t: torch.Tensor) -> None:
-    """`t`'s kind's `hand_off`: a tensor handed to the caller, in the receiving thread."""
-    kind_of(t.device).hand_off(t)
-
-
-__all__ = ["KINDS", "DeviceKind", "default_kind", "hand_off", "kind_of", "resolve", "same"]
+__all__ = ["KINDS", "DeviceKind", "default_kind", "kind_of", "resolve", "same"]

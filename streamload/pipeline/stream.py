@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 from streamload.base.errors import StreamloadError
 from streamload.base.stats import Stats
-from streamload.device import Delivered, hand_off
+from streamload.device import Delivered, kind_of
 from streamload.pipeline.pipeline import Pipeline, Stopped
 from streamload.plan.checkpoint import Checkpoint
 from streamload.plan.plan import Plan
 
 if TYPE_CHECKING:
+    import torch
     from typing_extensions import Self
 
 T = TypeVar("T")
@@ -43,6 +44,9 @@ class TensorStream:
         self._pipeline = pipeline
         self._state: Literal["new", "open", "done"] = "new"
         self._ready: list[Delivered] = []  # made but not yet handed out, last first
+        # the device kind's hand-off, found at the first tensor (a stream's tensors are all on its device): once,
+        # not per tensor (~1 us each, 19 ms of an 18,867-tensor checkpoint)
+        self._hand_off: Callable[[torch.Tensor], None] | None = None
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -82,7 +86,9 @@ class TensorStream:
     def _handoff(self) -> Delivered:
         item = self._ready.pop()
         self.stats.delivered()
-        hand_off(item[1])  # tied to the receiving thread's work on it (CUDA: its current stream)
+        if self._hand_off is None:
+            self._hand_off = kind_of(item[1].device).hand_off
+        self._hand_off(item[1])  # tied to the receiving thread's work on it (CUDA: its current stream)
         return item
 
     def close(self) -> None:
