@@ -57,24 +57,24 @@ def _count(name: str, raw: str) -> int:
     return n
 
 
+def _float(raw: str) -> float:
+    """`raw` as a number; NaN (which every range check refuses) for text that is none."""
+    try:
+        return float(raw.strip())
+    except ValueError:
+        return math.nan
+
+
 def _seconds(name: str, raw: str) -> float:
     """Seconds, more than 0 and finite (a timeout: 0 or infinity would be no bound the clients can take)."""
-    try:
-        s = float(raw.strip())
-    except ValueError:
-        s = math.nan
-    if not (0 < s < math.inf):  # also NaN
+    if not (0 < (s := _float(raw)) < math.inf):  # also NaN
         raise SettingError(f"{name}={raw!r}: give seconds, more than 0")
     return s
 
 
 def _delay(name: str, raw: str) -> float:
     """Seconds, 0 or more (infinity: never)."""
-    try:
-        s = float(raw.strip())
-    except ValueError:
-        s = math.nan
-    if not s >= 0:  # also NaN
+    if not (s := _float(raw)) >= 0:  # also NaN
         raise SettingError(f"{name}={raw!r}: give seconds, 0 or more")
     return s
 
