@@ -582,9 +582,11 @@ def test_an_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(tmp_path: Path
     ours = streamload.from_pretrained(folder, device="cpu", **kwargs)
     want, _ = same_as_theirs(theirs, ours)
     assert want["model.layers.1.mlp.experts.down_proj"].shape == (4, 64, 128)
-    from streamload.integrations.transformers_internals import mxfp4_in_parameter_dtype
+    from streamload.integrations.transformers_internals import in_parameter_dtype
+    from streamload.quant.methods import METHODS
 
-    experts = (dtype or torch.bfloat16) if mxfp4_in_parameter_dtype() else torch.bfloat16
+    # gpt-oss's dequantized experts: each value from the FP4 table in that dtype, then `ldexp`
+    experts = (dtype or torch.bfloat16) if in_parameter_dtype(METHODS["mxfp4"]) else torch.bfloat16
     assert want["model.layers.1.mlp.experts.down_proj"].dtype == experts
     assert want["model.layers.1.mlp.router.weight"].dtype == (dtype or torch.bfloat16)
 

@@ -60,11 +60,6 @@ def in_parameter_dtype(method: Method) -> bool:
     return since is not None and version(transformers) >= since
 
 
-def mxfp4_in_parameter_dtype() -> bool:
-    """gpt-oss's dequantized experts (each value from the FP4 table in that dtype, then `ldexp`)."""
-    return in_parameter_dtype(METHODS["mxfp4"])
-
-
 def no_init_weights() -> contextlib.AbstractContextManager[Any]:
     """transformers' own switch that skips `init_weights` (a no-op context where it has none): its
     initialisers keep references to torch's that `empty_weights` cannot patch; on meta tensors they
