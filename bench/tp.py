@@ -29,8 +29,9 @@ import torch.multiprocessing as mp
 import streamload
 import streamload.pipeline.verify
 from streamload import ShardSpec
-from streamload.commands.bench import _touch, evict
-from streamload.cooperative.exchange import all_gather
+from streamload.commands.bench import evict
+from streamload.commands.bench import touch as _touch
+from streamload.cooperative.group import all_gather
 
 RULES = {
     "*.q_proj.weight": 0, "*.k_proj.weight": 0, "*.v_proj.weight": 0,

@@ -57,8 +57,7 @@ _WHERE = {
 
 
 def __getattr__(name: str) -> _typing.Any:
-    import importlib
-    import importlib.util
+    import importlib.util  # (binds importlib too)
 
     module = _WHERE.get(name)
     if module is None:

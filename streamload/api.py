@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from streamload import device as devices
-from streamload import options
+from streamload import device, options
 from streamload.base import progress
-from streamload.base.errors import IntegrityError, UnsupportedError
+from streamload.base.errors import IntegrityError, UnsupportedError, listed
 from streamload.base.limits import check_fits
 from streamload.base.stats import Stats
 from streamload.base.tuning import Tuning
@@ -29,8 +28,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from typing_extensions import Unpack
 
-    from streamload.cooperative.exchange import Exchange
     from streamload.cooperative.fleet import Fleet
+    from streamload.cooperative.shares import Exchange
     from streamload.device import Device
     from streamload.pipeline.pipeline import Check
     from streamload.pipeline.verify import Known, Verify
@@ -121,17 +120,22 @@ def iter(
 def _opened(source: Source, given: Options) -> TensorStream:
     """`iter`'s stream: the options `given` (every one) checked, the checkpoint opened, the load routed and
     planned. Where it fails, the other ranks of a cooperative load are told at once (`_left`)."""
-    cooperative, into, verify, order = given["cooperative"], given["into"], given["verify"], given["order"]
+    cooperative, into = given["cooperative"], given["into"]
     exchange: Exchange | None = None
     joined = False  # whether this rank took its part in a cooperative load (its exchange, if any)
     try:
         read_options = ReadOptions.of(options.checked(given))  # every option, before anything is opened
-        dev = devices.resolve(given["device"])
-        checkpoint = _with_peers(open_checkpoint(source, given["cache_dir"]), given["peers"])
-        _check_into_names(into, checkpoint)
+        dev = device.resolve(given["device"])
+        checkpoint = open_checkpoint(source, given["cache_dir"])
+        if given["peers"]:  # a remote checkpoint read from its peers first (storage/peers.py)
+            from streamload.storage.peers import with_peers
+
+            checkpoint = checkpoint._replace(storage=with_peers(checkpoint.storage, given["peers"]))
+        if absent := [n for n in into or () if n not in checkpoint.tensors]:
+            raise ValueError(f"into= names tensors the checkpoint does not hold: {listed(absent, 5)}")
         joined = True
         exchange = _exchange(cooperative, dev)
-        way = _route(checkpoint, dev, read_options, exchange, verify, copies=_copies(into, checkpoint), order=order)
+        way = _route(checkpoint, dev, read_options, exchange, given)
         plan, digests = _plan(checkpoint, way, given)
         if way.exchange is not None:
             way.exchange.expect(sum(b.shared for b in plan.batches))
@@ -153,7 +157,7 @@ def _left(cooperative: bool | ProcessGroup | Fleet, joined: bool, exchange: Exch
         return
     if cooperative is False or cooperative is None:
         return
-    from streamload.cooperative.exchange import leave_early
+    from streamload.cooperative.group import leave_early
 
     try:
         group = _group(cooperative)
@@ -172,51 +176,31 @@ class _Route(NamedTuple):
     share: Share | None  # which whole-tensor reads all ranks share (cooperative)
 
 
-def _with_peers(checkpoint: Checkpoint, peers: str | Sequence[str] | None) -> Checkpoint:
-    """The checkpoint read from `peers` first, where it is remote and any are named (storage/peers.py)."""
-    if not peers:
-        return checkpoint
-    from streamload.storage.peers import with_peers
-
-    return checkpoint._replace(storage=with_peers(checkpoint.storage, peers))
-
-
-def _check_into_names(into: Mapping[str, torch.Tensor] | None, checkpoint: Checkpoint) -> None:
-    absent = [n for n in into or () if n not in checkpoint.tensors]
-    if absent:
-        raise ValueError(f"into= names tensors the checkpoint does not hold: {', '.join(map(repr, absent[:5]))}"
-                         f"{' ...' if len(absent) > 5 else ''}")  # fmt: skip
-
-
-def _copies(into: Mapping[str, torch.Tensor] | None, checkpoint: Checkpoint) -> bool:
-    """Whether most bytes are copied into tensors that exist already (read through the ring, not mapped)."""
-    return bool(into) and 2 * sum(checkpoint.tensors[n].nbytes for n in into or ()) >= checkpoint.nbytes
-
-
 def _route(
-    checkpoint: Checkpoint,
-    dev: torch.device,
-    read_options: ReadOptions,
-    exchange: Exchange | None,
-    verify: Verify,
-    copies: bool,
-    order: Order,
+    checkpoint: Checkpoint, dev: torch.device, read_options: ReadOptions, exchange: Exchange | None, given: Options
 ) -> _Route:
     """Which reader and device serve the load, with what tuning, and whether ranks divide its reads."""
-    total = checkpoint.nbytes
+    into, total = given["into"], checkpoint.nbytes
+    # most bytes copied into tensors that exist already: read through the ring, not mapped
+    copies = bool(into) and 2 * sum(checkpoint.tensors[n].nbytes for n in into or ()) >= total
     tuning = read_options.tuning(dev.type, total, copies)
     tuning.check()
     check_fits(tuning.slot_bytes, "a ring slot")
     first = checkpoint.files[0].path if checkpoint.files else None
-    lands, why = _lands(exchange, verify)
+    lands: tuple[Into, ...] = ("host", "mapped", "device")  # where the bytes may land for this load, and why not
+    why = ""
+    if exchange is not None and not exchange.on_device:
+        lands, why = ("host",), "cooperative loading over a host-memory process group reads into host staging slots"
+    elif given["verify"]:
+        lands, why = ("host", "mapped"), "verify= hashes the bytes in host memory"
     read, make = route(dev, read_options.reader, checkpoint.storage.local, tuning, first, total, lands, why, copies)
     log.info("streamload: %s via %s into %s", first, read.name, make.name)
     if exchange is None:
         return _Route(tuning, read, make, None, None)
-    from streamload.cooperative.exchange import cooperative as cooperative_pair  # the parameter keeps its name
+    from streamload.cooperative.shares import cooperative as cooperative_pair  # the parameter keeps its name
 
     read, make = cooperative_pair(read, make, exchange)
-    layout = f"{tuning.slot_bytes}/{order}/{checkpoint.storage.first_batch}"  # what packs shared batches
+    layout = f"{tuning.slot_bytes}/{given['order']}/{checkpoint.storage.first_batch}"  # what packs shared batches
     return _Route(tuning, read, make, exchange, functools.partial(exchange.agree, checkpoint, layout=layout))
 
 
@@ -224,15 +208,15 @@ def _plan(checkpoint: Checkpoint, way: _Route, given: Options) -> tuple[Plan, Ma
     """What is read, in which order and batches, and the digests it is checked against (None: unchecked)."""
     digests, verify, order = None, given["verify"], given["order"]
     if verify or checkpoint.checks:  # True, or a non-empty mapping (False, None, {}: nothing to verify)
-        from streamload.pipeline.verify import choose, needs_file_order
+        from streamload.pipeline.verify import choose
 
         chosen = choose(checkpoint, verify) if verify else {}
         pinned = chosen if isinstance(verify, Mapping) else {}  # the caller's own digests are never replaced
         digests = {**chosen, **checkpoint.checks, **pinned}  # a copy: its origin's digests
-        if needs_file_order(digests):
-            # A whole-file digest is hashed front to back. File by file, one core hashes while the other
-            # serves the reads: measured cold (docs/benchmarks.md), 1.04x-1.19x the unverified load on
-            # 2 cores, where hashing files side by side on both cost 1.33x-1.64x.
+        if any(k.blocks is None for k in digests.values()):
+            # A whole-file digest is hashed front to back, so such a file is read in file order. File by file,
+            # one core hashes while the other serves the reads: measured cold (docs/benchmarks.md), 1.04x-1.19x
+            # the unverified load on 2 cores, where hashing files side by side on both cost 1.33x-1.64x.
             order = "file"
     plan = make_plan(
         checkpoint,
@@ -254,7 +238,12 @@ def _plan(checkpoint: Checkpoint, way: _Route, given: Options) -> tuple[Plan, Ma
 def _check_plan(plan: Plan, checkpoint: Checkpoint, dev: torch.device, given: Options) -> None:
     """Refuses a plan that cannot be served; warns of one that is likely not what the caller meant."""
     include, exclude, shard, cache_dir = given["include"], given["exclude"], given["shard"], given["cache_dir"]
-    _check_into_device(plan, dev)
+    for item in plan.items:
+        if item.into is not None and not device.same(item.into.device, dev):
+            raise UnsupportedError(
+                f"{item.info.path}: tensor {item.name!r}: cannot load in place into a tensor on "
+                f"{item.into.device} from a stream into {dev}: pass device={str(item.into.device)!r}"
+            )
     # (`next` over generators, not over `iter(...)`: in this module `iter` is streamload's)
     if not plan.items and checkpoint.tensors and (include is not None or exclude is not None):
         warnings.warn(
@@ -296,7 +285,7 @@ def _verifier(plan: Plan, digests: Mapping[PurePath, Known], way: _Route) -> Che
 
     if way.exchange is None:
         return Verifier(plan, digests)
-    from streamload.cooperative.exchange import CooperativeCheck
+    from streamload.cooperative.shares import CooperativeCheck
 
     # A shared batch's hashing waits on a verifier thread for its exchange: enough threads that every
     # batch in flight can wait (threads start only when needed).
@@ -349,28 +338,10 @@ def inspect(source: Source, cache_dir: PathLike | None = None) -> Checkpoint:
     return open_checkpoint(source, cache_dir)
 
 
-def _check_into_device(plan: Plan, dev: torch.device) -> None:
-    for item in plan.items:
-        if item.into is not None and not devices.same(item.into.device, dev):
-            raise UnsupportedError(
-                f"{item.info.path}: tensor {item.name!r}: cannot load in place into a tensor on "
-                f"{item.into.device} from a stream into {dev}: pass device={str(item.into.device)!r}"
-            )
-
-
-def _lands(exchange: Exchange | None, verify: Verify) -> tuple[tuple[Into, ...], str]:
-    """Where the bytes must land for this load, and why."""
-    if exchange is not None and not exchange.on_device:
-        return ("host",), "cooperative loading over a host-memory process group reads into host staging slots"
-    if verify:
-        return ("host", "mapped"), "verify= hashes the bytes in host memory"
-    return ("host", "mapped", "device"), ""
-
-
 def _exchange(cooperative: bool | ProcessGroup | Fleet, dev: torch.device) -> Exchange | None:
     if cooperative is False or cooperative is None:
         return None
-    from streamload.cooperative.exchange import Exchange
+    from streamload.cooperative.shares import Exchange
 
     exchange = Exchange(_group(cooperative), dev)
     return exchange if exchange.world > 1 else None  # alone, there is nothing to divide
@@ -378,8 +349,10 @@ def _exchange(cooperative: bool | ProcessGroup | Fleet, dev: torch.device) -> Ex
 
 def _group(cooperative: bool | ProcessGroup | Fleet) -> ProcessGroup | Fleet | None:
     """The group a cooperative load divides its reads among (None: torch.distributed's default group)."""
+    import torch.distributed as dist
+
     group = None if cooperative is True else cooperative
-    if group is None and not _group_initialised():
+    if group is None and not (dist.is_available() and dist.is_initialized()):
         from streamload.cooperative.fleet import ENVIRONMENT, Fleet
 
         group = Fleet.from_env()
@@ -389,12 +362,6 @@ def _group(cooperative: bool | ProcessGroup | Fleet) -> ProcessGroup | Fleet | N
                 f"cooperative=streamload.Fleet('host:port', world_size, rank), or {', '.join(ENVIRONMENT)} set"
             )
     return group
-
-
-def _group_initialised() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
 
 
 __all__ = ["Options", "TensorStream", "inspect", "iter", "load"]

@@ -15,8 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict, TypeVar
 
-from streamload.base import argument_checks as arguments
-from streamload.base import tuning as defaults
+from streamload.base import argument_checks, tuning
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +44,7 @@ def _shard(value: T, name: str = "shard") -> T:
     from streamload.plan.shard import ShardSpec
 
     if not isinstance(value, ShardSpec):
-        raise TypeError(f"{name} must be a streamload.ShardSpec, not {arguments.described(value)}")
+        raise TypeError(f"{name} must be a streamload.ShardSpec, not {argument_checks.described(value)}")
     return value
 
 
@@ -64,19 +63,19 @@ TABLE: dict[str, Option] = {
         Option("device", _checked_where_used),
         Option("dtype", _checked_where_used),
         Option("reader", _checked_where_used, str),
-        Option("ring_bytes", arguments.size, (int, str)),  # bytes, or with a unit: "1GiB"
-        Option("chunk_bytes", arguments.size, (int, str)),
-        Option("threads", arguments.count, int),
-        Option("slots", arguments.count, int),
-        Option("include", arguments.patterns),
-        Option("exclude", arguments.patterns),
-        Option("into", arguments.into),
+        Option("ring_bytes", argument_checks.size, (int, str)),  # bytes, or with a unit: "1GiB"
+        Option("chunk_bytes", argument_checks.size, (int, str)),
+        Option("threads", argument_checks.count, int),
+        Option("slots", argument_checks.count, int),
+        Option("include", argument_checks.patterns),
+        Option("exclude", argument_checks.patterns),
+        Option("into", argument_checks.into),
         Option("shard", _shard),
-        Option("verify", arguments.verify, (bool, dict)),
+        Option("verify", argument_checks.verify, (bool, dict)),
         Option("order", _checked_where_used),
         Option("cooperative", _checked_where_used),  # a process group: vLLM's config has a switch of its own
         Option("cache_dir", _checked_where_used, str),
-        Option("peers", arguments.peers, (str, list)),  # nodes seeding the files (storage/peers.py)
+        Option("peers", argument_checks.peers, (str, list)),  # nodes seeding the files (storage/peers.py)
     )
 }
 # The options a JSON config carries as `iter` takes them, and their types there (vLLM's loader passes
@@ -85,11 +84,7 @@ CONFIG: dict[str, type | tuple[type, ...]] = {name: o.config for name, o in TABL
 
 
 def check(name: str, value: Any) -> Any:
-    """The value of option `name`, checked and normalised (a size with a unit in bytes).
-
-    Raises:
-        TypeError, ValueError: one line naming the option.
-    """
+    """The value of option `name`, checked (TypeError, ValueError naming it) and normalised (sizes in bytes)."""
     return TABLE[name].check(value, name)
 
 
@@ -122,7 +117,7 @@ class Options(TypedDict, total=False):
 
 @dataclass(frozen=True)
 class ReadOptions:
-    """How a stream reads: the reader, and the tuning as given (None: from the machine, `defaults`)."""
+    """How a stream reads: the reader, and the tuning as given (None: from the machine, base/tuning.py)."""
 
     reader: ReaderName = "auto"
     ring_bytes: int | None = None
@@ -135,12 +130,12 @@ class ReadOptions:
         """Those of `options` (checked: sizes in bytes)."""
         return cls(**{name: options[name] for name in READ if name in options})
 
-    def tuning(self, device_type: str, total_bytes: int, copies: bool) -> defaults.Tuning:
+    def tuning(self, device_type: str, total_bytes: int, copies: bool) -> tuning.Tuning:
         """The tuning of a load of `total_bytes` into `device_type`: what was given, the rest from the
         machine; `copies`: most bytes are copied into tensors that exist already (`into=`)."""
         from streamload.device import kind_of  # torch: imported when a load starts, not with the options
 
-        return defaults.tuning(
+        return tuning.tuning(
             kind_of(device_type).staging, total_bytes, ring_bytes=self.ring_bytes, slots=self.slots,
             threads=self.threads, chunk_bytes=self.chunk_bytes, copies=copies,
         )  # fmt: skip

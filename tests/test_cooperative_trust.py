@@ -135,23 +135,23 @@ def _as_host(host: dict[str, Any], result: dict[str, Any]) -> None:
     of the one (device, inode, mtime) of an image provisioned alike on every host (`CLONED`), its file
     system a network one (`host["mount"]`: type, source) where given; `result["fingerprinted"]` says
     whether it had to compare the files' bytes with the others'."""
-    from streamload.cooperative import exchange
+    from streamload.cooperative import agreement
     from streamload.format.header import FileVersion
     from streamload.storage import local
 
     device, inode, mtime = CLONED
     local.file_identity = lambda st: FileVersion(st.st_size, device=device, inode=inode, mtime_ns=mtime)  # type: ignore[assignment]
-    exchange._host_identity = lambda: host["boot"]  # type: ignore[attr-defined]
+    agreement._host_identity = lambda: host["boot"]  # type: ignore[attr-defined]
     mount = tuple(host["mount"]) if host.get("mount") else None
-    exchange._shared_file_system = lambda dev, mounts=None: mount if dev == device else None  # type: ignore[attr-defined]
-    fingerprints = exchange.fingerprints
+    agreement._network_mounts = lambda: {device: mount} if mount else {}  # type: ignore[attr-defined]
+    fingerprints = agreement.fingerprints
     result["fingerprinted"] = False
 
     def counted(*args: Any) -> Any:
         result["fingerprinted"] = True
         return fingerprints(*args)
 
-    exchange.fingerprints = counted  # type: ignore[assignment]
+    agreement.fingerprints = counted  # type: ignore[assignment]
 
 
 def run_ranks(out: Path, job: dict[str, Any], world: int = 2) -> list[dict[str, Any]]:
@@ -276,7 +276,7 @@ def test_network_file_systems_are_told_from_a_hosts_own(tmp_path: Path, monkeypa
     """Read from the mount table: NFS (its export and server address), CephFS and Lustre are network
     file systems; a disk, an overlay, tmpfs and FUSE (its inode numbers are each host's daemon's) are
     not, nor is a line that cannot be read."""
-    from streamload.cooperative import exchange
+    from streamload.cooperative import agreement
 
     table = tmp_path / "mountinfo"
     table.write_text(
@@ -289,14 +289,14 @@ def test_network_file_systems_are_told_from_a_hosts_own(tmp_path: Path, monkeypa
         "35 29 0:57 / /tmp rw - tmpfs tmpfs rw\n"
         "garbage - nfs4\n"
     )
-    monkeypatch.setattr(exchange, "_MOUNTINFO", str(table))
-    assert exchange._network_mounts() == {
+    monkeypatch.setattr(agreement, "_MOUNTINFO", str(table))
+    assert agreement._network_mounts() == {
         os.makedev(0, 52): ("nfs4", "nas:/export/models", "10.0.0.5"),
         os.makedev(0, 53): ("ceph", "10.0.0.7:6789:/", ""),
         os.makedev(0, 54): ("lustre", "10.0.0.8@tcp:/fs", ""),
     }
-    monkeypatch.setattr(exchange, "_MOUNTINFO", str(tmp_path / "absent"))
-    assert exchange._network_mounts() == {}
+    monkeypatch.setattr(agreement, "_MOUNTINFO", str(tmp_path / "absent"))
+    assert agreement._network_mounts() == {}
 
 
 def test_an_object_on_a_loopback_server_is_each_hosts_own(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -304,15 +304,15 @@ def test_an_object_on_a_loopback_server_is_each_hosts_own(monkeypatch: pytest.Mo
     whose ETags are often its files' mtime and size): there the version names the host too."""
     from types import SimpleNamespace
 
-    from streamload.cooperative import exchange
+    from streamload.cooperative import agreement
     from streamload.format.header import FileVersion
 
     objects = SimpleNamespace(storage=SimpleNamespace(local=False))
 
     def on(host: str, url: str) -> bytes:
-        monkeypatch.setattr(exchange, "_host_identity", lambda: host)
+        monkeypatch.setattr(agreement, "_host_identity", lambda: host)
         header = SimpleNamespace(path=url, size=10, identity=FileVersion(10, etag='"5f-a"'))
-        return exchange.version(header, objects)  # type: ignore[arg-type]
+        return agreement.version(header, objects, {})  # type: ignore[arg-type]
 
     for url in ("http://127.0.0.1:8080/m/model.safetensors", "http://localhost/m/a.safetensors",
                 "http://user:pw@[::1]:9/a.safetensors"):  # fmt: skip

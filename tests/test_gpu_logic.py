@@ -218,15 +218,16 @@ def exchange(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     import torch.distributed as dist
 
-    from streamload.cooperative import exchange as exchange_module
+    from streamload.cooperative import group
+    from streamload.cooperative.shares import Exchange
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        ex = exchange_module.Exchange(None, torch.device("cpu"))
+        ex = Exchange(None, torch.device("cpu"))
         assert ex.timeout == dist.default_pg_timeout  # the group's own timeout, read from its backend
         ex.timeout = timedelta(seconds=0.2)
         never = NeverDone()
-        monkeypatch.setattr(exchange_module, "all_gather", lambda *args: never)
+        monkeypatch.setattr(group, "all_gather", lambda *args: never)
         ex.never = never
         yield ex
     finally:
@@ -268,7 +269,7 @@ def test_a_collective_past_its_deadline_is_an_error_naming_the_tensors_and_abort
 
 
 def test_a_failed_collective_raises_the_backends_error() -> None:
-    from streamload.cooperative.exchange import wait
+    from streamload.cooperative.group import wait
 
     class Failed:
         def is_completed(self) -> bool:

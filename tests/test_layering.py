@@ -20,7 +20,7 @@ PACKAGE = ROOT / "streamload"
 # Attributes of other libraries' objects that a module of ours reads, and that one of our own classes
 # also happens to name: (module, attribute) -> why.
 FOREIGN = {
-    ("cooperative/exchange.py", "_timeout"): "torch's: a process group backend's options (the exchange's deadline)",
+    ("cooperative/group.py", "_timeout"): "torch's: a process group backend's options (the exchange's deadline)",
     ("storage/remote.py", "_store"): "obstore's: its native module, loaded afresh in a forked child",
 }
 

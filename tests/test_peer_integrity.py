@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 import streamload
 from streamload.integrity.digests import DIGEST_FILE
 from streamload.storage import cache as cache_module
+from streamload.storage.peers import TALLY
 
 from .test_peers import (
     Store,
@@ -138,11 +139,14 @@ def test_a_digest_file_that_fails_the_origin_too_is_stale_and_the_peer_not_blame
     streamload.load(store.url, device="cpu", cache_dir=honest)
     caplog.clear()
     with seeders(honest) as (fair,):
+        before = TALLY.read()[0]
         got = streamload.load(store.url, device="cpu", peers=[fair.url])
         assert_same(got, store.www / "model")
         said = warnings_of(caplog)
         assert len(said) == 1 and "stale" in said[0] and DIGEST_FILE in said[0] and fair.url not in said[0], said
         assert fair.sent > 0  # still served the other files
+        # the stale block's bytes were taken from the source: not counted as the peer's
+        assert 0 < TALLY.read()[0] - before < fair.sent
 
 
 def test_unchecked_peer_bytes_never_become_a_kept_copy(

@@ -17,6 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 import streamload
+from streamload.format.header import FileHeader, FileVersion
+from streamload.integrity.digests import Version, bound, version_of
+from streamload.storage.remote import ObjectPath
 
 from .servers import RangeServer
 
@@ -326,3 +329,30 @@ def test_a_password_before_an_azure_account_is_still_a_credential_refused_unshow
     with pytest.raises(streamload.SourceError, match="credentials in the URL are not used") as e:
         streamload.load(f"abfs://models:{SECRET}@account.dfs.core.windows.net/model/", device="cpu")
     assert SECRET not in str(e.value)
+
+
+# -- a digest entry bound to an object's version -------------------------------------------------------------
+V1_MD5 = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"  # the MD5 of the version an entry was made from
+ENTRY = {"size": 1000, "md5": V1_MD5, "origin": {"etag": '"made-from-version-1"'}}
+
+
+def version_served(url: str, etag: str) -> Version:
+    """The version a load of `url` binds digest entries to, its store answering with `etag`."""
+    from streamload.storage import storage_for
+
+    header = FileHeader(ObjectPath(url), 1000, 8, (), None, FileVersion(1000, etag=etag))
+    return version_of(header, storage_for(url).digest(header))
+
+
+@pytest.mark.parametrize("url", ["http://h/m.safetensors", "https://h/m.safetensors", "gs://bucket/m.safetensors",
+                                 "az://container/m.safetensors"])  # fmt: skip
+def test_an_opaque_etag_equal_to_an_entrys_md5_does_not_bind_it(url: str) -> None:
+    """These stores' ETags are opaque: one that reads as the entry's MD5 (chosen so, or by chance) says nothing
+    of the bytes, so the entry's digests of another version are not taken for this one."""
+    assert bound(ENTRY, version_served(url, f'"{V1_MD5}"')) is not None
+
+
+def test_an_s3_etag_binds_an_entry_by_md5_only_where_it_is_one() -> None:
+    assert bound(ENTRY, version_served("s3://bucket/m.safetensors", f'"{V1_MD5}"')) is None  # a single-part PUT's
+    assert bound(ENTRY, version_served("s3://bucket/m.safetensors", f'"{V1_MD5}-2"')) is not None  # multipart
+    assert bound(ENTRY, version_served("s3://bucket/m.safetensors", '"made-from-version-1"')) is None

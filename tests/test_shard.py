@@ -482,15 +482,15 @@ def test_cooperative_jobs_under_torchrun_exit_cleanly(model: Path) -> None:
 def test_a_closed_cooperative_stream_holds_nothing_of_torch_distributed(model: Path, tmp_path: Path) -> None:
     import gc
 
-    from streamload.cooperative.exchange import Exchange
+    from streamload.cooperative.shares import Exchange
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         exchange = Exchange(None, torch.device("cpu"))
-        held = (exchange._pg, exchange._store)
+        held = (exchange._pg, exchange.store)
         assert held[0] is not None
         exchange.close()
         assert not [r for r in gc.get_referrers(held[0]) if r is exchange or r is vars(exchange)]
-        assert all(v is None for v in (exchange._pg, exchange._store, exchange._backend, exchange.group))
+        assert all(v is None for v in (exchange._pg, exchange.store, exchange.backend, exchange.group))
     finally:
         dist.destroy_process_group()

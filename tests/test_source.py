@@ -59,6 +59,17 @@ def test_index_names_missing_shard(tmp_path: Path) -> None:
     assert str(index) in str(info.value)
 
 
+def test_an_index_named_with_a_variant_is_read_as_an_index(tmp_path: Path) -> None:
+    """`save_pretrained(variant="fp16")` names a sharded component's index `<name>.safetensors.index.fp16.json`."""
+    shard(tmp_path / "w-00001-of-00002.fp16.safetensors", a=torch.ones(2))
+    shard(tmp_path / "w-00002-of-00002.fp16.safetensors", b=torch.zeros(3))
+    index = tmp_path / "diffusion_pytorch_model.safetensors.index.fp16.json"
+    index.write_text(json.dumps({"weight_map": {"a": "w-00001-of-00002.fp16.safetensors",
+                                                "b": "w-00002-of-00002.fp16.safetensors"}}))  # fmt: skip
+    got = streamload.load(index, device="cpu")
+    assert set(got) == {"a", "b"} and torch.equal(got["a"], torch.ones(2)) and torch.equal(got["b"], torch.zeros(3))
+
+
 def test_index_maps_tensor_absent_from_shard(tmp_path: Path) -> None:
     shard(tmp_path / "s1.safetensors", a=torch.ones(1))
     shard(tmp_path / "s2.safetensors", b=torch.ones(1))

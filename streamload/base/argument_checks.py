@@ -1,13 +1,5 @@
 """The public entry points' arguments, checked once, up front: a one-line error naming the argument
-instead of a traceback from deep inside a load; sizes with units, as the command line takes them.
-
->>> size("1GiB", "ring_bytes")
-1073741824
->>> count(0, "threads")
-Traceback (most recent call last):
-...
-ValueError: threads must be at least 1, not 0
-"""
+instead of a traceback from deep inside a load; sizes with units, as the command line takes them."""
 
 from __future__ import annotations
 

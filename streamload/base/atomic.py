@@ -4,12 +4,12 @@
 created new, never through a symlink, so that two writers never mix their bytes) and renames it into
 place (or links it, where an existing file is never replaced); `folder` opens a folder under a root
 without following links, for `write`'s `dir_fd`. What fails leaves nothing of it behind. No torch here:
-the fetch started before vLLM's import writes too. (Archives are unpacked where they are installed:
-integrations/vllm/startup/unpack.py.)
+the fetch started before vLLM's import writes too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -38,12 +38,12 @@ def write(
     dir_fd: int | None = None,
     replace: bool = True,
 ) -> bool:
-    """`data` put at `target` whole: written into a new file `temporary` (default: a name of this
-    writer's own beside `target`), flushed to disk where `sync`, then renamed over `target`. `data` is
-    the bytes, or a function that writes them into the file object it is given (an archive). `dir_fd`:
-    a folder open (`folder`), `target` a name in it. `replace=False`: put in place only where `target`
-    is absent, also where another writer puts one there meanwhile (a link, not a rename): False where
-    it was there. Raises what fails (an OSError: a full disk), with the temporary file removed."""
+    """`data` (bytes, or a function that writes them into the file it is given) put at `target` whole:
+    written into a new file `temporary` (default: a name of this writer's own beside `target`), flushed
+    to disk where `sync`, then renamed over `target` (`dir_fd`: a `folder`, `target` a name in it).
+    `replace=False`: put in place only where `target` is absent, also where another writer puts one
+    there meanwhile (a link, not a rename): False where it was there. Raises what fails, with the
+    temporary file removed."""
     tmp = target.with_name(f"{target.name}{PARTIAL}{writer_tag()}") if temporary is None else temporary
     fd = os.open(tmp, NEW, 0o666, dir_fd=dir_fd)
     try:
@@ -60,10 +60,8 @@ def write(
             return True
         return _add(tmp, target, dir_fd)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass
         raise
 
 
@@ -118,8 +116,6 @@ def subfolder(parent: int, name: str, create: bool = True) -> int:
     except FileNotFoundError:
         if not create:
             raise
-    try:
+    with contextlib.suppress(FileExistsError):  # made meanwhile (by another process), or a link: opened as any other
         os.mkdir(name, 0o777, dir_fd=parent)
-    except FileExistsError:  # made meanwhile (by another process), or a link: opened as any other
-        pass
     return os.open(name, FOLDER, dir_fd=parent)

@@ -2,31 +2,24 @@
 and the host staging slots the process keeps between streams.
 
 A server that loads many checkpoints at once (adapters, several models) must not grow threads and
-staging buffers with the number of loads. Every stream borrows reader threads from one pool and
-takes its ring slots from one budget: it waits for its first slot, takes more only while the budget
-allows, and gives them all back when it ends, so the staging memory of all streams together stays
-within the cap and every stream still makes progress.
+staging with the number of loads: every stream borrows reader threads from one pool and takes its ring
+slots from one budget (it waits for its first slot, takes more only while the budget allows, and gives
+them all back when it ends), so all streams together stay within the cap and each still makes progress.
 
-One exception keeps that promise from becoming a wait for ever. A first slot waits for staging that
-other streams give back, and a stream gives it back only as its consumer reads it on: the async task
-that opened it (its calls run on worker threads, but the task waits for each), else the thread that
-took its first slot. So when every stream holding staging belongs to a consumer that is itself
-waiting for a first slot (`zip(iter(a), iter(b))`: the thread waiting for `b`'s is the only reader of
-`a`; or two threads, each holding a stream and waiting for a second), the waiting stream takes its
-first slot beyond the cap. The cap is then exceeded by at most that first slot (with the device's
-buffers) for each stream started so (`usage().staging_over`); every other slot, and every stream of
-a consumer that can still give staging back, waits until the total is within the cap again. (A
-stream opened outside the task that reads it with `async for` counts as the worker thread's that
+One exception keeps a first slot from waiting for ever. A stream gives staging back only as its
+consumer reads on: the async task that opened it (its calls run on worker threads, but the task waits
+for each), else the thread that took its first slot. When every stream holding staging belongs to a
+consumer itself waiting for a first slot (`zip(iter(a), iter(b))`: the thread waiting for `b`'s is the
+only reader of `a`; or two threads, each holding a stream and waiting for a second), the waiting stream
+takes its first slot beyond the cap: by at most that slot (with the device's buffers) for each stream
+started so (`usage().staging_over`); every other slot waits until the total is within the cap again.
+(A stream opened outside the task that reads it with `async for` counts as the worker thread's that
 took its first slot: open streams read in turn by one task inside that task.)
-
->>> import streamload
->>> streamload.set_limits(reader_threads=16, staging_bytes=2 << 30)
->>> streamload.usage().staging_cap
-2147483648
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import sys
 import threading
@@ -37,10 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from streamload.base import argument_checks as arguments
-from streamload.base import tuning as defaults
-
-GiB = 1 << 30
+from streamload.base import argument_checks, tuning
 
 
 class Usage(NamedTuple):
@@ -61,21 +51,18 @@ _PAGE = mmap.PAGESIZE
 
 
 class HostSlots:
-    """Host staging slots, kept by the process across streams.
+    """Host staging slots, kept by the process across streams (within the staging cap).
 
     Pinned memory costs its page faults, not the pinning (measured on an H100 machine: 256 MiB took
-    164 ms with `pin_memory=True` and 168 ms to register fresh pages, but 14 ms to register pages already
-    touched). So a slot here is plain anonymous memory (page-aligned, as O_DIRECT also needs): the reader
-    threads fault its pages in, in parallel, as they read into it; a device that copies from it asks to
-    `pin` it once filled, which registers it with CUDA on its first use only; and a closed stream gives
-    its slots back here, to the next stream of the process, instead of to the system. What is kept is
-    bounded by the process-wide staging cap (`streamload.set_limits`).
-    """
+    164 ms with `pin_memory=True` and 168 ms to register fresh pages, 14 ms pages already touched). So a
+    slot is plain anonymous memory (page-aligned, as O_DIRECT needs) whose pages the reader threads fault
+    in as they read; a device that copies from it `pin`s it once filled (registered with CUDA on first
+    use only); and a closed stream's slots go to the next stream, not back to the system."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[int, list[torch.Tensor]] = {}  # by size
-        self._kept = 0  # bytes in `_free`
+        self.kept = 0  # bytes in `_free`
         self._pinned: dict[int, tuple[int, Callable[[], None]]] = {}  # data_ptr -> (bytes registered, undo)
         self._refused: set[int] = set()  # slots CUDA would not register
 
@@ -84,7 +71,7 @@ class HostSlots:
         with self._lock:
             free = self._free.get(nbytes)
             if free:
-                self._kept -= nbytes
+                self.kept -= nbytes
                 return free.pop()
         memory = mmap.mmap(-1, nbytes)  # pages come on first write
         slot = torch.frombuffer(memory, dtype=torch.uint8)
@@ -105,34 +92,21 @@ class HostSlots:
         with self._lock:
             for slot in slots:
                 self._free.setdefault(slot.numel(), []).append(slot)
-                self._kept += slot.numel()
-            dropped = self._trim(keep)
-        self._unpin(dropped)
+                self.kept += slot.numel()
+        self.trim(keep)
 
     def trim(self, keep: int) -> None:
         """Drop kept slots beyond `keep` bytes (0: all of them)."""
-        with self._lock:
-            dropped = self._trim(keep)
-        self._unpin(dropped)
-
-    def _trim(self, keep: int) -> list[torch.Tensor]:  # under the lock
         dropped = []
-        for size in sorted(self._free, reverse=True):
-            free = self._free[size]
-            while free and self._kept > keep:
-                dropped.append(free.pop())
-                self._kept -= size
-        self._free = {size: free for size, free in self._free.items() if free}
-        return dropped
-
-    def _unpin(self, slots: list[torch.Tensor]) -> None:
-        """Undo the registration of slots about to be unmapped (a later slot may reuse the address)."""
-        for slot in slots:
+        with self._lock:
+            for size in sorted(self._free, reverse=True):
+                free = self._free[size]
+                while free and self.kept > keep:
+                    dropped.append(free.pop())
+                    self.kept -= size
+            self._free = {size: free for size, free in self._free.items() if free}
+        for slot in dropped:  # unregistered before it is unmapped: a later slot may reuse the address
             self._forget(slot.data_ptr())
-
-    @property
-    def kept(self) -> int:
-        return self._kept
 
     def pin(self, slot: torch.Tensor, register: Register, used: int | None = None) -> bool:
         """Register the first `used` bytes of `slot` (whole pages; all of it if None) unless they are
@@ -210,7 +184,9 @@ class _Limits:
             _count(self._waiting, consumer, 1)
             self._freed.notify_all()  # a waiter of another consumer may find now that no holder can move
             try:
-                while self._held + nbytes > self.staging_cap and not self._stuck():
+                # Not once every stream holding staging has a consumer waiting for a first slot (the
+                # waiter's own streams among them): none could read on and give staging back.
+                while self._held + nbytes > self.staging_cap and not all(c in self._waiting for c in self._holders):
                     if stop.is_set():
                         return None
                     self._freed.wait(0.05)  # a timeout only to see `stop`: `wake` notifies at once
@@ -222,11 +198,6 @@ class _Limits:
             keep = self._hold(nbytes)
         self.host.trim(keep)
         return over
-
-    def _stuck(self) -> bool:  # under the lock
-        """Whether every stream holding staging has a consumer waiting for a first slot: none can read on
-        and give staging back (the waiter's own streams among them), so waiting would be for ever."""
-        return all(consumer in self._waiting for consumer in self._holders)
 
     def _hold(self, nbytes: int) -> int:  # under the lock
         """Hold `nbytes`; returns how much kept staging may stay beside what streams hold (the cap's rest)."""
@@ -255,9 +226,8 @@ class _Limits:
 
     def usage(self, reset_peak: bool) -> Usage:
         with self._lock:
-            waiting = sum(self._waiting.values())
             snapshot = Usage(self.reader_threads, self.staging_cap, self._held, self._peak, self._users,
-                             self.host.kept, self._over, waiting)  # fmt: skip
+                             self.host.kept, self._over, sum(self._waiting.values()))  # fmt: skip
             if reset_peak:
                 self._peak = self._held
             return snapshot
@@ -277,22 +247,17 @@ def _task() -> object | None:
     can be running one, so plain code imports nothing here."""
     asyncio = sys.modules.get("asyncio")
     if asyncio is not None:
-        try:
-            task = asyncio.current_task()
-        except RuntimeError:  # no event loop runs in this thread
-            task = None
-        if task is not None:
-            return task
+        with contextlib.suppress(RuntimeError):  # no event loop runs in this thread
+            if (task := asyncio.current_task()) is not None:
+                return task
     trio = sys.modules.get("trio")
     if trio is not None:
-        try:
+        with contextlib.suppress(RuntimeError):  # not inside trio.run
             return trio.lowlevel.current_task()
-        except RuntimeError:  # not inside trio.run
-            pass
     return None
 
 
-_limits = _Limits(reader_threads=defaults.reader_threads(), staging_bytes=2 * GiB)
+_limits = _Limits(reader_threads=tuning.reader_threads(), staging_bytes=2 * tuning.GiB)
 
 
 def set_limits(*, reader_threads: int | None = None, staging_bytes: int | str | None = None) -> None:
@@ -303,10 +268,10 @@ def set_limits(*, reader_threads: int | None = None, staging_bytes: int | str | 
     already holding more keep it until they end). The cap is exceeded only where a stream's first slot
     could never be had otherwise, by that slot (see the module's doc and `usage().staging_over`).
     """
-    reader_threads = arguments.count(reader_threads, "reader_threads")  # an int: a float or text refused
+    reader_threads = argument_checks.count(reader_threads, "reader_threads")  # an int: a float or text refused
     if reader_threads is not None:
         _limits.reader_threads = reader_threads
-    staging_bytes = arguments.size(staging_bytes, "staging_bytes")
+    staging_bytes = argument_checks.size(staging_bytes, "staging_bytes")
     if staging_bytes is not None:
         if staging_bytes < 4096:
             raise ValueError(f"staging_bytes must be at least 4096, not {staging_bytes}")
@@ -334,11 +299,8 @@ def shared_limits() -> _Limits:
 
 
 class Staging:
-    """One stream's share of the staging budget: taken slot by slot, given back all at once.
-
-    Made where the stream is opened: a stream opened by an async task is read on by that task (through
-    worker threads, one call at a time), any other by the thread that takes its first slot.
-    """
+    """One stream's share of the staging budget: taken slot by slot, given back all at once. Made where the
+    stream is opened, whose consumer is the async task that opened it, else the thread that takes its first slot."""
 
     def __init__(self) -> None:
         self.held = 0
@@ -347,9 +309,7 @@ class Staging:
         self._consumer: object | None = None
 
     def take_first(self, nbytes: int, stop: threading.Event) -> bool:
-        """Wait until `nbytes` fit the budget (other streams ending free it), then hold them;
-        False if `stop` was set while waiting. Taken beyond the cap rather than waiting for ever
-        where no stream holding staging can give it back (see the module's doc)."""
+        """`_Limits.take_first` for this stream's consumer; False if `stop` was set while waiting."""
         check_fits(nbytes, "one ring slot with its buffers")
         consumer = self._opener if self._opener is not None else threading.current_thread()
         over = _limits.take_first(nbytes, stop, consumer)

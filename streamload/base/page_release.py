@@ -4,6 +4,7 @@ or map them (`PAGE`, `madvise`: libc's, None off Linux/glibc)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -65,13 +66,10 @@ class Release:
 
 
 def _private_file_mapping(address: int) -> bool:
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:  # "start-end perms offset dev inode path"
-                span, perms, _, _, inode, *_ = line.split()
-                low, high = (int(x, 16) for x in span.split("-"))
-                if low <= address < high:
-                    return perms.endswith("p") and inode != "0"
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:  # "start-end perms offset dev inode path"
+            span, perms, _, _, inode, *_ = line.split()
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= address < high:
+                return perms.endswith("p") and inode != "0"
     return False

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any, ParamSpec, TextIO, TypeVar
 
 from streamload.base import settings
@@ -29,36 +30,21 @@ def progress_bar(**kwargs: Any) -> Any:
     A task given `stats=stream.stats` shows the stream's own rate (bytes read over its elapsed time),
     the number the summary prints after, not rich's estimate over the last updates.
     """
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        ProgressColumn,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    from rich import progress
     from rich.text import Text
 
-    class StreamRate(ProgressColumn):
-        def __init__(self) -> None:
-            super().__init__()
-            self.estimate = TransferSpeedColumn()
-
+    class StreamRate(progress.TransferSpeedColumn):
         def render(self, task: Any) -> Text:
             stats = task.fields.get("stats")
             if stats is None:
-                return self.estimate.render(task)
+                return super().render(task)
             return Text(f"{stats.gbps:.2f} GB/s", style="progress.data.speed")
 
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), StreamRate(), TimeRemainingColumn())
-    return Progress(*columns, **kwargs)
+    columns = [progress.TextColumn("{task.description}"), progress.BarColumn(), progress.DownloadColumn()]
+    return progress.Progress(*columns, StreamRate(), progress.TimeRemainingColumn(), **kwargs)
 
 
 # -- the bar of a library load (load, load_into, from_pretrained) ---------------------------------------
-
-AFTER_ENV = settings.PROGRESS_AFTER.name  # seconds a load runs before its bar is drawn (default `AFTER`)
-AFTER = settings.PROGRESS_AFTER.default  # a load that ends sooner draws nothing: no bar flashing by for a small model
 
 
 def size(n: float) -> str:
@@ -66,11 +52,11 @@ def size(n: float) -> str:
     "1.5 KB", "12.3 MB", "1.23 GB"."""
     if n < 1000:
         return f"{int(n)} B"
-    for unit in ("KB", "MB", "GB", "TB"):
+    for unit in ("KB", "MB", "GB"):
         n /= 1000
-        if n < 999.5 or unit == "TB":
-            return f"{n:.2f} {unit}" if unit in ("GB", "TB") else f"{n:.1f} {unit}"
-    raise AssertionError("unreachable")  # pragma: no cover
+        if n < 999.5:
+            return f"{n:.2f} {unit}" if unit == "GB" else f"{n:.1f} {unit}"
+    return f"{n / 1000:.2f} TB"
 
 
 def bars_enabled() -> bool:
@@ -88,14 +74,14 @@ def bars_enabled() -> bool:
 
 
 def _after() -> float:
-    """`STREAMLOAD_PROGRESS_AFTER` (seconds, 0: from the start), else `AFTER`."""
+    """`STREAMLOAD_PROGRESS_AFTER`: a load that ends sooner draws no bar (none flashing by for a small model)."""
     return settings.PROGRESS_AFTER.get()
 
 
 class LoadBar:
-    """One bar over the streams a load opens (`watch`), drawn on a terminal by a thread that reads
-    their counters ten times a second (a load's loop, inside `load_into` or a framework's loader, is
-    not ours to hook), once the load has run `after` seconds; tqdm draws it."""
+    """One bar over the streams a load opens (`watch`), drawn on a terminal by a thread (started with it)
+    that reads their counters ten times a second (a load's loop, inside `load_into` or a framework's
+    loader, is not ours to hook), once the load has run `after` seconds; tqdm draws it."""
 
     def __init__(self, what: str, after: float, out: TextIO) -> None:
         self.what, self.after, self.out = what, after, out
@@ -104,13 +90,11 @@ class LoadBar:
         self._bar: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="streamload-progress", daemon=True)
+        self._thread.start()
 
     def watch(self, stats: Stats) -> None:
         """Count a stream's bytes on this bar."""
         self.stats.append(stats)
-
-    def start(self) -> None:
-        self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -164,17 +148,6 @@ def _tqdm_bar(what: str, total: int, out: TextIO) -> Any:
 _CURRENT: ContextVar[LoadBar | None] = ContextVar("streamload_load_bar", default=None)
 
 
-def drawable(out: TextIO | None = None) -> bool:
-    """Whether a bar would be drawn on `out` (default stderr): a terminal, bars not switched off, tqdm installed."""
-    out = sys.stderr if out is None else out
-    isatty = getattr(out, "isatty", None)
-    if not (isatty is not None and isatty() and bars_enabled()):
-        return False
-    from importlib.util import find_spec
-
-    return find_spec("tqdm") is not None
-
-
 @contextmanager
 def loading(what: str = "Loading weights", after: float | None = None) -> Iterator[LoadBar | None]:
     """A bar on stderr for the streams opened inside (`api.iter` calls `watch`), where transformers would
@@ -182,12 +155,12 @@ def loading(what: str = "Loading weights", after: float | None = None) -> Iterat
     `STREAMLOAD_PROGRESS_AFTER`, else 1). Never in a log or a pipe; nothing where tqdm is not installed.
     Inside another `loading`, the outer bar counts these streams too. Yields the bar, or None."""
     outer = _CURRENT.get()
-    if outer is not None or not drawable():
+    isatty = getattr(sys.stderr, "isatty", None)
+    if outer is not None or not (isatty is not None and isatty() and bars_enabled() and find_spec("tqdm")):
         yield outer
         return
     bar = LoadBar(what, _after() if after is None else after, sys.stderr)
     token = _CURRENT.set(bar)
-    bar.start()
     try:
         yield bar
     finally:

@@ -48,13 +48,9 @@ def switched_on(raw: str | None) -> bool:
 
 
 def _count(name: str, raw: str) -> int:
-    try:
-        n = int(raw.strip())
-    except ValueError:
-        n = -1
-    if n < 0:
+    if not raw.strip().isdecimal():  # the digits `int` reads, no sign: a whole number, 0 or more
         raise SettingError(f"{name}={raw!r}: give a whole number, 0 or more")
-    return n
+    return int(raw)
 
 
 def _float(raw: str) -> float:

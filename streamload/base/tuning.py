@@ -23,6 +23,7 @@ Every value can be given instead (`streamload.iter(..., threads=, chunk_bytes=, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import NamedTuple
 
@@ -42,9 +43,7 @@ class Tuning(NamedTuple):
     def slot_bytes(self) -> int:
         return self.ring_bytes // self.slots // 64 * 64
 
-    def check(self) -> None:
-        if self.slots < 1 or self.threads < 1:
-            raise ValueError("slots and threads must be >= 1")
+    def check(self) -> None:  # (slots and threads: checked as options, at least 1)
         if self.slot_bytes < 4096:
             raise ValueError(
                 f"ring of {self.ring_bytes} bytes in {self.slots} slots gives slots under 4 KiB; "
@@ -75,13 +74,10 @@ def cpu_count() -> int:
 
 def available_memory() -> int | None:
     """Bytes of host memory available without swapping (MemAvailable), None where unknown."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo", "rb") as f:
+        for line in f:
+            if line.startswith(b"MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return None
 
 
@@ -101,12 +97,9 @@ def tuning(
 ) -> Tuning:
     """The tuning for a load of `total_bytes` with a device kind's `staging` defaults (its `.staging`);
     given values win. `copies`: most bytes are copied into tensors that exist already (`into=`)."""
-    threads = threads or reader_threads()
-    if chunk_bytes is None:
-        share = _power_of_two_below(max(MiB, total_bytes // threads))
-        chunk_bytes = min(staging.chunk_bytes, share)
-    if slots is None:
-        slots = staging.slots
+    threads, slots = threads or reader_threads(), slots or staging.slots
+    if chunk_bytes is None:  # the power of two at or below each thread's share
+        chunk_bytes = min(staging.chunk_bytes, 1 << (max(MiB, total_bytes // threads).bit_length() - 1))
     if ring_bytes is None:
         if staging.ring_from_memory:
             memory = available_memory()
@@ -115,7 +108,3 @@ def tuning(
         else:
             ring_bytes = 64 * MiB if copies else 256 * MiB
     return Tuning(ring_bytes, slots, threads, chunk_bytes)
-
-
-def _power_of_two_below(n: int) -> int:
-    return 1 << (n.bit_length() - 1)

@@ -13,19 +13,20 @@ parallel reads of the same files, and pinned host-to-device copies.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 import mmap
 import os
+import queue
 import re
 import statistics
 import subprocess  # nosec B404 # children are this package's own modules, argv lists, no shell
 import sys
-import threading
 import time
+import timeit
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,13 +57,7 @@ LOADERS = [
     Loader("fastsafetensors-gds", "fastsafetensors", ("cuda",)),
     Loader("runai", "runai_model_streamer", ("cpu", "cuda")),
     Loader("instanttensor", "instanttensor", ("cuda",), "pip install instanttensor"),
-    Loader(
-        "streamload-range",
-        "obstore",
-        ("cpu", "cuda"),
-        "pip install -e '.[remote]'",
-        ("s3", "http", "https"),
-    ),
+    Loader("streamload-range", "obstore", ("cpu", "cuda"), "pip install -e '.[remote]'", ("s3", "http", "https")),
     Loader("runai-s3", "runai_model_streamer_s3", ("cpu", "cuda"), "pip install runai-model-streamer-s3", ("s3",)),
     Loader("ceiling-read", None, ("cpu", "cuda")),
     Loader("ceiling-odirect", None, ("cpu", "cuda")),
@@ -97,7 +92,7 @@ class Summary:
 # -- one load, in the child process -----------------------------------------------------------------
 
 
-def _touch(t: Any) -> None:
+def touch(t: Any) -> None:
     """Make a tensor resident: on the CPU read one byte per page; on a GPU its bytes are there."""
     import torch
 
@@ -115,8 +110,7 @@ def _tensors(loader: str, files: list[str], device: str, options: dict[str, int]
         import streamload
 
         reader, _, verify = loader.removeprefix("streamload-").partition("+")
-        stream = streamload.iter(files, device=device, reader=reader, verify=verify == "verify", **options)  # type: ignore[arg-type]
-        yield from stream
+        yield from streamload.iter(files, device=device, reader=reader, verify=verify == "verify", **options)  # type: ignore[arg-type]
     elif loader == "safetensors-load_file":
         from safetensors.torch import load_file
 
@@ -132,17 +126,11 @@ def _tensors(loader: str, files: list[str], device: str, options: dict[str, int]
     elif loader.startswith("fastsafetensors"):
         from fastsafetensors import SafeTensorsFileLoader, SingleGroup
 
-        fl = SafeTensorsFileLoader(SingleGroup(), device, nogds=loader == "fastsafetensors")
-        try:
+        with closing(SafeTensorsFileLoader(SingleGroup(), device, nogds=loader == "fastsafetensors")) as fl:
             fl.add_filenames({0: files})
-            buffer = fl.copy_files_to_device()
-            try:
+            with closing(fl.copy_files_to_device()) as buffer:
                 for name in buffer.key_to_rank_lidx:
                     yield name, buffer.get_tensor(name)  # views of its buffer, valid until close()
-            finally:
-                buffer.close()
-        finally:
-            fl.close()
     elif loader in ("runai", "runai-s3"):
         from runai_model_streamer import SafetensorsStreamer
 
@@ -159,13 +147,6 @@ def _tensors(loader: str, files: list[str], device: str, options: dict[str, int]
         raise SystemExit(f"unknown loader {loader}")
 
 
-def _ceiling(loader: str, files: list[str], device: str, host: bool) -> Callable[[], None]:
-    """The ceiling's transfer, ready to run: buffers (pinned ones cost ~0.6 s per GiB) are made here."""
-    if loader == "ceiling-h2d":
-        return _h2d(sum(os.path.getsize(f) for f in files), device)
-    return parallel_read(files, direct=loader == "ceiling-odirect", pinned=not host)
-
-
 def parallel_read(files: list[str], direct: bool, pinned: bool) -> Callable[[], None]:
     """A function that reads the files with READ_THREADS threads of READ_CHUNK-byte preadv into
     per-thread buffers (allocated now, not when it runs)."""
@@ -178,19 +159,17 @@ def parallel_read(files: list[str], direct: bool, pinned: bool) -> Callable[[], 
         buffers = [writable_bytes(t) for t in tensors]
     else:
         buffers = [memoryview(mmap.mmap(-1, READ_CHUNK)) for _ in range(READ_THREADS)]  # page-aligned for O_DIRECT
+    free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
     for b in buffers:
         b[:: mmap.PAGESIZE] = bytes(len(b[:: mmap.PAGESIZE]))  # fault the pages in before the clock
-    free = list(buffers)
-    lock = threading.Lock()
+        free.put(b)
 
     def one(fd: int, offset: int) -> None:
-        with lock:
-            buf = free.pop()
+        buf = free.get()
         try:
             os.preadv(fd, [buf], offset)
         finally:
-            with lock:
-                free.append(buf)
+            free.put(buf)
 
     def run() -> None:
         fds = [os.open(f, os.O_RDONLY | (os.O_DIRECT if direct else 0)) for f in files]
@@ -226,15 +205,6 @@ def _h2d(nbytes: int, device: str) -> Callable[[], None]:
     return run
 
 
-_MODULES = {
-    "streamload": "streamload",
-    "safetensors": "safetensors.torch",
-    "fastsafetensors": "fastsafetensors",
-    "runai": "runai_model_streamer",
-    "instanttensor": "instanttensor",
-}
-
-
 def child(
     loader: str, files: list[str], device: str, options: dict[str, int] | None = None, keep: bool = True,
     host: bool = True,
@@ -253,24 +223,25 @@ def child(
         memory.init()
         base = memory.memory_allocated(device)
         memory.reset_peak_memory_stats(device)
-    layer0 = _layer0_names(files)
     if loader.startswith("ceiling"):  # no torch on a CPU (its import is ~3 s of CPU here, outside the clock)
-        transfer = _ceiling(loader, files, device, host)
+        total = sum(os.path.getsize(f) for f in files)
+        # the transfer made ready before the clock: its buffers (pinned ones cost ~0.6 s per GiB)
+        if loader == "ceiling-h2d":
+            transfer = _h2d(total, device)
+        else:
+            transfer = parallel_read(files, direct=loader == "ceiling-odirect", pinned=not host)
         start = time.perf_counter()
         transfer()
         seconds = time.perf_counter() - start
-        total = sum(os.path.getsize(f) for f in files)
         return Run(seconds, [(seconds, total)], seconds, None, _peak_rss())
+    layer0 = _layer0_names(files)
     import torch  # before the clock: every loader's user has it imported
 
-    start = time.perf_counter()
-    module = _MODULES.get(loader.split("-")[0])
-    if module is not None:
-        importlib.import_module(module)  # a user's program pays for the loader's import too
+    start = time.perf_counter()  # _tensors imports the loader: a user's program pays for its import too
     kept, arrivals, done, first_layer = [], [], 0, None
     pending = set(layer0)
     for name, t in _tensors(loader, files, device, options or {}):
-        _touch(t)
+        touch(t)
         done += t.numel() * t.element_size()
         if keep:
             kept.append(t)
@@ -283,18 +254,13 @@ def child(
     if memory is not None:
         memory.synchronize(device)
     seconds = time.perf_counter() - start
-    extra = None
-    if memory is not None:
-        extra = max(0, memory.max_memory_allocated(device) - base - done)
+    extra = None if memory is None else max(0, memory.max_memory_allocated(device) - base - done)
     first = arrivals[0][0] if arrivals else seconds
     return Run(seconds, arrivals, first, first_layer, _peak_rss(), extra)
 
 
 def _layer0_names(files: list[str]) -> set[str]:
     """Layer 0's tensor names, read from the headers without importing streamload (which is measured)."""
-    import json
-    import re
-
     names: set[str] = set()
     for f in files:
         if "://" in f:
@@ -325,10 +291,6 @@ def evict(files: Iterable[str]) -> None:
             os.close(fd)
 
 
-def scheme_of(files: list[str]) -> str:
-    return files[0].split("://", 1)[0] if files and "://" in files[0] else "file"
-
-
 def available(loaders: Iterable[str], device: str, scheme: str = "file") -> tuple[list[str], list[str]]:
     """The loaders that can run here, and a note for each that cannot (loaders for another storage are
     left out silently when `loaders` is everything)."""
@@ -350,15 +312,19 @@ def available(loaders: Iterable[str], device: str, scheme: str = "file") -> tupl
     return ok, notes
 
 
-def _indexed(device: str) -> str:
-    """`device` with an index where its kind has devices of their own ("cuda" -> "cuda:0"): the peers
-    need one, and device 0 is the one a fresh child process means."""
+def _prepare(path: str | os.PathLike[str], device: str) -> tuple[list[str], str]:
+    """The checkpoint's files, and `device` with an index where its kind has devices of their own ("cuda"
+    -> "cuda:0": the peers need one, and device 0 is the one a fresh child process means); streamload's
+    bytecode written first (`compile_streamload`)."""
     import torch
 
     from streamload.device import kind_of
+    from streamload.plan.checkpoint import open_checkpoint
 
+    compile_streamload()
     dev = torch.device(device)
-    return f"{dev.type}:0" if dev.index is None and not kind_of(dev).host_memory else device
+    files = [str(f.path) for f in open_checkpoint(path).files]
+    return files, f"{dev.type}:0" if dev.index is None and not kind_of(dev).host_memory else device
 
 
 def run_child(
@@ -410,17 +376,9 @@ def bench(
     keep: bool = True,
 ) -> list[Summary]:
     """Run every available loader `runs` times per mode, alternating; returns the raw runs.
-    `keep=False`: each tensor is dropped once touched (see `child`).
-
-    >>> summaries = bench("model/", device="cpu", modes=("cold", "warm"), runs=5)  # doctest: +SKIP
-    """
-    from streamload.plan.checkpoint import open_checkpoint
-
-    compile_streamload()
-
-    files = [str(f.path) for f in open_checkpoint(path).files]
-    device = _indexed(device)
-    scheme = scheme_of(files)
+    `keep=False`: each tensor is dropped once touched (see `child`)."""
+    files, device = _prepare(path, device)
+    scheme = files[0].split("://", 1)[0] if "://" in files[0] else "file"
     everything = loaders is None
     default = [ld.name for ld in LOADERS if scheme in ld.schemes and "+verify" not in ld.name]
     names, notes = available(loaders or default, device, scheme)
@@ -454,19 +412,12 @@ class Setting:
 
     options: dict[str, int]
     seconds: float
-    default: bool = False
     spread: tuple[float, float] = (0.0, 0.0)  # the fastest and slowest of its runs
 
     def describe(self) -> str:
         o = self.options
         return (f"threads={o['threads']} chunk={_size(o['chunk_bytes'])} "
                 f"ring={_size(o['ring_bytes'])}/{o['slots']} slots")  # fmt: skip
-
-    def as_flags(self) -> str:
-        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.options.items())
-
-    def as_kwargs(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.options.items())
 
 
 def sweep(
@@ -480,25 +431,17 @@ def sweep(
     """Time streamload (reader "auto") on a grid around its defaults: threads x request size x ring.
 
     Each run is a fresh process; every setting runs once per round, `runs` rounds, and its median is
-    reported. The first setting is the defaults.
-
-    >>> best = min(sweep("model/", device="cuda"), key=lambda s: s.seconds)  # doctest: +SKIP
-    """
-    from streamload.base import tuning as defaults
-    from streamload.plan.checkpoint import open_checkpoint
-
-    compile_streamload()
-
+    reported. The first setting is the defaults."""
+    from streamload.base import tuning
     from streamload.device import kind_of
 
-    files = [str(f.path) for f in open_checkpoint(path).files]
-    device = _indexed(device)
-    base = defaults.tuning(kind_of(device).staging, sum(os.path.getsize(f) for f in files))
+    files, device = _prepare(path, device)
+    base = tuning.tuning(kind_of(device).staging, sum(os.path.getsize(f) for f in files))
     threads = sorted({max(1, base.threads // 2), base.threads, base.threads * 2})
     chunks = sorted({max(1 << 16, base.chunk_bytes // 4), base.chunk_bytes, base.chunk_bytes * 4})
     rings = [(base.ring_bytes // 4, max(1, base.slots // 2)), (base.ring_bytes, base.slots),
              (base.ring_bytes * 4, base.slots * 2)]  # fmt: skip
-    grid = [base] + [defaults.Tuning(r, n, t, c) for t in threads for c in chunks for r, n in rings]
+    grid = [base] + [tuning.Tuning(r, n, t, c) for t in threads for c in chunks for r, n in rings]
     grid = list(dict.fromkeys(grid))  # the defaults first, each setting once
     seconds: list[list[float]] = [[] for _ in grid]
     settings: list[Setting] = []
@@ -509,7 +452,7 @@ def sweep(
             seconds[k].append(run_child("streamload-auto", files, device, t._asdict()).seconds)
             if r == runs - 1:
                 spread = (min(seconds[k]), max(seconds[k]))
-                settings.append(Setting(t._asdict(), statistics.median(seconds[k]), k == 0, spread))
+                settings.append(Setting(t._asdict(), statistics.median(seconds[k]), spread))
                 log(f"{settings[-1].describe()}{' (defaults)' if k == 0 else ''}: {settings[-1].seconds:.3f} s")
     return settings
 
@@ -632,24 +575,11 @@ def hash_rates(nbytes: int = 256 << 20) -> dict[str, float]:
     for name, digest in (("sha256", lambda d: hashlib.sha256(d).digest()), ("md5", md5),
                          ("blake3 (format-2 blocks: peers, cache copies, verify=)", blocks("blake3")),
                          ("xxh3-64 (format-1 blocks: verify= only)", blocks("xxh3-64"))):  # fmt: skip
-        best = min(_timed(lambda d=digest: d(data)) for _ in range(3))
-        rates[name] = nbytes / best / 1e9
+        rates[name] = nbytes / min(timeit.repeat(lambda d=digest: d(data), number=1, repeat=3)) / 1e9
     return rates
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["--child"]:
-        loader, device, memory, options, pattern, *files = args[1:]
-        run = child(loader, files, device, json.loads(options), keep=pattern == "keep", host=memory == "host")
-        print(json.dumps(asdict(run)))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:  # run_child's process: its one Run, as JSON
+    loader, device, memory, options, pattern, *files = sys.argv[2:]
+    run = child(loader, files, device, json.loads(options), keep=pattern == "keep", host=memory == "host")
+    print(json.dumps(asdict(run)))

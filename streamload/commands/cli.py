@@ -4,7 +4,6 @@ streamload logs at INFO while it runs."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import logging
@@ -12,13 +11,12 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 from streamload.base.argument_checks import parse_size
 from streamload.base.errors import StreamloadError
-from streamload.integrations.startup import pinned_digests as pins
+from streamload.integrations.startup import pinned_digests
 from streamload.storage.base import redacted
 
 
@@ -74,7 +72,7 @@ def _reading_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
     )
     load.add_argument("--cache-dir", help="keep a local copy of a remote checkpoint here, and read it next time "
                       "(default: none)")  # fmt: skip
-    load.add_argument("--peers", action="append", metavar="PEER",
+    load.add_argument("--peers", action="extend", type=_commas, metavar="PEER",
                       help="a node seeding the objects (http://HOST:PORT, HOST[:PORT] or a name whose addresses are "
                       "the nodes; repeat, or commas, for several): read from first, each block checked against the "
                       "source's digests (docs/peers.md)")  # fmt: skip
@@ -132,8 +130,9 @@ def _serving_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
     serve.add_argument("--compile-cache", action="append", metavar="sha256:HEX",
                        help="fetch, first, the compiled-artifact archive of this digest published beside the "
                        "weights (it runs as code: only a pinned one is installed; repeat for several)")  # fmt: skip
-    serve.add_argument("--peers", action="append", metavar="PEER", help="a node seeding the weights, fetched from "
-                       "first (as for `streamload load`; default: the command's \"peers\" option)")  # fmt: skip
+    serve.add_argument("--peers", action="extend", type=_commas, metavar="PEER",
+                       help="a node seeding the weights, fetched from first (as for `streamload load`; default: the "
+                       "command's \"peers\" option)")  # fmt: skip
     serve.add_argument("--seed", metavar="[HOST:]PORT",
                        help="serve the complete copies in --cache-dir to other nodes' peers at this address, once the "
                        "fetch has ended, until the server exits (e.g. 8470; to peers that read each object from its "
@@ -168,8 +167,8 @@ def _serving_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
     ahead.add_argument("source", help="a checkpoint directory, file, or s3://, gs://, az:// or http(s):// prefix")
     ahead.add_argument("--cache-dir", type=Path, help="where objects go (loads with it read them there)")
     ahead.add_argument("--threads", type=_positive, help="reads at once (default: as a load)")
-    ahead.add_argument("--peers", action="append", metavar="PEER", help="a node seeding the objects, read from first "
-                       "(as for `streamload load`)")  # fmt: skip
+    ahead.add_argument("--peers", action="extend", type=_commas, metavar="PEER", help="a node seeding the objects, "
+                       "read from first (as for `streamload load`)")  # fmt: skip
 
 
 def _vllm_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
@@ -237,9 +236,9 @@ def _rate(text: str) -> int:
     return value
 
 
-def _peers(given: list[str] | None) -> list[str] | None:
-    """`--peers` given once or more, each one peer or several with commas: one list."""
-    return [p for arg in given for p in arg.split(",")] if given else None
+def _commas(text: str) -> list[str]:
+    """One `--peers`: one peer, or several with commas (action="extend" joins them all in one list)."""
+    return text.split(",")
 
 
 def _size(text: str) -> int:
@@ -252,24 +251,17 @@ def _size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    with _verbose(args.verbose):
+    if not args.verbose:
         return _run(args)
-
-
-@contextlib.contextmanager
-def _verbose(on: bool) -> Iterator[None]:
-    """With `-v`: the "streamload" logger's INFO lines (and warnings) on stderr while the command runs; the
-    logger as it was afterwards (main may run inside another program, or a test)."""
-    if not on:
-        yield
-        return
+    # -v: the "streamload" logger's INFO lines (and warnings) on stderr while the command runs; the logger as
+    # it was afterwards (main may run inside another program, or a test).
     logger = logging.getLogger("streamload")
     handler, level = logging.StreamHandler(sys.stderr), logger.level
     handler.setLevel(logging.INFO)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        yield
+        return _run(args)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -286,9 +278,7 @@ def _run(args: argparse.Namespace) -> int:
         elif args.command == "digest":
             _digest(args.path, args.out)
         elif args.command == "load":
-            tuning = {k: v for k in ("threads", "chunk_bytes", "ring_bytes", "slots") if (v := getattr(args, k))}
-            peers = _peers(args.peers)
-            _load(args.path, args.device, args.dtype, args.reader, tuning, args.cache_dir, args.verify, peers)
+            _load(args)
         elif args.command == "bench":
             return _bench(args)
         elif args.command == "vllm-check":
@@ -299,7 +289,7 @@ def _run(args: argparse.Namespace) -> int:
             seed(args.cache_dir, args.host, args.port, args.rate, args.connections, token_file=args.token_file,
                  cert=args.cert, key=args.key)  # fmt: skip
         elif args.command == "prefetch":
-            _prefetch(args.source, args.cache_dir, args.threads, _peers(args.peers))
+            _prefetch(args.source, args.cache_dir, args.threads, args.peers)
         elif args.command == "compile-cache":
             if not args.checkpoint.is_dir():  # publish makes its folder: a mistyped path would get one, silently
                 raise StreamloadError(f"{args.checkpoint}: no such checkpoint directory (publish goes beside it)")
@@ -308,25 +298,22 @@ def _run(args: argparse.Namespace) -> int:
                 from streamload.integrations.vllm.startup.recorded import recorded
             except ImportError as exc:
                 raise StreamloadError(f"compile-cache needs vLLM: pip install -e '.[vllm]' ({exc})") from None
-            try:
-                archive = compiled_cache.publish(args.checkpoint, args.cache_root)
-                pin = pins.digest(archive.read_bytes())
-                print(f"{pin}  {archive}")  # as sha256sum prints, the digest first
-                if mine := recorded(args.checkpoint, args.cache_root):
-                    print(f"packed the compiled folder(s) its engines recorded for {args.checkpoint}: "
-                          f"{', '.join(mine)}", file=sys.stderr)  # fmt: skip
-                elif len(folders := compiled_cache.packed(args.cache_root)) > 1:
-                    print(f"packed {len(folders)} compiled folders ({', '.join(folders[:4])}"
-                          f"{', ...' if len(folders) > 4 else ''}): no engine recorded which are this model's (a "
-                          "run through --load-format streamload records its folder once compiled), so every "
-                          "model compiled under this cache root went in; to publish this model's alone, run it "
-                          "once through streamload, or with VLLM_CACHE_ROOT set to a folder of its own and then "
-                          "publish with --cache-root that folder", file=sys.stderr)  # fmt: skip
-                print(f"pin it where nodes load (it runs as code there): --model-loader-extra-config "
-                      f"'{{\"compile_cache\": \"{pin}\"}}', or streamload serve --compile-cache {pin}",
-                      file=sys.stderr)  # fmt: skip
-            except FileNotFoundError as exc:
-                raise StreamloadError(str(exc)) from None
+            archive = compiled_cache.publish(args.checkpoint, args.cache_root)  # FileNotFoundError: OSError below
+            pin = pinned_digests.digest(archive.read_bytes())
+            print(f"{pin}  {archive}")  # as sha256sum prints, the digest first
+            if mine := recorded(args.checkpoint, args.cache_root):
+                print(f"packed the compiled folder(s) its engines recorded for {args.checkpoint}: "
+                      f"{', '.join(mine)}", file=sys.stderr)  # fmt: skip
+            elif len(folders := compiled_cache.packed(args.cache_root)) > 1:
+                print(f"packed {len(folders)} compiled folders ({', '.join(folders[:4])}"
+                      f"{', ...' if len(folders) > 4 else ''}): no engine recorded which are this model's (a "
+                      "run through --load-format streamload records its folder once compiled), so every "
+                      "model compiled under this cache root went in; to publish this model's alone, run it "
+                      "once through streamload, or with VLLM_CACHE_ROOT set to a folder of its own and then "
+                      "publish with --cache-root that folder", file=sys.stderr)  # fmt: skip
+            print(f"pin it where nodes load (it runs as code there): --model-loader-extra-config "
+                  f"'{{\"compile_cache\": \"{pin}\"}}', or streamload serve --compile-cache {pin}",
+                  file=sys.stderr)  # fmt: skip
         elif args.command == "serve":
             from streamload.commands.serve import serve
 
@@ -334,19 +321,17 @@ def _run(args: argparse.Namespace) -> int:
             seeding = {"token_file": args.seed_token_file, "cert": args.seed_cert, "key": args.seed_key}
             if not args.seed and any(seeding.values()):
                 raise ValueError("streamload serve: --seed-token-file, --seed-cert and --seed-key go with --seed")
-            return serve(command, args.source, args.cache_dir, args.compile_cache, _peers(args.peers), args.seed,
-                         {k: v for k, v in seeding.items() if v is not None})  # fmt: skip
-    except (StreamloadError, ValueError) as exc:
-        print(f"streamload: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # torch still importing, or a stream closed on the way out: one line
-        print("streamload: interrupted", file=sys.stderr)
-        return 130
+            return serve(command, args.source, args.cache_dir, args.compile_cache, args.peers, args.seed,
+                         seeding)  # fmt: skip
     except BrokenPipeError:  # `streamload inspect --json | head`: the reader left; say nothing more
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's own flush at exit stays quiet
         return 141
-    except OSError as exc:  # the machine's answer (a full disk, a read-only folder): one line naming the path
+    except KeyboardInterrupt:  # torch still importing, or a stream closed on the way out: one line
+        print("streamload: interrupted", file=sys.stderr)
+        return 130
+    # OSError: the machine's answer (a full disk, a read-only folder), one line naming the path
+    except (StreamloadError, ValueError, OSError) as exc:
         print(f"streamload: error: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -366,9 +351,9 @@ def _prefetch(source: str, cache_dir: Path | None, threads: int | None, peers: l
         return
     # What the cache holds once the fetch has ended, not what was read: a copy another process writes
     # still, or one that could not be kept, is not there.
-    cached, missing = list(report["cached"]), [redacted(m) for m in report["not_cached"]]
-    print(f"prefetched {where}: {report['cached_bytes'] / 1e9:.2f} GB, {len(cached)} file(s) complete there, "
-          f"in {took:.1f} s")  # fmt: skip
+    missing = [redacted(m) for m in report["not_cached"]]
+    print(f"prefetched {where}: {report['cached_bytes'] / 1e9:.2f} GB, {len(report['cached'])} file(s) complete "
+          f"there, in {took:.1f} s")  # fmt: skip
     if missing:
         print(f"streamload: read but not kept in {cache_dir} (see the warnings above): {', '.join(missing)}",
               file=sys.stderr)  # fmt: skip
@@ -399,7 +384,10 @@ def _inspect(path: str, as_json: bool) -> None:
     digests = known_digests(ckpt, strict=False)  # a broken digest file is shown, not raised
     tensors = list(ckpt.tensors.values())
     in_order = sorted(tensors, key=lambda t: (layer_rank(t.name), t.name))  # layers 0, 1, 2, ..., 10
-    layers = Counter(layer.name for t in in_order if (layer := layer_of(t.name)))
+    layer_names = {t.name: layer.name for t in in_order if (layer := layer_of(t.name))}
+    layers = Counter(layer_names.values())
+    rows = [{"name": t.name, "file": str(t.path), "dtype": t.dtype.name, "shape": list(t.shape),
+             "byte_range": [t.begin, t.end], "layer": layer_names.get(t.name)} for t in in_order]  # fmt: skip
     dtypes = Counter(t.dtype.name for t in tensors)
     largest = max(tensors, key=lambda t: t.nbytes, default=None)
     quantization = describe(ckpt)
@@ -409,7 +397,7 @@ def _inspect(path: str, as_json: bool) -> None:
             for f in ckpt.files
         ],
         "tensor_count": len(tensors),
-        "tensors": [_row(t) for t in in_order],
+        "tensors": rows,
         "bytes": ckpt.nbytes,
         "layers": len(layers),
         "tensors_per_layer": dict(layers),
@@ -471,8 +459,6 @@ def _digest_text(row: dict[str, Any]) -> str:
 
 
 def _digest(path: str, out: str | None) -> None:
-    import time
-
     from streamload.api import inspect
     from streamload.pipeline.verify import write_digests
 
@@ -487,36 +473,20 @@ def _digest(path: str, out: str | None) -> None:
           f"{seconds:.2f} s ({size / seconds / 1e9:.2f} GB/s)")  # fmt: skip
 
 
-def _row(t: Any) -> dict[str, Any]:
-    from streamload.plan.layer_keys import layer_of
-
-    layer = layer_of(t.name)
-    return {"name": t.name, "file": str(t.path), "dtype": t.dtype.name, "shape": list(t.shape),
-            "byte_range": [t.begin, t.end], "layer": layer.name if layer else None}  # fmt: skip
-
-
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def _load(
-    path: str,
-    device: str | None,
-    dtype: str | None,
-    reader: str,
-    tuning: dict[str, int],
-    cache_dir: str | None,
-    verify: bool = False,
-    peers: list[str] | None = None,
-) -> None:
+def _load(args: argparse.Namespace) -> None:
     from streamload.api import iter as stream_iter
     from streamload.base import progress
     from streamload.storage.peers import TALLY
 
-    tallied = TALLY.read()
+    tuning = {k: v for k in ("threads", "chunk_bytes", "ring_bytes", "slots") if (v := getattr(args, k))}
+    tallied, peers = TALLY.read(), args.peers
     # A dtype's name is resolved (and an unknown one refused) by the API, as for any caller.
-    stream = stream_iter(path, device=device, dtype=dtype, reader=reader, cache_dir=cache_dir, verify=verify,
-                         peers=peers, **tuning)  # type: ignore[arg-type]  # fmt: skip
+    stream = stream_iter(args.path, device=args.device, dtype=args.dtype, reader=args.reader,
+                         cache_dir=args.cache_dir, verify=args.verify, peers=peers, **tuning)  # fmt: skip
     s = stream.stats
     sizes = {i.name: i.nbytes for i in stream.plan.items}
     # The bar library loads draw, from the start (asked for); plain lines where none is drawn (a log, a pipe,
@@ -536,21 +506,15 @@ def _load(
                     next_mark = min(1.0, done / s.bytes_total + 0.1) if done < s.bytes_total else 2.0
     print(f"{s.tensors_done} tensors, {progress.size(s.bytes_read)} to {s.device} via {s.reader} in {s.elapsed:.2f} s "
           f"({s.gbps:.2f} GB/s), first tensor after {1e3 * (s.time_to_first_tensor or 0):.1f} ms")  # fmt: skip
-    if verify:
+    if args.verify:
         print(f"verified: {s.bytes_verified / 1e9:.2f} GB matched their digests")
-    if peers:
-        print(_peers_served(tallied, TALLY.read()))
-
-
-def _peers_served(before: tuple[int, int], after: tuple[int, int]) -> str:
-    """What the peers served of one load, from the process's tally before and after it."""
-    from streamload.base.progress import size
-
-    peers, source = after[0] - before[0], after[1] - before[1]
-    if not peers + source:  # no load read through peers: the warnings above say why (or a cache held it all)
-        return "peers: served nothing; no byte of this load was read through them (see any warnings above)"
-    return (f"peers: served {size(peers)} of {size(peers + source)} ({100 * peers / (peers + source):.0f}%), "
-            f"the source {size(source)}")  # fmt: skip
+    if peers:  # what they served of this load: the process's tally after it, less the tally before
+        served, source = (after - before for after, before in zip(TALLY.read(), tallied, strict=True))
+        if not served + source:  # no load read through peers: the warnings above say why (or a cache held it all)
+            print("peers: served nothing; no byte of this load was read through them (see any warnings above)")
+        else:
+            print(f"peers: served {progress.size(served)} of {progress.size(served + source)} "
+                  f"({100 * served / (served + source):.0f}%), the source {progress.size(source)}")  # fmt: skip
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -558,18 +522,24 @@ def _bench(args: argparse.Namespace) -> int:
     from streamload.plan.checkpoint import open_checkpoint
 
     if args.list:
-        return _list_loaders(args, bench)
+        for scheme in ("file", "s3"):
+            runs, notes = bench.available([ld.name for ld in bench.LOADERS], args.device, scheme)
+            for name in runs:
+                print(f"{name:26} runs here ({scheme} storage, device {args.device})")
+            for note in notes:
+                if "does not read" not in note:
+                    print(f"  {note}")
+        return 0
     if args.path is None:
         print("streamload: error: bench needs a checkpoint PATH (or --list)", file=sys.stderr)
         return 2
     for flag, out in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
         if out is not None and (why := _unwritable(out)):  # before the runs, not after minutes of them
-            print(f"streamload: error: {flag} {out}: cannot write there: {why}", file=sys.stderr)
-            return 1
+            raise StreamloadError(f"{flag} {out}: cannot write there: {why}")
     from streamload import device
-    from streamload.pipeline import reader_choice as routes
+    from streamload.pipeline import reader_choice
 
-    routes.usable(device.resolve(args.device))  # before any run, not in each run's failure
+    reader_choice.usable(device.resolve(args.device))  # before any run, not in each run's failure
     if args.sweep:
         if args.loaders or args.verify:
             print(
@@ -578,8 +548,7 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
         return _sweep(args, bench)
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the runs, not after them
-        print("streamload: error: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
-        return 1
+        raise StreamloadError("--plot needs matplotlib: pip install matplotlib")
     if os.environ.get("PYTHONDONTWRITEBYTECODE"):
         print("streamload: note: PYTHONDONTWRITEBYTECODE is set: a loader installed without bytecode caches "
               "(an editable install) compiles its sources in every run, inside the clock", file=sys.stderr)  # fmt: skip
@@ -592,9 +561,8 @@ def _bench(args: argparse.Namespace) -> int:
         try:  # before the runs: a checkpoint without digests would fail every verify run alike
             choose(open_checkpoint(args.path), True)
         except StreamloadError as exc:
-            print(f"streamload: error: --verify needs the files' digests: run `streamload digest "
-                  f"{redacted(args.path)}` first ({exc})", file=sys.stderr)  # fmt: skip
-            return 1
+            raise StreamloadError(f"--verify needs the files' digests: run `streamload digest "
+                                  f"{redacted(args.path)}` first ({exc})") from None  # fmt: skip
         if loaders is None:
             readers = ("mmap", "posix") if "mapped" in device.kind_of(args.device).lands else ("posix",)
             loaders = [f"streamload-{r}" for r in readers]
@@ -615,13 +583,10 @@ def _bench(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps({"bytes": total, "device": args.device, "rows": rows, "raw": raw}, indent=1))
     if args.plot and rows:
         bench.plot(summaries, rows, total, args.plot)
-    failed = sorted({s.loader for s in summaries if s.failures and not s.runs})
     if not any(s.runs for s in summaries):
-        print("streamload: error: no loader ran", file=sys.stderr)
-        return 1
-    if failed:
-        print(f"streamload: error: failed in every run: {', '.join(failed)}", file=sys.stderr)
-        return 1
+        raise StreamloadError("no loader ran")
+    if failed := sorted({s.loader for s in summaries if s.failures and not s.runs}):
+        raise StreamloadError(f"failed in every run: {', '.join(failed)}")
     return 0
 
 
@@ -637,18 +602,6 @@ def _unwritable(path: Path) -> str | None:
         return exc.strerror or str(exc)
 
 
-def _list_loaders(args: argparse.Namespace, bench: Any) -> int:
-    names = [ld.name for ld in bench.LOADERS]
-    for scheme in ("file", "s3"):
-        runs, notes = bench.available(names, args.device, scheme)
-        for name in runs:
-            print(f"{name:26} runs here ({scheme} storage, device {args.device})")
-        for note in notes:
-            if "does not read" not in note:
-                print(f"  {note}")
-    return 0
-
-
 def _sweep(args: argparse.Namespace, bench: Any) -> int:
     settings = bench.sweep(args.path, device=args.device, cold=args.cold, runs=args.runs or 3,
                            log=lambda line: print(line, flush=True))  # fmt: skip
@@ -660,10 +613,7 @@ def _sweep(args: argparse.Namespace, bench: Any) -> int:
           f"the defaults' {default.spread[0]:.3f}-{default.spread[1]:.3f} s")  # fmt: skip
     if best is not default and best.spread[1] >= default.spread[0]:
         print("  (their runs overlap: within this storage's noise; more --runs tell them apart)")
-    print(f"  streamload load PATH {best.as_flags()}")
-    print(f"  streamload.iter(path, {best.as_kwargs()})")
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in best.options.items())
+    print(f"  streamload load PATH {flags}")
+    print(f"  streamload.iter(path, {', '.join(f'{k}={v}' for k, v in best.options.items())})")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

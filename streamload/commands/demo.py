@@ -8,7 +8,6 @@ import json
 import os
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,12 +40,6 @@ def llama_tensors(shape: Shape) -> dict[str, tuple[int, ...]]:
     return names
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def write_checkpoint(directory: Path, shape: Shape = Shape(), shards: int = 2) -> Path:
     """Write random bf16 weights as `shards` files plus a `model.safetensors.index.json`, as HF does."""
     from safetensors.torch import save_file
@@ -54,12 +47,14 @@ def write_checkpoint(directory: Path, shape: Shape = Shape(), shards: int = 2) -
     g = torch.Generator().manual_seed(0)
     specs = list(llama_tensors(shape).items())
     per = -(-len(specs) // shards)
+    umask = os.umask(0)
+    os.umask(umask)
     weight_map: dict[str, str] = {}
     for k in range(shards):
         part = specs[k * per : (k + 1) * per]
         fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
         save_file({n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in part}, directory / fname)
-        os.chmod(directory / fname, 0o666 & ~_umask())  # save_file makes 0600 files; the index gets the umask
+        os.chmod(directory / fname, 0o666 & ~umask)  # save_file makes 0600 files; the index gets the umask
         weight_map |= {n: fname for n, _ in part}
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return directory
@@ -90,7 +85,7 @@ def run(device: str | None = None, cold: bool = True, keep: Path | None = None) 
     from rich.console import Console
 
     from streamload.base.progress import progress_bar
-    from streamload.commands.bench import evict
+    from streamload.commands.bench import evict, touch
 
     console = Console()
     with tempfile.TemporaryDirectory(prefix="streamload-demo-") as tmp:
@@ -107,7 +102,7 @@ def run(device: str | None = None, cold: bool = True, keep: Path | None = None) 
         if cold:
             evict(str(f) for f in files)
         stream = streamload.iter(directory, device=device)
-        layer_sizes = Counter(layer.index for name in stream.checkpoint.tensors if (layer := layer_of(name)))
+        layer0 = {name for name in stream.checkpoint.tensors if (layer := layer_of(name)) and layer.index == 0}
         first_layer: float | None = None
         mapped: list[torch.Tensor] = []  # the mmap reader's views, touched after the stream
         with progress_bar(console=console) as progress:
@@ -116,38 +111,28 @@ def run(device: str | None = None, cold: bool = True, keep: Path | None = None) 
                 for name, tensor in stream:
                     if stream.stats.reader == "mmap":
                         mapped.append(tensor)
-                    layer = layer_of(name)
-                    if layer is not None and layer.index == 0:
-                        layer_sizes[0] -= 1
-                        if layer_sizes[0] == 0:
+                    if name in layer0:
+                        layer0.discard(name)
+                        if not layer0:
                             first_layer = stream.stats.elapsed
                     progress.update(task, completed=stream.stats.bytes_read)
         s = stream.stats
         where = directory if keep else "a temporary directory"
         console.print(f"[bold]{where}[/bold]: {len(files)} files, {'cold' if cold else 'warm'} page cache")
         if mapped:
-            touched = _touch(mapped)
-            console.print(
-                f"{s.tensors_done} tensors, {s.bytes_read / 1e9:.2f} GB mapped into {s.device} via {s.reader} in "
-                f"{s.elapsed:.2f} s: the tensors view the page cache, nothing was copied; touching every page of "
-                f"them took {touched:.2f} s = [bold]{s.bytes_read / 1e9 / max(touched, 1e-9):.2f} GB/s[/bold]"
-            )
+            # what a first use pays for bytes that were mapped, not copied (page faults, and reads where the
+            # page cache lacks them)
+            began = time.perf_counter()
+            for t in mapped:
+                touch(t)
+            touched = time.perf_counter() - began
+            how = (f"mapped into {s.device} via {s.reader} in {s.elapsed:.2f} s: the tensors view the page cache, "
+                   f"nothing was copied; touching every page of them took {touched:.2f} s = "
+                   f"[bold]{s.bytes_read / 1e9 / max(touched, 1e-9):.2f} GB/s[/bold]")  # fmt: skip
         else:
-            console.print(
-                f"{s.tensors_done} tensors, {s.bytes_read / 1e9:.2f} GB to {s.device} via {s.reader} in "
-                f"{s.elapsed:.2f} s = [bold]{s.gbps:.2f} GB/s[/bold]"
-            )
+            how = f"to {s.device} via {s.reader} in {s.elapsed:.2f} s = [bold]{s.gbps:.2f} GB/s[/bold]"
+        console.print(f"{s.tensors_done} tensors, {s.bytes_read / 1e9:.2f} GB {how}")
         console.print(
             f"first tensor after {1e3 * (s.time_to_first_tensor or 0):.1f} ms, "
             f"first full layer after {1e3 * (first_layer or 0):.1f} ms"
         )
-
-
-def _touch(tensors: list[torch.Tensor], page: int = 4096) -> float:
-    """Seconds to read one byte of every page of `tensors` (views of mapped files): what a first use pays
-    for bytes that were mapped, not copied (page faults, and reads where the page cache lacks them)."""
-    began = time.perf_counter()
-    for t in tensors:
-        if t.numel():
-            t.reshape(-1).view(torch.uint8)[::page].sum()
-    return time.perf_counter() - began

@@ -19,11 +19,13 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamload.base.errors import StreamloadError
-from streamload.integrations.startup import pinned_digests as pins
-from streamload.integrations.startup import prefetch
+from streamload.integrations.startup import pinned_digests, prefetch
+
+if TYPE_CHECKING:
+    from streamload.servers.seed import Seeder
 
 # Passed on to the server (a supervisor signals this process only). Not SIGINT: a terminal's Ctrl-C
 # reaches the whole process group, the server included, and passed on it would be a second Ctrl-C.
@@ -51,65 +53,42 @@ def serve(
         )
     source, cache_dir, extra = _weights(command, source, cache_dir)
     pinned = list(compile_cache) if compile_cache else extra.get("compile_cache")
-    pins.pins(pinned)  # a bad pin fails here, in one line, before the server starts
+    pinned_digests.pins(pinned)  # a bad pin fails here, in one line, before the server starts
     peers = peers or extra.get("peers")  # type: ignore[assignment]
     # bound now: a port in use (or a certificate that cannot be used) fails before the server starts
     seeder = _seeder(seed, cache_dir, seeding or {}) if seed else None
+    fetching = None
     try:
-        return _run(command, source, cache_dir, pinned, peers, seeder)
+        if source is None:
+            print("streamload serve: no weights to fetch ahead found in the command (pass --source); running it "
+                  "as it is", file=sys.stderr)  # fmt: skip
+        elif "://" not in source and not os.path.exists(source):
+            raise ValueError(f"streamload serve: {source}: no such file or directory, nor a URL")
+        else:
+            fetching = prefetch.ahead(source, cache_dir, pinned, peers)  # cleaned up at this process's exit (atexit)
+        if seeder is not None:
+            _seed_after(seeder, fetching)
+        try:
+            child = subprocess.Popen(list(command))  # nosec B603 # the user's own command line (streamload serve -- ...)
+        except OSError as exc:
+            raise StreamloadError(f"streamload serve: cannot run {command[0]!r}: {exc.strerror or exc}") from None
+        # (send_signal passes over a server that has exited already)
+        previous = {sig: signal.signal(sig, lambda sig, _: child.send_signal(sig)) for sig in FORWARDED}
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server has it: wait for it
+        try:
+            status = child.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return 128 - status if status < 0 else status
     finally:
         if seeder is not None:
             seeder.close()
 
 
-def _run(command: Sequence[str], source: str | None, cache_dir: Path | None, pinned: Any,
-         peers: str | Sequence[str] | None, seeder: _Seeding | None) -> int:  # fmt: skip
-    fetching = None
-    if source is None:
-        print("streamload serve: no weights to fetch ahead found in the command (pass --source); running it as it is",
-              file=sys.stderr)  # fmt: skip
-    elif "://" not in source and not os.path.exists(source):
-        raise ValueError(f"streamload serve: {source}: no such file or directory, nor a URL")
-    else:
-        fetching = prefetch.ahead(source, cache_dir, pinned, peers)  # cleaned up at this process's exit (atexit)
-    if seeder is not None:
-        _seed_after(seeder, fetching)
-    try:
-        child = subprocess.Popen(list(command))  # nosec B603 # the user's own command line (streamload serve -- ...)
-    except OSError as exc:
-        raise StreamloadError(f"streamload serve: cannot run {command[0]!r}: {exc.strerror or exc}") from None
-    previous = {sig: signal.signal(sig, lambda sig, _: _forward(child, sig)) for sig in FORWARDED}
-    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server has it: wait for it
-    try:
-        status = child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 128 - status if status < 0 else status
-
-
-class _Seeding:
-    """A seeder bound now and serving later (`start`, from another thread), or never once `close`d."""
-
-    def __init__(self, seeder: Any) -> None:
-        self.seeder, self.url = seeder, seeder.url
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def start(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self.seeder.start()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self.seeder.close()
-
-
-def _seeder(seed: str, cache_dir: Path | None, options: dict[str, Any]) -> _Seeding:
-    """The seeder of `cache_dir` at `seed` (`[HOST:]PORT`), bound (not yet serving). Raises ValueError
-    naming a token, certificate or key file that cannot be used."""
+def _seeder(seed: str, cache_dir: Path | None, options: dict[str, Any]) -> Seeder:
+    """The seeder of `cache_dir` at `seed` (`[HOST:]PORT`), bound (not yet serving; once closed, it never
+    will). Raises ValueError naming a token, certificate or key file that cannot be used."""
     from streamload.servers.seed import Seeder, address, described
 
     if cache_dir is None:
@@ -123,10 +102,10 @@ def _seeder(seed: str, cache_dir: Path | None, options: dict[str, Any]) -> _Seed
         raise StreamloadError(f"streamload serve: cannot seed on {seed}: {exc.strerror or exc}") from None
     print(f"streamload serve: seeding the complete copies in {cache_dir} at {seeder.url} once the weights are "
           f"fetched (to {described(seeder)})", file=sys.stderr, flush=True)  # fmt: skip
-    return _Seeding(seeder)
+    return seeder
 
 
-def _seed_after(seeder: _Seeding, fetching: dict[str, Any] | None) -> None:
+def _seed_after(seeder: Seeder, fetching: dict[str, Any] | None) -> None:
     """Serve once the fetch has ended (its report written, or its process gone): the node's own download
     first; at once where nothing is fetched. Only complete copies are ever served (servers/seed.py)."""
     if fetching is None:
@@ -138,13 +117,6 @@ def _seed_after(seeder: _Seeding, fetching: dict[str, Any] | None) -> None:
         seeder.start()
 
     threading.Thread(target=after_the_fetch, name="streamload-seed-after-fetch", daemon=True).start()
-
-
-def _forward(child: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        child.send_signal(sig)
-    except ProcessLookupError:
-        pass
 
 
 def _weights(

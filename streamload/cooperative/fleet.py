@@ -7,7 +7,7 @@ already set (`MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK`: torchrun, Kuber
 SLURM wrappers), which `cooperative=True` reads when no `torch.distributed` group is initialised.
 The group is streamload's own: the process's default group, if any, is left alone. A process joins a
 fleet once; later loads of the same fleet reuse its group (and its store, for a lost member:
-cooperative/exchange.py).
+cooperative/lost_rank.py).
 
 >>> import streamload
 >>> fleet = streamload.Fleet("10.0.0.1:29500", world_size=4, rank=2)
@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+from streamload.base.errors import StreamloadError
 
 log = logging.getLogger("streamload")
 
@@ -74,17 +76,15 @@ class Fleet:
         """The fleet's store where this process joined the fleet already (else None: joining is a
         rendezvous of every member, which a member that failed before its load must not wait for)."""
         with _LOCK:
-            joined = _JOINED.get(self)
-        return None if joined is None else joined[0]
+            return _JOINED.get(self, (None, None))[0]
 
     def join(self) -> tuple[Any, Any]:
         """This process's (store, gloo group) of the fleet: formed on first use (a rendezvous of every
         member, up to `timeout`), then reused."""
         with _LOCK:
-            joined = _JOINED.get(self)
-            if joined is None:
-                joined = _JOINED[self] = _form(self)
-            return joined
+            if self not in _JOINED:
+                _JOINED[self] = _form(self)
+            return _JOINED[self]
 
 
 _JOINED: dict[Fleet, tuple[Any, Any]] = {}
@@ -93,8 +93,6 @@ _LOCK = threading.Lock()
 
 def _form(fleet: Fleet) -> tuple[Any, Any]:
     import torch.distributed as dist
-
-    from streamload.base.errors import StreamloadError
 
     host, _, port = fleet.address.rpartition(":")
     me = f"rank {fleet.rank} of {fleet.world_size}"

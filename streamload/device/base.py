@@ -137,15 +137,6 @@ class HostRing:
         shared_limits().keep(slots)
 
 
-def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's bytes (0-d, bool and packed dtypes too), from its own
-    first byte: a destination may be a view into a larger storage (a rank's rows of a fused parameter)."""
-    nbytes = t.numel() * t.element_size()
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-        t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,), (1,)
-    )
-
-
 class Assembler:
     """Copies pieces from slots into freshly allocated tensors; a tensor is delivered with its last piece.
 
@@ -203,9 +194,7 @@ class Assembler:
         if item.into is not None and item.into.is_contiguous() and not item.read_whole:
             return item.into  # in place: the slot's bytes go straight into the destination
         if item.read_whole:
-            shape = torch_shape(item.info.dtype, item.info.shape)
-            assert shape is not None
-            return torch.empty(shape, dtype=item.stored, device=self.device)
+            return torch.empty(_full_shape(item), dtype=item.stored, device=self.device)
         return torch.empty(item.shape, dtype=item.out if item.into is None else item.stored, device=self.device)
 
     @staticmethod
@@ -213,7 +202,11 @@ class Assembler:
         item = piece.item
         if piece.length:
             if dest.dtype == item.stored:
-                into = raw_bytes(dest)[piece.offset : piece.offset + piece.length]
+                # The piece's bytes of `dest`, counted from its own first byte: it may view a larger
+                # storage (a rank's rows of a fused parameter).
+                at = dest.storage_offset() * dest.element_size() + piece.offset
+                into = torch.empty(0, dtype=torch.uint8, device=dest.device)
+                into.set_(dest.untyped_storage(), at, (piece.length,), (1,))
                 if piece.length <= _SMALL_COPY and into.device.type == src.device.type == "cpu" and src.is_contiguous():
                     _memmove_holding_gil(into.data_ptr(), src.data_ptr(), piece.length)
                 else:

@@ -1,24 +1,22 @@
 """The CUDA device: staged slots -> owned device tensors, on a stream of its own.
 
-Slots live in device memory when a reader writes there (kvikio), or in host memory (the posix reader),
-in which case each filled slot goes to one device scratch buffer with a single asynchronous
-host-to-device copy. Host slots are the process's kept ones (limits.HostSlots): plain memory that the
-reader threads fault in while reading, registered with CUDA (`cudaHostRegister`) before its first
-copy, so no `cudaHostAlloc` of the whole ring sits between the call and the first tensor.
+Slots live in device memory where a reader writes there (kvikio), else in host memory, each filled one
+going to one device scratch buffer in a single asynchronous copy. Host slots are the process's kept ones
+(limits.HostSlots): plain memory the reader threads fault in as they read, registered with CUDA
+(`cudaHostRegister`) before its first copy, so no `cudaHostAlloc` of the whole ring comes before the
+first tensor. Every tensor is its own allocation, written by one `copy_` from the slot's bytes viewed as
+the stored dtype, so a dtype conversion costs nothing extra.
 
-Every tensor is its own allocation, written by one `copy_` from a view of the
-slot's bytes reinterpreted as the stored dtype, so a dtype conversion costs nothing extra.
-
-The contract: `instantiate` runs in the consumer's thread (the async face's: a worker thread, never
-the event loop) and returns once its stream's work is complete, so a tensor handed out is
-ready on any stream with no synchronize by the caller, and its slot may be refilled. Tensors are
-allocated on the loader's stream; when one is handed out, it is marked with `record_stream` for the
-caller's current stream, so the caching allocator never reuses its memory while the caller's
-queued work may still read it.
+`instantiate` runs in the consumer's thread (the async face's: a worker thread, never the event loop)
+and returns once its stream's work is complete: a tensor handed out is ready on any stream with no
+synchronize by the caller, and its slot may be refilled. Tensors are allocated on the loader's stream
+and marked, when handed out, with `record_stream` for the caller's current stream, so the caching
+allocator never reuses their memory while the caller's queued work may still read it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -219,15 +217,11 @@ def clear_cuda_error() -> None:
 
 @functools.cache
 def _cudart() -> ctypes.CDLL | None:
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart" in line}
-    except OSError:
-        paths = set()
+    paths: set[str] = set()
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart" in line}
     for path in sorted(paths):
-        try:
+        with contextlib.suppress(OSError):
             return ctypes.CDLL(path)
-        except OSError:
-            continue
     process = ctypes.CDLL(None)  # statically linked into a library loaded globally
     return process if hasattr(process, "cudaGetLastError") else None

@@ -1,11 +1,8 @@
-"""The device kinds, one a torch device type streamload serves (`DeviceKind`: device/base.py), and the one
-registration of them; which torch device a caller's `device=` means (`resolve`) and whether two are
-one (`same`), for every entry point alike.
+"""The device kinds, one a torch device type (`DeviceKind`: device/base.py), registered here once; which
+torch device a caller's `device=` means (`resolve`) and whether two are one (`same`), for every entry point.
 
-Callers ask a device's kind (`kind_of`) for what differs between types (streams, pinning, hand-off,
-host memory, the staging device, tuning defaults) and never compare a type's name
-(tests/test_device_kinds.py holds that). A new type: its module (a kind and a staging device), one
-row here.
+Callers ask a device's kind (`kind_of`) for what differs between types and never compare a type's name
+(tests/test_device_kinds.py holds that). A new type: its module (a kind and a staging device), one row here.
 """
 
 from __future__ import annotations
@@ -29,11 +26,7 @@ def _names() -> str:
 
 
 def kind_of(device: torch.device | str) -> DeviceKind:
-    """The kind of `device`; a type no kind serves is a one-line error naming it.
-
-    >>> kind_of("cpu").host_memory
-    True
-    """
+    """The kind of `device`; a type no kind serves is a one-line error naming it."""
     dev = device if isinstance(device, torch.device) else torch.device(device)
     kind = KINDS.get(dev.type)
     if kind is None:
@@ -49,11 +42,7 @@ def default_kind() -> DeviceKind:
 def resolve(device: str | torch.device | None) -> torch.device:
     """The device a `device=` argument means, its index resolved here, in the caller's thread (worker
     threads, as offload's fetches and the async face, see device 0 as current, not the caller's);
-    None: `default_kind()`'s.
-
-    >>> resolve("cpu")
-    device(type='cpu')
-    """
+    None: `default_kind()`'s."""
     if device is None:
         device = default_kind().type
     try:
@@ -65,11 +54,7 @@ def resolve(device: str | torch.device | None) -> torch.device:
 
 
 def same(a: torch.device, b: torch.device) -> bool:
-    """Whether two devices are one (a device named without an index is its kind's current one).
-
-    >>> same(torch.device("cpu"), torch.device("cpu"))
-    True
-    """
+    """Whether two devices are one (a device named without an index is its kind's current one)."""
     if a.type != b.type:
         return False
     if a.index is not None and b.index is not None:

@@ -99,11 +99,7 @@ ReadAt = Callable[[int, int], bytes]  # (offset, count) -> exactly `count` bytes
 
 def header_from(path: PurePath, size: int, head: bytes, read_at: ReadAt) -> FileHeader:
     """Validate the header of a file of `size` bytes whose first bytes are `head` (at least
-    `min(size, FIRST_READ)` of them; `read_at` fetches the rest of a longer header). The storage does
-    the I/O; this only parses bytes.
-
-    >>> header_from(Path("m.safetensors"), len(data), data[:FIRST_READ], read_at)  # doctest: +SKIP
-    """
+    `min(size, FIRST_READ)` of them; `read_at` fetches the rest of a longer header)."""
     if size < 8:
         raise HeaderError(f"{path}: file is {size} bytes, too short for a safetensors header")
     n = int.from_bytes(head[:8], "little")

@@ -10,17 +10,12 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
-from streamload import device as devices
+from streamload.device import default_kind, resolve
 from streamload.storage.base import redacted
 
 DeviceMap = str | int | torch.device | dict[str, str | int | torch.device] | None
 # transformers' device_map strategies: the model spread over the GPUs (on one GPU or none: that device)
 _SPREAD = ("auto", "balanced", "balanced_low_0", "sequential")
-
-
-def mapped_modules(device_map: DeviceMap) -> tuple[str, ...]:
-    """The module names a dict device_map places ("" the whole model); none for any other map."""
-    return tuple(device_map) if isinstance(device_map, dict) else ()
 
 
 def check_mapped(path: object, mapped: Collection[str], model: nn.Module, what: str = "") -> None:
@@ -30,9 +25,8 @@ def check_mapped(path: object, mapped: Collection[str], model: nn.Module, what: 
     if not mapped:
         return
     names = {name for name, _ in model.named_modules()}
-    wrong = [key for key in mapped if key not in names]
-    if wrong:
-        key = wrong[0]
+    key = next((key for key in mapped if key not in names), None)
+    if key is not None:
         close = difflib.get_close_matches(key, sorted(names - {""}), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
@@ -58,7 +52,7 @@ def one_device(path: object, device: str | torch.device | None, device_map: Devi
             )
         mapped: torch.device | None = named.pop()
     elif device_map in _SPREAD:
-        gpus = devices.default_kind().device_count()  # the accelerator's devices (the host: one)
+        gpus = default_kind().device_count()  # the accelerator's devices (the host: one)
         if gpus > 1:
             raise ValueError(
                 f"{where}: device_map={device_map!r} spreads the model over this machine's {gpus} GPUs; "
@@ -67,7 +61,7 @@ def one_device(path: object, device: str | torch.device | None, device_map: Devi
         mapped = None  # where streamload loads by default: the GPU, else the CPU
     else:
         mapped = _one(where, device_map, device_map)
-    if device is not None and devices.resolve(device) != devices.resolve(mapped):
+    if device is not None and resolve(device) != resolve(mapped):
         raise ValueError(f"{where}: device={device!r} and device_map={device_map!r} name different devices: give one")
     return mapped if device is None else device
 
@@ -84,4 +78,4 @@ def _one(where: str, device_map: DeviceMap, value: object) -> torch.device:
         value = f"cuda:{value}"
     if not isinstance(value, (str, torch.device)):
         raise TypeError(f"{where}: device_map={device_map!r}: {value!r} is not a device")
-    return devices.resolve(value)
+    return resolve(value)

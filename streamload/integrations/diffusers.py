@@ -13,23 +13,27 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import sys
 import tempfile
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from streamload import device as devices
 from streamload.base.errors import MissingFileError, SourceError, UnsupportedError
+from streamload.device import resolve
 from streamload.format.dtypes import as_torch_dtype
+from streamload.integrations import transformers_internals
 from streamload.integrations.device_map import check_mapped
 from streamload.nn.load_into import OnLayer, empty_weights, load_into
 from streamload.plan.checkpoint import Checkpoint, merged, open_checkpoint
-from streamload.storage.base import redacted
-from streamload.storage.remote import is_url
+from streamload.storage import Storage, storage_for
+from streamload.storage.base import parse_index, redacted
+from streamload.storage.remote import ObjectPath, is_url
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -41,11 +45,11 @@ Dtype = torch.dtype | str | Mapping[str, torch.dtype | str] | None
 DTypeOption = torch.dtype | Mapping[str, torch.dtype | str | None] | None  # streamload's dtype=, one model
 
 
-def kind(source: str | Path) -> str | None:
+def kind(source: str | os.PathLike[str]) -> str | None:
     """ "pipeline" for a pipeline folder or prefix, "model" for a diffusers model's, else None."""
     if is_url(str(source)):
-        with _Mirror(str(source), ()) as mirror:
-            return mirror.kind()
+        with _mirror(str(source).rstrip("/"), ()) as (folder, _):
+            return _kind(folder)
     return _kind(Path(source))
 
 
@@ -71,24 +75,21 @@ def from_pretrained(
     mapped: Collection[str] = (),
     **options: Unpack[Options],
 ) -> Any:
-    """The `DiffusionPipeline` of a pipeline folder, or the model of a model folder (see the module's
-    docstring); a folder in object storage (`s3://`, `http(s)://`) too. `dtype`: one dtype, or per
-    component as diffusers takes it (`{"transformer": torch.bfloat16, "default": torch.float16}`);
-    `variant`: the weight files' variant ("fp16"); `mapped`: the module names a device_map placed (each one of the
-    model's, or of the pipeline's components: "text_encoder", "unet.down_blocks.0")."""
+    """`streamload.from_pretrained` for a diffusers pipeline or model folder (or its object-storage prefix), the
+    arguments as documented there; `mapped`: the module names a device_map placed (each one of the model's, or
+    of the pipeline's components: "text_encoder", "unet.down_blocks.0")."""
     try:
         import diffusers
     except ImportError:
         raise UnsupportedError(f"{redacted(path)} is a diffusers folder: pip install -e '.[diffusers]'") from None
-    dev = devices.resolve(device)
-    remote = is_url(str(path))
-    with _Mirror(str(path), COMPONENT_FILES) if remote else contextlib.nullcontext() as mirror:
-        folder = mirror.folder if mirror is not None else Path(path)
+    dev = resolve(device)
+    url = str(path).rstrip("/") if is_url(str(path)) else None
+    with _mirror(url, COMPONENT_FILES) if url else contextlib.nullcontext((Path(path), None)) as (folder, storage):
 
         def weights(component: str, model: nn.Module) -> Checkpoint:
             single_first = not isinstance(model, diffusers.ModelMixin)  # a transformers model
-            if mirror is not None:
-                return mirror.weights(component, variant, single_first)
+            if url is not None:
+                return _stored_weights(storage, f"{url}/{component}" if component else url, variant, single_first)
             return _weights(folder / component if component else folder, variant, single_first)
 
         if _kind(folder) == "model":
@@ -111,9 +112,7 @@ def from_pretrained(
                 built[name], weights_dtype = _build(cls, folder / name, _dtype_of(dtype, name))
                 patterns |= _prefixed(name, weights_dtype)
         if built:
-            holder = nn.Module()
-            for name, model in built.items():
-                holder.add_module(name, model)
+            holder = nn.ModuleDict(built)
             check_mapped(path, mapped, holder, "the pipeline's components")
             checkpoint = merged({name: weights(name, model) for name, model in built.items()})
             load_into(holder, checkpoint, device=dev, dtype=patterns or None, strict=strict, on_layer=on_layer,
@@ -134,65 +133,42 @@ COMPONENT_FILES = (
 _BASES = ("diffusion_pytorch_model", "model")
 
 
-class _Mirror:
+@contextlib.contextmanager
+def _mirror(url: str, names: tuple[str, ...]) -> Iterator[tuple[Path, Storage]]:
     """A pipeline or model folder in object storage, its small files copied into a temporary folder (for
-    the configs and for diffusers' loading of what has no weights); the weights stay there, streamed."""
+    the configs and for diffusers' loading of what has no weights), and its storage: the weights stay there."""
+    storage = storage_for(url + "/")
+    with tempfile.TemporaryDirectory(prefix="streamload-diffusers-") as scratch:
 
-    def __init__(self, url: str, names: tuple[str, ...]) -> None:
-        from streamload.storage import storage_for
-        from streamload.storage.remote import ObjectPath
+        def fetch(sub: str, name: str) -> bytes | None:
+            data = storage.sidecar(ObjectPath(f"{url}/{sub}/{name}" if sub else f"{url}/{name}"), name)
+            if data is not None:
+                Path(scratch, sub).mkdir(parents=True, exist_ok=True)
+                Path(scratch, sub, name).write_bytes(data)
+            return data
 
-        self.url, self.names = url.rstrip("/"), names
-        self.storage = storage_for(self.url + "/")
-        self._object = ObjectPath
+        index = fetch("", PIPELINE_INDEX)
+        entries = json.loads(index) if index else {}
+        subs = [_checked_name(n, url) for n, e in entries.items() if not n.startswith("_") and isinstance(e, list)]
+        for sub in ["", *subs]:
+            for name in ("config.json", *names):
+                fetch(sub, name)
+        yield Path(scratch), storage
 
-    def __enter__(self) -> _Mirror:
-        self._scratch = tempfile.TemporaryDirectory(prefix="streamload-diffusers-")
-        self.folder = Path(self._scratch.name)
-        try:
-            index = self._fetch("", PIPELINE_INDEX)
-            entries = json.loads(index) if index else {}
-            subs = [
-                _checked_name(n, self.url) for n, e in entries.items() if not n.startswith("_") and isinstance(e, list)
-            ]
-            for sub in ["", *subs]:
-                for name in ("config.json", *self.names):
-                    self._fetch(sub, name)
-        except BaseException:  # __exit__ is not called when __enter__ raises
-            self._scratch.cleanup()
-            raise
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._scratch.cleanup()
-
-    def kind(self) -> str | None:
-        return _kind(self.folder)
-
-    def _fetch(self, sub: str, name: str) -> bytes | None:
-        near = self._object(f"{self.url}/{sub}/{name}" if sub else f"{self.url}/{name}")
-        data = self.storage.sidecar(near, name)
-        if data is not None:
-            target = self.folder / sub / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-        return data
-
-    def weights(self, component: str, variant: str | None, single_first: bool) -> Checkpoint:
-        """A component's weights in object storage, chosen as in a local folder (`weight_names`)."""
-        prefix = f"{self.url}/{component}" if component else self.url
-        for name in weight_names(variant, single_first):
-            if name.endswith(".json"):
-                index = self.storage.sidecar(self._object(f"{prefix}/{name}"), name)
-                if index is not None:
-                    shards = sorted(set(json.loads(index).get("weight_map", {}).values()))
-                    return open_checkpoint([f"{prefix}/{shard}" for shard in shards])
-                continue
+def _stored_weights(storage: Storage, prefix: str, variant: str | None, single_first: bool) -> Checkpoint:
+    """A component's weights in object storage, chosen as in a local folder (`weight_names`)."""
+    for name in weight_names(variant, single_first):
+        if not name.endswith(".json"):
             try:
                 return open_checkpoint(f"{prefix}/{name}")
             except MissingFileError:
                 continue
-        raise SourceError(f"{prefix}/: no safetensors weights ({' or '.join(_BASES)}, plain or {variant})")
+        elif (index := storage.sidecar(near := ObjectPath(f"{prefix}/{name}"), name)) is not None:
+            # parse_index refuses a shard that is no plain file name: the store's index chooses no other object
+            shards = parse_index(near, index.decode("utf-8", "replace")).files
+            return open_checkpoint([f"{prefix}/{shard.name}" for shard in shards])
+    raise SourceError(f"{prefix}/: no safetensors weights ({' or '.join(_BASES)}, plain or {variant})")
 
 
 def _diffusers_class(diffusers: Any, name: str, where: object) -> type:
@@ -221,9 +197,7 @@ def _component_class(diffusers: Any, entry: list[Any], name: str, path: str | Pa
     if library == "diffusers":
         home: Any = diffusers
     elif library == "transformers":
-        import transformers
-
-        home = transformers
+        import transformers as home
     else:  # a pipeline module's own class (a safety checker): looked up among diffusers' pipelines
         home = getattr(diffusers.pipelines, library, None) if isinstance(library, str) else None
         if home is None:  # never imported by name: the checkpoint would choose what runs here
@@ -231,23 +205,12 @@ def _component_class(diffusers: Any, entry: list[Any], name: str, path: str | Pa
     cls = getattr(home, class_name, None) if isinstance(class_name, str) else None
     if cls is None:
         raise UnsupportedError(f"{where}: no such class is installed")
-    if _is_model(cls, diffusers):
-        return cls
-    if isinstance(cls, type) and issubclass(cls, nn.Module):
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        return None  # no weights (a scheduler, a tokenizer): diffusers loads it
+    transformers = sys.modules.get("transformers")  # imported where a class of its models is
+    if not issubclass(cls, (diffusers.ModelMixin, *([transformers.PreTrainedModel] if transformers else []))):
         raise UnsupportedError(f"{where}: streamload builds diffusers and transformers models only")
-    return None
-
-
-def _is_model(cls: Any, diffusers: Any) -> bool:
-    if not isinstance(cls, type):
-        return False
-    if issubclass(cls, diffusers.ModelMixin):
-        return True
-    try:
-        import transformers
-    except ImportError:
-        return False
-    return issubclass(cls, transformers.PreTrainedModel)
+    return cls
 
 
 def _build(cls: type, folder: Path, dtype: torch.dtype | None) -> tuple[nn.Module, DTypeOption]:
@@ -265,14 +228,12 @@ def _build(cls: type, folder: Path, dtype: torch.dtype | None) -> tuple[nn.Modul
         return model, _diffusers_dtypes(cls, dtype)
     import transformers
 
-    from streamload.integrations import transformers_internals as internals
-
+    transformers_internals.check_version(transformers)
     config = cls.config_class.from_pretrained(folder)  # type: ignore[attr-defined]
-    dtype = dtype or internals.default_dtype(transformers, config)
-    with internals.no_init_weights(), empty_weights():  # transformers' switch first, as in .transformers
+    dtype = dtype or transformers_internals.config_dtype(config)
+    with transformers_internals.no_init_weights(), empty_weights():  # transformers' switch first, as in .transformers
         model = cls._from_config(config, **({} if dtype is None else {"dtype": dtype}))  # type: ignore[attr-defined]
-    internals.tied(model)
-    return model, dtype
+    return transformers_internals.tied(model), dtype
 
 
 def _diffusers_dtypes(cls: type, dtype: torch.dtype | None) -> DTypeOption:
@@ -281,23 +242,16 @@ def _diffusers_dtypes(cls: type, dtype: torch.dtype | None) -> DTypeOption:
     out float32); with it, that dtype, except the modules the class keeps in float32."""
     if dtype is None:
         return torch.get_default_dtype()
-    keep = getattr(cls, "_keep_in_fp32_modules", None) or []
-    if not keep:
-        return dtype
     # diffusers keeps a tensor in float32 when one of its name's parts is such a module
-    kept: dict[str, torch.dtype] = {}
-    for module in keep:
-        kept |= {f"{module}.*": torch.float32, f"*.{module}.*": torch.float32}
-    return {**kept, "*": dtype}
+    keep = getattr(cls, "_keep_in_fp32_modules", None) or []
+    kept = {pattern: torch.float32 for m in keep for pattern in (f"{m}.*", f"*.{m}.*")}
+    return {**kept, "*": dtype} if kept else dtype
 
 
 def _prefixed(component: str, dtype: DTypeOption) -> dict[str, torch.dtype | str | None]:
     """A component's dtype option as patterns over the pipeline's names (`component.parameter`)."""
-    if dtype is None:
-        return {}
-    if isinstance(dtype, Mapping):
-        return {f"{component}.{pattern}": d for pattern, d in dtype.items()}
-    return {f"{component}.*": dtype}
+    patterns = dtype if isinstance(dtype, Mapping) else {} if dtype is None else {"*": dtype}
+    return {f"{component}.{pattern}": d for pattern, d in patterns.items()}
 
 
 def weight_names(variant: str | None, single_first: bool) -> list[str]:

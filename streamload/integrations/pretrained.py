@@ -11,16 +11,17 @@ from torch import nn
 
 from streamload.base import progress
 from streamload.base.errors import SourceError
-from streamload.integrations.device_map import DeviceMap, mapped_modules, one_device
+from streamload.integrations import diffusers, transformers
+from streamload.integrations.device_map import DeviceMap, one_device
 from streamload.nn.load_into import OnLayer
 from streamload.options import TABLE
 from streamload.storage.base import redacted
+from streamload.storage.hub import hub_id, snapshot_folder
 from streamload.storage.remote import is_url
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from streamload.integrations.diffusers import Dtype
     from streamload.options import Options
 
 
@@ -30,7 +31,7 @@ def from_pretrained(
     *,
     device: str | torch.device | None = None,
     device_map: DeviceMap = None,
-    dtype: Dtype = None,
+    dtype: diffusers.Dtype = None,
     model_class: type[nn.Module] | None = None,
     variant: str | None = None,
     on_layer: OnLayer | None = None,
@@ -47,20 +48,21 @@ def from_pretrained(
     `https://host/model/`): its small files fetched, its weights streamed.
 
     Args:
-        path: the folder, or its object-storage prefix.
+        path: the folder, its object-storage prefix, or a Hugging Face hub id (`org/name[@revision]`).
         device: where the weights go ("cpu", "cuda", "cuda:N"; default cuda when available).
         device_map: transformers' name for it, where it names one device: a device ("cpu", "cuda:0", a
             `torch.device`, a GPU's index), "auto" (or "balanced", "sequential") on a machine with at most
             one GPU (where `device` would default), or a dict whose entries all name one device
             (`{"": "cuda:0"}`). A model spread over several devices, or offloaded to disk, is refused.
-        dtype: the floating-point dtype of the weights (default: as stored); for a pipeline also per
-            component, as diffusers takes it: `{"transformer": torch.bfloat16, "default": torch.float16}`.
+        dtype: the floating-point dtype of the weights (default: as the folder's library's own `from_pretrained`
+            chooses); for a transformers model also "auto", for a pipeline also per component, as diffusers takes
+            it: `{"transformer": torch.bfloat16, "default": torch.float16}`.
         model_class: (transformers) the class to build (default: the config's `architectures[0]`).
         variant: (diffusers) the weight files' variant, e.g. "fp16" (`diffusion_pytorch_model.fp16.safetensors`);
             a component without that variant loads its plain files.
         on_layer: called with (key, submodule) as each layer is complete, while later ones load.
         strict: a key the model needs and the checkpoint lacks is an error, raised before any weight is read.
-        trust_remote_code: (transformers) run the Python files the folder's config names (`auto_map`): its
+        trust_remote_code: (transformers) run the Python files a local folder's config names (`auto_map`): its
             config and model classes, as transformers does with True. Default: such a config is refused.
         **options: the options of `streamload.iter` (reader, threads, ...).
 
@@ -81,19 +83,18 @@ def from_pretrained(
     if unknown:  # before a model is built, not when its weights are read
         raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(unknown)}")
     device = one_device(path, device, device_map)
+    mapped = tuple(device_map) if isinstance(device_map, dict) else ()  # the module names a dict places
     if not is_url(str(path)):
-        path = _hub_snapshot(path, options.get("cache_dir"))
+        if hub_id(path) is not None:  # a hub id naming nothing local: its snapshot, downloaded where absent
+            cache_dir = options.get("cache_dir")
+            path = snapshot_folder(str(path), None if cache_dir is None else Path(str(cache_dir)))
         _check_folder(Path(path))
-    from streamload.integrations import diffusers
-
-    if diffusers.kind(path if is_url(str(path)) else Path(path)) is not None:
+    if diffusers.kind(path) is not None:
         if model_class is not None or trust_remote_code:
             given = "model_class=" if model_class is not None else "trust_remote_code="
             raise ValueError(f"{redacted(path)}: {given} is for transformers models, not diffusers folders")
         return diffusers.from_pretrained(path, device=device, dtype=dtype, variant=variant, on_layer=on_layer,
-                                         strict=strict, mapped=mapped_modules(device_map), **options)  # fmt: skip
-    from streamload.integrations import transformers
-
+                                         strict=strict, mapped=mapped, **options)  # fmt: skip
     if variant is not None:
         raise ValueError(
             f"{redacted(path)}: variant= is for diffusers folders; give a transformers model its files' folder"
@@ -102,17 +103,7 @@ def from_pretrained(
         raise ValueError(f"{redacted(path)}: a dtype per component is for diffusers pipelines; give one dtype")
     return transformers.from_pretrained(path, device=device, dtype=dtype, model_class=model_class, on_layer=on_layer,  # nosec B615 # streamload's own: no hub download
                                         strict=strict, trust_remote_code=trust_remote_code,
-                                        mapped=mapped_modules(device_map), **options)  # fmt: skip
-
-
-def _hub_snapshot(path: str | os.PathLike[str], cache_dir: object) -> str | os.PathLike[str]:
-    """A Hugging Face hub id (`org/name[@revision]` naming nothing local) as its snapshot folder in the hub
-    cache, downloaded there where absent (storage/hub.py); any other path as it is."""
-    from streamload.storage.hub import hub_id, snapshot_folder
-
-    if hub_id(path) is None:
-        return path
-    return snapshot_folder(str(path), None if cache_dir is None else Path(str(cache_dir)))
+                                        mapped=mapped, **options)  # fmt: skip
 
 
 def _check_folder(folder: Path) -> None:

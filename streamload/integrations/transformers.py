@@ -1,27 +1,26 @@
 """transformers: a checkpoint directory (or object-storage prefix) -> a ready model (`streamload.from_pretrained`).
 
-config.json -> the model built with `empty_weights` (parameters on meta, buffers real) -> weights
-streamed in by `load_into` (tied weights stay tied) -> the remaining buffers moved to the device ->
-`eval()`. transformers is an optional dependency: `pip install -e ".[transformers]"`.
+config.json -> the model built with `empty_weights` (parameters on meta, buffers real) -> weights streamed in
+by `load_into` (tied weights stay tied) -> the remaining buffers moved to the device -> `eval()`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-from collections.abc import Collection, Iterable, Iterator, Mapping
+import tempfile
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from streamload import device as devices
 from streamload.api import inspect
 from streamload.base.errors import StreamloadError, UnsupportedError, listed
+from streamload.device import default_kind, resolve
 from streamload.format.dtypes import as_torch_dtype
-from streamload.integrations import transformers_internals as internals
+from streamload.integrations import transformers_internals
 from streamload.integrations.device_map import check_mapped
 from streamload.nn.load_into import Filler, OnLayer, empty_weights, fill, make_filler
 from streamload.plan.placement import Conversion, Region, Step
@@ -48,59 +47,42 @@ def from_pretrained(
     mapped: Collection[str] = (),
     **options: Unpack[Options],
 ) -> nn.Module:
-    """Load a `transformers` model from a local checkpoint directory, its weights streamed in.
+    """`streamload.from_pretrained` for a transformers folder (or its object-storage prefix: config.json
+    fetched, the weights streamed), in eval mode on `device`; the arguments as documented there, and:
 
-    Args:
-        path: a directory with `config.json` and safetensors weights (`save_pretrained`'s layout), or
-            the same in object storage (`s3://bucket/model/`, `https://host/model/`): config.json is
-            fetched from there, the weights streamed.
-        device: where the model goes ("cpu", "cuda", "cuda:N"; default cuda when available).
-        dtype: the floating-point dtype of the weights and the model (torch.float16, torch.bfloat16,
-            torch.float32, torch.float64, or its name), or "auto" as transformers takes it: the config's `dtype`
-            (`torch_dtype`), else the first floating-point tensor's of the first weight file (default: as
-            transformers' own `from_pretrained` chooses, which from transformers 5 on is "auto"; before, as stored).
-        model_class: the class to build (default: the config's `architectures[0]`, else `AutoModel`).
-        on_layer: called with (key, submodule) as each layer is complete, while later ones load.
-        strict: a key the model needs and the checkpoint lacks is an error, raised before any weight is read.
-        trust_remote_code: run the Python files a local folder's config names (`auto_map`), as transformers
-            does when given True: its config class, and its model class (the `auto_map` entry of the config's
-            `architectures[0]`). False (the default): a config that needs them is refused, nothing run.
-        mapped: the module names a device_map placed: each must be one of the built model's.
-        **options: the options of `streamload.iter` (reader, threads, ...).
-
-    Returns:
-        The model, in eval mode, on `device`.
-
-    Raises:
-        UnsupportedError: transformers is not installed, or the config names an unknown architecture.
-        StreamloadError: the checkpoint does not fit the model, or it could not be read.
-
-    Example:
-        >>> model = streamload.from_pretrained("path/to/llama", device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
-        >>> model(input_ids).logits  # doctest: +SKIP
+    dtype: also "auto" as transformers takes it: the config's `dtype`, else the first floating-point tensor's of
+        the first weight file; None (transformers' own default): the config's, else each tensor as stored.
+    model_class: default the config's `architectures[0]`, else `AutoModel`.
+    trust_remote_code: from a local folder only; the model class is the `auto_map` entry of `architectures[0]`.
+    mapped: the module names a device_map placed: each must be one of the built model's.
     """
     try:
         import transformers
     except ImportError as exc:
         raise UnsupportedError("from_pretrained needs transformers: pip install -e '.[transformers]'") from exc
-    internals.check_version(transformers)  # its internals are those of the releases tested, or nothing is read
+    transformers_internals.check_version(transformers)  # internals of the releases tested, or nothing is read
     source: str | Path = str(path) if is_url(str(path)) else Path(path)
     if trust_remote_code and not isinstance(source, Path):
         raise UnsupportedError(
             f"{redacted(source)}: trust_remote_code=True runs the model's Python files from a local folder, and "
             "from object storage only its config and weights are fetched: copy the folder here first"
         )
-    dev = devices.resolve(device)
+    dev = resolve(device)
     config = _config(transformers, source, trust_remote_code)
     checkpoint = None
-    if isinstance(dtype, str) and dtype == "auto":  # transformers' "auto": the config's, else the weights'
-        dtype = _config_dtype(config)
-        if dtype is None:
+    if dtype is None or dtype == "auto":
+        auto, dtype = dtype == "auto", transformers_internals.config_dtype(config)
+        if auto and dtype is None:  # transformers' "auto": else the weights'
             checkpoint = inspect(source, options.get("cache_dir"))
             dtype = _stored_dtype(checkpoint)
     else:
-        dtype = internals.default_dtype(transformers, config) if dtype is None else as_torch_dtype(dtype)
-    _buildable(dtype)
+        dtype = as_torch_dtype(dtype)
+    if dtype not in (None, torch.float16, torch.bfloat16, torch.float32, torch.float64):  # torch's default, built in
+        raise UnsupportedError(
+            f"dtype={dtype}: a model is built in torch.float16, torch.bfloat16, torch.float32 or torch.float64 "
+            "(or 'auto': the config's, else the weights'); float8 weights come from a quantized checkpoint, "
+            "whose config says so"
+        )
     quantizer = placing_quantizer(config)
     model = _model(transformers, config, model_class, dtype, quantizer, trust_remote_code)
     check_mapped(path, mapped, model)
@@ -112,7 +94,7 @@ def from_pretrained(
     fill(filler, checkpoint, device=dev, dtype=dtype, strict=strict, on_layer=on_layer, dequantize=computed, **options)
     model.to(dev)  # the buffers the constructor made on the CPU; parameters are there already
     if quantizer is not None:
-        internals.finish(quantizer, model)
+        transformers_internals.finish(quantizer, model)
     return model.eval()
 
 
@@ -120,23 +102,19 @@ def _model(
     transformers: Any, config: Any, model_class: type[nn.Module] | None, dtype: torch.dtype | None, quantizer: Any,
     trust_remote_code: bool,
 ) -> nn.Module:  # fmt: skip
-    """The model built on meta in `dtype` (its buffers real), laid out by `quantizer` where there is one,
-    its tied weights tied."""
+    """The model built on meta in `dtype` (its buffers real), laid out by `quantizer`, its tied weights tied."""
     kwargs = {} if dtype is None else {"dtype": dtype}
     # transformers' switch first: its module, imported on first use, copies torch's initialisers
-    with internals.no_init_weights(), empty_weights():
-        if model_class is not None:
-            model = (
-                model_class._from_config(config, **kwargs)
-                if hasattr(model_class, "_from_config")
-                else model_class(config)
-            )
-        else:
+    with transformers_internals.no_init_weights(), empty_weights():
+        if model_class is None:
             model = _build(transformers, config, kwargs, trust_remote_code)
+        elif hasattr(model_class, "_from_config"):
+            model = model_class._from_config(config, **kwargs)
+        else:
+            model = model_class(config)
         if quantizer is not None:  # its modules, laid out for the stored bytes, as transformers' loader does
-            with _default_dtype(dtype):  # (theirs in the model's dtype: a quantized layer's bias is built so)
-                internals.prepare(quantizer, model, dtype)
-    return internals.tied(model)
+            transformers_internals.prepare(quantizer, model, dtype)
+    return transformers_internals.tied(model)
 
 
 def _filler(
@@ -157,29 +135,6 @@ def _filler(
     return filler, computed, placed
 
 
-# The dtypes a model can be built in (torch's default dtype while transformers builds it).
-BUILDABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _buildable(dtype: torch.dtype | None) -> None:
-    """Refuse, in one line, a dtype no model is built in (float8, an integer), before anything is built."""
-    if dtype is not None and dtype not in BUILDABLE:
-        raise UnsupportedError(
-            f"dtype={dtype}: a model is built in torch.float16, torch.bfloat16, torch.float32 or torch.float64 "
-            "(or 'auto': the config's, else the weights'); float8 weights come from a quantized checkpoint, "
-            "whose config says so"
-        )
-
-
-def _config_dtype(config: Any) -> torch.dtype | None:
-    """The dtype the config names (`dtype`, before transformers 5 `torch_dtype`), or None."""
-    for key in ("dtype", "torch_dtype"):
-        named = getattr(config, key, None)
-        if named is not None:
-            return as_torch_dtype(named)
-    return None
-
-
 def _stored_dtype(checkpoint: Any) -> torch.dtype | None:
     """As transformers reads "auto" from the weights: the first floating-point tensor (by name) of the first
     file; else the first tensor's; None for no tensors (the model is then built in torch's default)."""
@@ -196,16 +151,13 @@ def _kept(method: Method, config: Any) -> bool:
 
 def placing_quantizer(config: Any) -> Any | None:
     """transformers' own quantizer where its loader puts the stored tensors as they are into the layers it
-    lays out (the method's `as_stored`, kept quantized here): streamload reads them straight in. Else None.
-
-    Raises:
-        UnsupportedError: the quantization's package is not installed (named, as transformers names it).
-    """
+    lays out (the method's `as_stored`, kept quantized here): streamload reads them straight in. Else None;
+    UnsupportedError where the quantization's package is not installed."""
     method = METHODS.get(_quantization(config, "quant_method"))
     if method is None or not (method.as_stored and _kept(method, config)):
         return None
     try:
-        return internals.hf_quantizer(config)
+        return transformers_internals.hf_quantizer(config)
     except ImportError as exc:
         raise UnsupportedError(f"{method.name} checkpoint: {exc}") from None
 
@@ -217,7 +169,7 @@ def dequantization(config: Any, stored: Mapping[str, Any]) -> Dequantization | N
     if method is None or method.computed is None or _kept(method, config):
         return None  # transformers keeps them quantized in its own layers here: refused, named by `fits`
     fmt = method.computed
-    if internals.in_parameter_dtype(method):  # the format's own dtype (bfloat16) whatever the model's before
+    if transformers_internals.in_parameter_dtype(method):  # else the format's own (bfloat16) whatever the model's
         fmt = dataclasses.replace(fmt, own_dtype=lambda parts: None)
     return Dequantization.of(fmt, stored)
 
@@ -229,7 +181,7 @@ def decompressed_experts(
     conversion: every other quantized layer stays as stored): each expert's weight decompressed by
     transformers' own operation as its packed values, scale and shape arrive, then copied into its
     region of the fused parameter; with the checkpoint's placement as computed. None where there are none."""
-    how = internals.experts_decompression(quantizer)
+    how = transformers_internals.experts_decompression(quantizer)
     if how is None:
         return None
     fp8 = how.fp8  # plain (weight, scale) pairs
@@ -266,7 +218,7 @@ def _kernels_missing(kernels: Kernels) -> bool:
     (FineGrainedFP8: 8.9; Mxfp4: 7.5, triton and `kernels`; on the CPU it always dequantizes them)."""
     from importlib.util import find_spec
 
-    capability = devices.default_kind().compute_capability()  # None: no GPU
+    capability = default_kind().compute_capability()  # None: no GPU
     on_gpu = capability is not None and capability >= kernels.capability
     return not (on_gpu and all(find_spec(p) is not None for p in kernels.packages))
 
@@ -345,20 +297,17 @@ def conversion(model: nn.Module, shapes: dict[str, tuple[int, ...]], quantizer: 
     `model`, from its conversion rules for this model (renames, module lists merged into one tensor,
     concatenations, transposes) and its own key matching, as data. A rule that computes (or that
     splits a tensor between parameters) is refused before a byte is read, naming the model type and
-    the operation. Before transformers 5 (no conversion rules): nothing to convert."""
-    rules = internals.conversion_rules(model, quantizer)
-    if rules is None:
-        return Conversion()
-    renamings, converters, rename_source_key = rules.renamings, rules.converters, rules.rename
+    the operation."""
+    rules = transformers_internals.conversion_rules(model, quantizer)
     meta = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None)
-    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    by_pattern = {p: c for c in rules.converters for p in c.source_patterns}
     regions: dict[str, Region] = {}
     merged: dict[str, tuple[Any, dict[str, list[str]]]] = {}  # target -> (converter, {source pattern: keys})
     for key in sorted(shapes, key=rules.natural_key):  # transformers' own order: experts 0, 1, ..., 10
-        target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        target, pattern = rules.rename(key, rules.renamings, rules.converters, prefix, meta)
         if target not in meta and key in meta:
-            target, pattern = rename_source_key(key, [], [], prefix, meta)
+            target, pattern = rules.rename(key, [], [], prefix, meta)
         if target not in meta:
             continue  # an unexpected key: load_into says so
         if pattern is None:
@@ -381,7 +330,7 @@ def _dtypes(model: nn.Module, placed: Conversion, names: Iterable[str], dtype: t
     lands in: its dtype plan (`_keep_in_fp32_modules_strict`: a router's bias stays float32), else
     the tensor's own dtype where the model was built in another, else `dtype` ("*")."""
     own = {n: t.dtype for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_floating_point()}
-    planned = internals.dtype_plan(model, dtype)
+    planned = transformers_internals.dtype_plan(model, dtype)
     kept: dict[str, torch.dtype] = {}
     for n in names:
         target = placed.target_of(n)
@@ -424,42 +373,35 @@ def _placed(
 ) -> _Node:  # fmt: skip
     """transformers' chain of operations for one target, run on shapes and names instead of tensors
     (each operation as transformers' own `convert` treats its inputs)."""
-    values: dict[str, _Node | list[_Node]] = {
-        p: [_Node(tuple(shapes[k]), k) for k in keys] for p, keys in inputs.items()
-    }
+    values = {p: [_Node(tuple(shapes[k]), k) for k in keys] for p, keys in inputs.items()}  # one node after an op
     targets = converter.target_patterns
     for op in converter.operations:
-        how, dims, check_dims = internals.operation(op)
+        how, dims, check_dims = transformers_internals.operation(op)
         if how == "stack":
-            out: dict[str, _Node | list[_Node]] = {}
-            for pattern, value in values.items():
-                parts = value if isinstance(value, list) else [value]
+            out: dict[str, list[_Node]] = {}
+            for pattern, parts in values.items():
                 shape = (*parts[0].shape[: dims[0]], len(parts), *parts[0].shape[dims[0] :])
                 if any(p.shape != parts[0].shape for p in parts):
                     raise UnsupportedError(f"{model_type}: {target!r}: the tensors merged differ in shape")
-                out[targets[0] if len(values) == 1 else pattern] = _Node(shape, how="stack", dims=dims, parts=parts)
+                out[targets[0] if len(values) == 1 else pattern] = [_Node(shape, how="stack", dims=dims, parts=parts)]
             values = out
         elif how == "cat":
             dim = dims[0]
-            parts = []
-            for pattern in converter.source_patterns:  # transformers keeps the patterns' order
-                value = values.get(pattern)
-                parts += [] if value is None else value if isinstance(value, list) else [value]
+            parts = [part for pattern in converter.source_patterns for part in values.get(pattern, [])]  # their order
             shape = list(parts[0].shape)
             if any(len(p.shape) != len(shape) or [*p.shape[:dim], *p.shape[dim + 1 :]] != [
                     *shape[:dim], *shape[dim + 1 :]] for p in parts):  # fmt: skip
                 shown = ", ".join(str(list(p.shape)) for p in parts)
                 raise UnsupportedError(f"{model_type}: {target!r}: the tensors concatenated differ in shape ({shown})")
             shape[dim] = sum(p.shape[dim] for p in parts)
-            values = {targets[0]: _Node(tuple(shape), how="cat", dims=dims, parts=parts)}
+            values = {targets[0]: [_Node(tuple(shape), how="cat", dims=dims, parts=parts)]}
         elif how == "transpose" and len(values) == 1:
-            value = next(iter(values.values()))
-            part = value[0] if isinstance(value, list) else value
+            part = next(iter(values.values()))[0]
             if check_dims and part.shape == target_shape:
                 continue  # transformers leaves a tensor already of the parameter's shape as it is
             shape = list(part.shape)
             shape[dims[0]], shape[dims[1]] = shape[dims[1]], shape[dims[0]]
-            values = {targets[0]: _Node(tuple(shape), how="transpose", dims=dims, parts=[part])}
+            values = {targets[0]: [_Node(tuple(shape), how="transpose", dims=dims, parts=[part])]}
         else:
             raise UnsupportedError(
                 f"{model_type}: transformers converts {target!r} with {type(op).__name__}, which streamload does "
@@ -467,34 +409,19 @@ def _placed(
             )
     if len(values) != 1:
         raise UnsupportedError(f"{model_type}: {target!r}: transformers' conversion leaves {len(values)} tensors")
-    value = next(iter(values.values()))
-    node = value if isinstance(value, _Node) else value[0] if len(value) == 1 else None
-    if node is None or node.shape != target_shape:
-        got = None if node is None else list(node.shape)
+    (nodes,) = values.values()
+    got = list(nodes[0].shape) if len(nodes) == 1 else None
+    if got != list(target_shape):
         raise UnsupportedError(
             f"{model_type}: {target!r} would be {got} from the checkpoint, the model's is {list(target_shape)}"
         )
-    return node
+    return nodes[0]
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
-    """torch's default dtype `dtype` inside (None: left as it is), and as it was after."""
-    before = torch.get_default_dtype()
-    if dtype is not None and dtype.is_floating_point:
-        torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
-def _config(transformers: Any, source: str | Path, trust_remote_code: bool = False) -> Any:
+def _config(transformers: Any, source: str | Path, trust_remote_code: bool) -> Any:
     """The model's config: from the folder, or fetched from the object store's prefix."""
     if isinstance(source, Path):
         return _read_config(transformers, source, source / "config.json", trust_remote_code)
-    import tempfile
-
     from streamload.integrations.startup.prefetch import beside
     from streamload.storage import storage_for
 
@@ -506,10 +433,10 @@ def _config(transformers: Any, source: str | Path, trust_remote_code: bool = Fal
         )
     with tempfile.TemporaryDirectory(prefix="streamload-config-") as folder:
         Path(folder, "config.json").write_bytes(raw)
-        return _read_config(transformers, Path(folder), f"{redacted(near.parent)}/config.json")
+        return _read_config(transformers, Path(folder), f"{redacted(near.parent)}/config.json", False)
 
 
-def _read_config(transformers: Any, folder: Path, shown: object, trust_remote_code: bool = False) -> Any:
+def _read_config(transformers: Any, folder: Path, shown: object, trust_remote_code: bool) -> Any:
     # trust_remote_code given as a bool: transformers asks on a terminal (and waits) when it is None
     trusted = bool(trust_remote_code)
     try:
@@ -521,7 +448,7 @@ def _read_config(transformers: Any, folder: Path, shown: object, trust_remote_co
         raise UnsupportedError(f"{shown}: transformers cannot read this config: {reason}") from None
 
 
-def _build(transformers: Any, config: Any, kwargs: dict[str, Any], trust_remote_code: bool = False) -> nn.Module:
+def _build(transformers: Any, config: Any, kwargs: dict[str, Any], trust_remote_code: bool) -> nn.Module:
     names = getattr(config, "architectures", None) or []
     auto = _trusted_auto_class(transformers, config, names) if trust_remote_code else None
     if auto is not None:  # the model class from the folder's code, as transformers' auto class resolves it

@@ -1,21 +1,18 @@
 """transformers' internals streamload uses, in one room: its quantizers, its conversion rules and their
-operations, its loader's helpers (also for the transformers models in diffusers' pipelines). These are
-not transformers' public API and change between releases (5.21 made compressed-tensors' expert
-decompression read the fused parameter's dtype from the model: `KeyError: 'model'` where it was called
-as 5.19 calls it), so `integrations/transformers.py` and `diffusers.py` reach them only through here,
-and here knows each release's way.
-
-Tested on transformers 5.19 (vLLM 0.32's pin) and 5.24; a release of another major version, or one
-before 5.19 (no conversion rules, or none for compressed-tensors' experts), is refused in one line
-before anything is read (`check_version`).
+operations, its loader's helpers (also for the transformers models in diffusers' pipelines). They are not
+its public API and change between releases (5.21 made compressed-tensors' expert decompression read the
+fused parameter's dtype from the model), so the integrations reach them only through here, and here knows
+each release's way. Tested on transformers 5.19 (vLLM 0.32's pin) and 5.24; a release of another major
+version, or one before 5.19 (no conversion rules, or none for compressed-tensors' experts), is refused in
+one line before anything is read (`check_version`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -35,17 +32,14 @@ def version(transformers: Any) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def tested_range() -> str:
-    return f"{LOWEST[0]}.{LOWEST[1]} to {HIGHEST[0]}.{HIGHEST[1]} (and later {HIGHEST[0]}.x)"
-
-
 def check_version(transformers: Any) -> None:
     """Refuses, in one line and before anything is read, a transformers release outside
     [`LOWEST`, the next major version): its internals may not be those this module knows."""
     got = version(transformers)
     if not (LOWEST <= got and got[0] == HIGHEST[0]):
+        tested = f"{LOWEST[0]}.{LOWEST[1]} to {HIGHEST[0]}.{HIGHEST[1]} (and later {HIGHEST[0]}.x)"
         raise UnsupportedError(
-            f"streamload.from_pretrained is tested with transformers {tested_range()}, and this is transformers "
+            f"streamload.from_pretrained is tested with transformers {tested}, and this is transformers "
             f"{transformers.__version__}: install one of those (pip install 'transformers>={LOWEST[0]}.{LOWEST[1]},"
             f"<{HIGHEST[0] + 1}'); nothing was read"
         )
@@ -60,29 +54,24 @@ def in_parameter_dtype(method: Method) -> bool:
     return since is not None and version(transformers) >= since
 
 
-def no_init_weights() -> contextlib.AbstractContextManager[Any]:
-    """transformers' own switch that skips `init_weights` (a no-op context where it has none): its
-    initialisers keep references to torch's that `empty_weights` cannot patch; on meta tensors they
-    cost ~1.5 ms a tensor for nothing. It skips the weight tying too: `tied` the model after."""
-    try:
-        return importlib.import_module("transformers.initialization").no_init_weights()
-    except (ImportError, AttributeError):
-        return contextlib.nullcontext()
+def no_init_weights() -> AbstractContextManager[Any]:
+    """transformers' own switch that skips `init_weights`: its initialisers keep references to torch's that
+    `empty_weights` cannot patch; on meta tensors they cost ~1.5 ms a tensor for nothing. It skips the
+    weight tying too: `tied` the model after."""
+    from transformers.initialization import no_init_weights
+
+    return no_init_weights()
 
 
 def tied(model: nn.Module) -> nn.Module:
     """`model` with its tied weights tied, which `init_weights` does and `no_init_weights` skips."""
-    tie = getattr(model, "tie_weights", None)
-    if tie is not None:
-        tie()
+    if hasattr(model, "tie_weights"):  # a model_class of the user's may have none
+        model.tie_weights()
     return model
 
 
-def default_dtype(transformers: Any, config: Any) -> torch.dtype | None:
-    """The dtype transformers' `from_pretrained` gives a model when none is asked for: from version 5
-    on ("auto") the config's `dtype`; None (as stored) where that is unset or before version 5."""
-    if int(transformers.__version__.split(".")[0]) < 5:
-        return None
+def config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype the config names (`dtype`, into which transformers reads a `torch_dtype`), or None."""
     dtype = getattr(config, "dtype", None)
     return None if dtype is None else as_torch_dtype(dtype)
 
@@ -91,20 +80,20 @@ def default_dtype(transformers: Any, config: Any) -> torch.dtype | None:
 
 
 def hf_quantizer(config: Any) -> Any:
-    """transformers' quantizer for the config's `quantization_config`, as its `from_pretrained` makes it.
-
-    Raises:
-        ImportError: the quantization's package is not installed (transformers' own message).
-    """
+    """transformers' quantizer for the config's `quantization_config`, as its `from_pretrained` makes it;
+    ImportError (transformers' own message) where the quantization's package is not installed."""
     from transformers.quantizers.auto import get_hf_quantizer
 
-    quantizer, _, _ = get_hf_quantizer(config, None, None, True, {})
-    return quantizer
+    return get_hf_quantizer(config, None, None, True, {})[0]
 
 
 def prepare(quantizer: Any, model: nn.Module, dtype: torch.dtype | None) -> None:
-    """The quantizer's modules laid out in `model` for the stored bytes, before weights load."""
-    quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, use_kernels=False)
+    """The quantizer's modules laid out in `model` for the stored bytes, before weights load, in the model's
+    dtype as transformers' loader builds them (a quantized layer's bias is built so)."""
+    from transformers.modeling_utils import local_torch_dtype
+
+    with nullcontext() if dtype is None else local_torch_dtype(dtype):
+        quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, use_kernels=False)
 
 
 def finish(quantizer: Any, model: nn.Module) -> None:
@@ -136,30 +125,15 @@ def experts_decompression(quantizer: Any) -> ExpertsDecompression | None:
 
     def decompress(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         first = next(iter(parts))
-        # 5.21 on: the fused parameter's dtype, read from the model the loader passes (here one
-        # that holds that name only); before, neither is read (**kwargs)
-        out = operation.convert({n: [t] for n, t in parts.items()}, [], [], full_layer_name=first,
-                                model=_ParameterOfDtype(first, dtype))  # fmt: skip
+        # 5.21 on it reads the fused parameter's dtype of the model the loader passes (here a stand-in that holds
+        # that name only: another raises KeyError); before, neither is read (**kwargs)
+        model = SimpleNamespace(get_parameter={first: torch.empty(0, dtype=dtype, device="meta")}.__getitem__)
+        out = operation.convert({n: [t] for n, t in parts.items()}, [], [], full_layer_name=first, model=model)
         return out[first][0]
 
     fp8 = scheme.weights.type == "float" and scheme.weights.num_bits == 8
-    # from 5.21 on its FP8 experts come out in their fused parameter's dtype, read from the model it is given
     in_bfloat16 = not in_parameter_dtype(METHODS["compressed-tensors"])
     return ExpertsDecompression(fp8, scheme.weights.num_bits, in_bfloat16, decompress)
-
-
-class _ParameterOfDtype(nn.Module):
-    """A module with one (empty, meta) parameter of `dtype` under `name`: what the decompression reads of
-    the model (`get_parameter(name).dtype`)."""
-
-    def __init__(self, name: str, dtype: torch.dtype) -> None:
-        super().__init__()
-        self._name, self._parameter = name, nn.Parameter(torch.empty(0, dtype=dtype, device="meta"), False)
-
-    def get_parameter(self, target: str) -> nn.Parameter:
-        if target != self._name:
-            raise AttributeError(target)
-        return self._parameter
 
 
 # -- conversion rules -----------------------------------------------------------------------------------
@@ -176,14 +150,11 @@ class Rules:
     rename: Callable[..., tuple[str, str | None]]  # (key, renamings, converters, prefix, meta) -> (target, pattern)
 
 
-def conversion_rules(model: nn.Module, quantizer: Any = None) -> Rules | None:
-    """transformers' conversion rules for `model` (with the quantizer's own, if one); None where this
-    transformers has none."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
-    except ImportError:
-        return None
+def conversion_rules(model: nn.Module, quantizer: Any = None) -> Rules:
+    """transformers' conversion rules for `model` (with the quantizer's own, if one)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
     transforms = get_model_conversion_mapping(model, hf_quantizer=quantizer)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]

@@ -2,7 +2,7 @@
 
 A file's checked units are the blocks of each tensor that its origin's format-2 digest entry names, taken only
 where that entry is bound to the origin's version (`digests.bound`) and made for the header this load read from
-the origin. A unit that fails is read from the origin and checked too (`Blocks.settle`): where the origin's
+the origin. A unit that fails is read from the origin and checked too (`Units.settle`): where the origin's
 bytes match, the other source lied or its copy is damaged (`FORGED`); where they fail as well, the digest file
 is stale (`STALE`: the origin's bytes are handed out, the source not blamed, the digests no longer used).
 """

@@ -114,15 +114,20 @@ class Version(NamedTuple):
     etag: str | None = None  # a strong ETag (objects)
     mtime_ns: int | None = None  # a local file's modification time
     sha256: str | None = None  # a whole-file SHA-256 the storage knows without reading (a hub blob's name)
+    md5: str | None = None  # the object's MD5, only where its store vouches that its ETag is one (S3's)
 
 
-def version_of(header: FileHeader, sha256: str | None = None) -> Version:
-    """The origin version a header was read at (its storage's `FileVersion`: a strong ETag, else a local mtime)."""
+def version_of(header: FileHeader, known: Digest | None = None) -> Version:
+    """The origin version a header was read at (its storage's `FileVersion`: a strong ETag, else a local mtime),
+    with the whole-file digest its storage knows without reading (`Storage.digest`): most stores' ETags are
+    opaque, so an ETag is taken for the object's MD5 only where its storage says it is one."""
     v = header.identity
+    vouched = {known.algorithm: known.hex} if known is not None else {}
+    sha256, md5 = vouched.get("sha256"), vouched.get("md5")
     if v is not None and v.content is not None:  # a hub file: its LFS ETag is the file's SHA-256
         return Version(sha256=v.content.strip('"').lower())
     if v is not None and v.etag is not None:
-        return Version(etag=v.etag, sha256=sha256)
+        return Version(etag=v.etag, sha256=sha256, md5=md5)
     if v is not None and v.mtime_ns is not None and v.size == header.size:
         return Version(mtime_ns=v.mtime_ns, sha256=sha256)
     return Version(sha256=sha256)
@@ -130,10 +135,8 @@ def version_of(header: FileHeader, sha256: str | None = None) -> Version:
 
 def made_from(header: FileHeader) -> dict[str, object]:
     """What a new entry says of the version it was made from (`bound` checks it later)."""
-    version = version_of(header)
-    if version.etag is not None:
-        return {"etag": version.etag}
-    return {"mtime_ns": version.mtime_ns} if version.mtime_ns is not None else {}
+    version = version_of(header)  # a strong ETag, else a local file's mtime, never both
+    return {k: v for k, v in (("etag", version.etag), ("mtime_ns", version.mtime_ns)) if v is not None}
 
 
 def bound(entry: Mapping[str, Any], version: Version) -> str | None:
@@ -142,8 +145,7 @@ def bound(entry: Mapping[str, Any], version: Version) -> str | None:
     made = entry.get("origin")
     made = made if isinstance(made, dict) else {}
     if version.etag is not None:
-        md5 = version.etag.strip('"').lower()
-        if made.get("etag") == version.etag or (len(md5) == 32 and entry.get("md5") == md5):
+        if made.get("etag") == version.etag or (version.md5 is not None and entry.get("md5") == version.md5):
             return None
         return f"its entry was made from another version of the object than its ETag {version.etag} names"
     if version.sha256 is not None and entry.get("sha256") == version.sha256:

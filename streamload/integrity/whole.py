@@ -38,28 +38,23 @@ class WholeFile:
         self.algorithm, self.expected, self.what, self.origin = algorithm, expected, what, origin
         self.path = path  # the error's `path`: the file as the load names it
         self._prefix = prefix
-        self.hashed = 0  # bytes of the file fed so far
-        self._hash: Any = None
         self.reset()
 
     def reset(self) -> None:
         """Start again from the file's first byte (its download started again)."""
         # SHA-1 and MD5 name bytes here (git's blob ids, S3's ETags), they are not a defence of their own
-        self._hash = hashlib.new(self.algorithm, usedforsecurity=self.algorithm == "sha256")
+        self._hash: Any = hashlib.new(self.algorithm, usedforsecurity=self.algorithm == "sha256")
         self._hash.update(self._prefix)
-        self.hashed = 0
+        self.hashed = 0  # bytes of the file fed so far
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         """The file's next bytes, in file order."""
         self._hash.update(data)
         self.hashed += len(data)
 
-    def hexdigest(self) -> str:
-        return str(self._hash.hexdigest())
-
     def verdict(self) -> None:
         """None where the bytes fed are the file the digest names; else WholeFileMismatch naming the file."""
-        got = self.hexdigest()
+        got = self._hash.hexdigest()
         if got != self.expected:
             said = f" as {self.origin} says" if self.origin else ""
             raise WholeFileMismatch(

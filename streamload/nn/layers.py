@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,12 +43,9 @@ class LayerStream:
 
     def _add(self, name: str, t: torch.Tensor) -> Group | None:
         key = self._key(name)
-        group = self._partial.setdefault(key, {})
-        group[name] = t
+        self._partial.setdefault(key, {})[name] = t
         self._left[key] -= 1
-        if self._left[key]:
-            return None
-        return key, self._partial.pop(key)
+        return None if self._left[key] else (key, self._partial.pop(key))
 
     def __iter__(self) -> Iterator[Group]:
         for name, t in self.stream:
@@ -65,7 +61,7 @@ class LayerStream:
         self.stream.__enter__()
         return self
 
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -77,9 +73,7 @@ class LayerStream:
         await self.stream.__aenter__()
         return self
 
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self._partial.clear()
         await self.stream.aclose()
 

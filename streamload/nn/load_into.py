@@ -52,15 +52,13 @@ class Filler:
         self.modules = dict(module.named_modules(remove_duplicate=False))  # each name's owner at once, not by walking
         # Every name a parameter or buffer is reachable by; tied weights share one object, so an
         # arriving tensor is assigned to all of that object's names at once.
-        self.aliases: dict[int, list[str]] = {}
+        aliases: dict[int, list[str]] = {}
         self.kind: dict[str, str] = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            self.aliases.setdefault(id(p), []).append(name)
-            self.kind[name] = "parameter"
-        for name, b in module.named_buffers(remove_duplicate=False):
-            self.aliases.setdefault(id(b), []).append(name)
-            self.kind[name] = "buffer"
-        self.group_of = {n: names for names in self.aliases.values() for n in names}
+        for kind, named in (("parameter", module.named_parameters), ("buffer", module.named_buffers)):
+            for name, t in named(remove_duplicate=False):
+                aliases.setdefault(id(t), []).append(name)
+                self.kind[name] = kind
+        self.group_of = {n: names for names in aliases.values() for n in names}
         self.expected = set(module.state_dict(keep_vars=True))  # persistent buffers only
         self.filled: set[str] = set()
         self.result = LoadResult()
@@ -76,15 +74,12 @@ class Filler:
         if names is None:
             self.result.unexpected_keys.append(name)
             return
-        old = self.held(name)
         placed = aligned(tensor) if self.aligns else tensor
         if placed is not tensor and tensor.untyped_storage().data_ptr() not in self.theirs:
             self._release(tensor)  # copied: the file pages it viewed (ours) need not stay with the process
-        tensor = placed
+        new = placed
         if self.kind[name] == "parameter":
-            new: torch.Tensor = nn.Parameter(tensor, requires_grad=old.requires_grad)
-        else:
-            new = tensor
+            new = nn.Parameter(placed, requires_grad=self.held(name).requires_grad)
         for alias in names:
             owner, attr = self._owner(alias)
             table = owner._parameters if self.kind[alias] == "parameter" else owner._buffers
@@ -108,25 +103,33 @@ class Filler:
         owner, attr = self._owner(name)
         return owner._parameters[attr] if self.kind[name] == "parameter" else owner._buffers[attr]  # type: ignore[return-value]
 
-    def keep(self, stream: Options) -> None:
-        """What this load gives back nothing of: storages the caller gave to be written (`into=`), and
-        every page while `verify` may still hash the mapped bytes after they were handed out."""
+    def groups(self, source: Source, options: Options) -> LayerStream:
+        """The stream of groups this filler fills from (the checkpoint's headers read once: the stream
+        reuses them), its tensors written where `destinations` says."""
+        checkpoint = open_checkpoint(source, options.get("cache_dir"))
+        if (computed := self.dequantization) is not None:
+            computed.check(checkpoint.tensors)
+            options = {**options, "dtype": computed.as_stored(options.get("dtype"))}  # type: ignore[typeddict-item]
+        stream = self.destinations(options, checkpoint)
+        # What this load gives back nothing of: storages the caller gave to be written (`into=`), and
+        # every page while `verify` may still hash the mapped bytes after they were handed out.
         self.theirs = {t.untyped_storage().data_ptr() for t in (stream.get("into") or {}).values()}
         if stream.get("verify"):
             self._release = lambda t: None
+        return layers(checkpoint, **stream)
 
     def destinations(self, options: Options, checkpoint: Checkpoint) -> Options:
         """The stream's options for this filler (assigning needs nothing more)."""
         return options
 
-    def submodule(self, key: str) -> nn.Module | None:
-        return self.modules.get(key)
-
     def start(self, groups: LayerStream, strict: bool) -> None:
-        items = groups.stream.plan.items
+        items, computed = groups.stream.plan.items, self.dequantization
         if strict:
-            self.check_names({self.target_of(n) for n in self._names(items)})
-        self.check_dtypes(self._plain(items), self.target_of)
+            names = [i.name for i in items]
+            self.check_names({self.target_of(n) for n in (computed.targets(names) if computed else names)})
+        # The items assigned as they come: not those computed from (dequantized weights, their scales),
+        # which the module gets as the computed weight, in its parameter's dtype.
+        self.check_dtypes([i for i in items if computed is None or i.name not in computed.names])
         self.check_shapes(self._delivered(items))
 
     def _delivered(self, items: Collection[Item]) -> dict[str, tuple[object, tuple[int, ...]]]:
@@ -168,24 +171,13 @@ class Filler:
                 "read. Check that the checkpoint is this model's, built with the checkpoint's config"
             )
 
-    def _plain(self, items: Collection[Item]) -> list[Item]:
-        """The items assigned as they come: not those computed from (dequantized weights, their scales),
-        which the module gets as the computed weight, in its parameter's dtype."""
-        names = self.dequantization.names if self.dequantization else set()
-        return [i for i in items if i.name not in names]
-
-    def _names(self, items: Collection[Item]) -> list[str]:
-        """The names the module gets from `items`."""
-        names = [i.name for i in items]
-        return self.dequantization.targets(names) if self.dequantization else names
-
-    def check_dtypes(self, items: Collection[Item], target_of: Callable[[str], str]) -> None:
+    def check_dtypes(self, items: Collection[Item]) -> None:
         """Before any weight is read: a tensor assigned to a parameter or buffer of another dtype only
         between plain floating-point dtypes (as `dtype=` makes them) or between integer ones: a float8,
         float4 or integer tensor in a floating-point parameter, or the reverse, is a quantized weight
         without its scale."""
         for item in items:
-            if item.into is not None or (target := target_of(item.name)) not in self.group_of:
+            if item.into is not None or (target := self.target_of(item.name)) not in self.group_of:
                 continue  # written in place: the plan checked it; or not the module's
             declared = self.held(target).dtype
             kinds_differ = item.out.is_floating_point != declared.is_floating_point
@@ -205,7 +197,7 @@ class Filler:
         for name, t in arriving:
             self.assign(name, t)  # (a computed weight is put away before the next is computed)
         if on_layer is not None and layer_of(key + ".") is not None:
-            return key, self.submodule(key)
+            return key, self.modules.get(key)
         return None
 
     def check_names(
@@ -215,9 +207,7 @@ class Filler:
         present = set(names)
         missing = sorted(n for n in self.expected if not any(a in present for a in self.group_of.get(n, [n])))
         unexpected = sorted(n for n in present if n not in self.group_of)
-        if missing or unexpected:
-            parts = [f"missing keys: {listed(missing)}"] if missing else []
-            parts += [f"unexpected keys: {listed(unexpected)}"] if unexpected else []
+        if parts := _listed_parts(("missing keys", missing), ("unexpected keys", unexpected)):
             raise StreamloadError(
                 f"loading into {type(self.module).__name__}: {'; '.join(parts)}; nothing was read. Check that the "
                 f"checkpoint is this model's (it holds e.g. {listed(sorted(present)[:3])}), or {fix}"
@@ -229,17 +219,20 @@ class Filler:
         r.left_on_meta = sorted(
             n for n in self.kind if n not in self.filled and (t := self.held(n)) is not None and t.is_meta
         )
-        if strict and (r.missing_keys or r.unexpected_keys or r.left_on_meta):
-            parts = []
-            if r.missing_keys:
-                parts.append(f"missing keys: {listed(r.missing_keys)}")
-            if r.unexpected_keys:
-                parts.append(f"unexpected keys: {listed(r.unexpected_keys)}")
-            extra = [n for n in r.left_on_meta if n not in r.missing_keys]
-            if extra:
-                parts.append(f"left on the meta device, not in the checkpoint: {listed(extra)}")
+        extra = [n for n in r.left_on_meta if n not in r.missing_keys]
+        parts = _listed_parts(
+            ("missing keys", r.missing_keys),
+            ("unexpected keys", r.unexpected_keys),
+            ("left on the meta device, not in the checkpoint", extra),
+        )
+        if strict and parts:
             raise StreamloadError(f"loading into {type(self.module).__name__}: " + "; ".join(parts))
         return r
+
+
+def _listed_parts(*named: tuple[str, list[str]]) -> list[str]:
+    """Each non-empty list of names as an error lists it ("missing keys: 'a', 'b'")."""
+    return [f"{what}: {listed(names)}" for what, names in named if names]
 
 
 class _InPlaceFiller(Filler):
@@ -310,15 +303,13 @@ class _ConvertingFiller(Filler):
         for target, parts in sources.items():
             if target not in self.group_of:
                 continue  # reported by check_names (strict) or left unexpected
-            whole = (
-                own[target]
-                if self.in_place
-                else torch.empty(self.conversion.shapes[target], dtype=self._dtype_of(target, parts), device=device)
-            )
+            if self.in_place:
+                whole = own[target]
+            else:
+                whole = torch.empty(self.conversion.shapes[target], dtype=self._dtype_of(target, parts), device=device)
             self._fused[target] = whole
-            self._left[target] = len(parts)
+            self._left[target] = len(parts) or 1
             if not parts:  # a rank's empty part of it: nothing to read
-                self._left[target] = 1
                 self.assign(target, whole)
         regions = self.conversion.views(self._fused)
         computed = self.dequantization.pairs if self.dequantization else {}
@@ -431,9 +422,7 @@ def _skipping_meta(initialise: Callable[..., torch.Tensor]) -> Callable[..., tor
 
     @functools.wraps(initialise)
     def initialise_unless_meta(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if tensor.is_meta:
-            return tensor
-        return initialise(tensor, *args, **kwargs)
+        return tensor if tensor.is_meta else initialise(tensor, *args, **kwargs)
 
     return initialise_unless_meta
 
@@ -508,13 +497,7 @@ def fill(
 ) -> LoadResult:
     """`load_into` on a filler its caller made (from_pretrained's places weights as transformers does)."""
     filler.dequantization = dequantize
-    checkpoint = open_checkpoint(source, options.get("cache_dir"))  # headers once; the stream reuses them
-    if dequantize is not None:
-        dequantize.check(checkpoint.tensors)
-        options = {**options, "dtype": dequantize.as_stored(options.get("dtype"))}  # type: ignore[typeddict-item]
-    stream = filler.destinations(options, checkpoint)
-    filler.keep(stream)
-    with layers(checkpoint, **stream) as groups:
+    with filler.groups(source, options) as groups:
         filler.start(groups, strict)
         for key, tensors in groups:
             if (layer := filler.fill(key, tensors, on_layer)) is not None:
@@ -537,10 +520,7 @@ async def aload_into(
 ) -> LoadResult:
     """`load_into` for async code; `on_layer` may be a coroutine function."""
     filler = make_filler(module, in_place, "aload_into", conversion)
-    checkpoint = open_checkpoint(source, options.get("cache_dir"))  # headers once; the stream reuses them
-    stream = filler.destinations(options, checkpoint)
-    filler.keep(stream)
-    async with layers(checkpoint, **stream) as groups:
+    async with filler.groups(source, options) as groups:
         filler.start(groups, strict)
         async for key, tensors in groups:
             if (layer := filler.fill(key, tensors, on_layer)) is not None:

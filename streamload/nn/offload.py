@@ -11,6 +11,7 @@ the first blocks of its next step already on their way.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -20,11 +21,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from streamload import device as devices
 from streamload.api import iter as stream_tensors
 from streamload.base.errors import StreamloadError, UnsupportedError, listed
 from streamload.base.limits import shared_limits
+from streamload.device import kind_of, resolve
 from streamload.format.header import TensorInfo
+from streamload.nn.load_into import Filler, load_into
 from streamload.plan.checkpoint import Checkpoint, Source, open_checkpoint
 from streamload.plan.layer_keys import group_of, layer_of, layer_rank
 from streamload.plan.placement import Conversion
@@ -40,32 +42,17 @@ class _KeptOpen:
     """Local storage whose files stay open (descriptors, and the mappings the mapped reader views)
     from one fetch to the next, where each layer's load would map its shard anew and unmap it after."""
 
-    local = True
-    first_batch = 0
-
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.storage = checkpoint.storage
         self._headers = {f.path: f for f in checkpoint.files}
         self._files: Any = None
         self._lock = threading.Lock()
 
-    def locate(self, source: Any) -> Any:
-        return self.storage.locate(source)
-
-    def header(self, path: Any) -> Any:
-        return self.storage.header(path)
-
-    def cached(self, headers: Any) -> None:
-        return None
-
-    def digest(self, header: Any) -> Any:
-        return self.storage.digest(header)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.storage, name)  # local, first_batch, digest, sidecar: the local storage's own
 
     def held_until_checked(self) -> _KeptOpen:
         return self  # nothing it serves waits for a verdict
-
-    def sidecar(self, near: Any, name: str) -> bytes | None:
-        return self.storage.sidecar(near, name)
 
     def open(self, headers: Any, partly: Any = ()) -> Any:
         with self._lock:
@@ -111,7 +98,6 @@ class _Fetched(NamedTuple):
 
 
 class _Block(NamedTuple):
-    key: str
     module: nn.Module
     names: tuple[str, ...]  # the checkpoint's
     nbytes: int
@@ -151,7 +137,7 @@ class Offloaded:
         if self._kept is not None:
             checkpoint = checkpoint._replace(storage=self._kept)
         self.model, self.checkpoint, self.blocks, self.device = model, checkpoint, blocks, device
-        self._kind = devices.kind_of(device)
+        self._kind = kind_of(device)
         self.budget_bytes, self.resident_bytes, self.ahead = budget_bytes, resident_bytes, ahead
         self.resident_blocks = resident_blocks
         self.host_cache, self.options = host_cache, options
@@ -163,19 +149,10 @@ class Offloaded:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="streamload-offload")
         shared_limits().join()  # the reader threads stay up between the fetches of one block and the next
         self._lock = threading.Lock()
-        self._held = resident_bytes
-        self._fetches = 0
-        self._peak = resident_bytes
-        self._waited = 0.0
-        self._closed = False
-        self._hooks = [
-            h
-            for b in blocks
-            for h in (
-                b.module.register_forward_pre_hook(self._before),
-                b.module.register_forward_hook(self._after),
-            )
-        ]
+        self._held = self._peak = resident_bytes  # weight bytes on the device now, and at most
+        self._fetches, self._waited, self._closed = 0, 0.0, False
+        self._hooks = [b.module.register_forward_pre_hook(self._before) for b in blocks]
+        self._hooks += [b.module.register_forward_hook(self._after) for b in blocks]
         self._forward = model.forward
         model.forward = self._guarded  # type: ignore[method-assign]
 
@@ -208,17 +185,15 @@ class Offloaded:
         fetched = future.result()
         self._waited += time.perf_counter() - start
         self._kind.wait_ready(self.device, fetched.ready)  # the compute waits on the device, never the host
-        for t in fetched.tensors.values():  # the block is freed after the forward: after the compute's use
-            self._kind.hand_off(t)
         block = self.blocks[i]
         for name, t in fetched.tensors.items():
+            self._kind.hand_off(t)  # the block is freed after the forward: after the compute's use
             slot = block.slots[name]
             table = slot.owner._parameters if slot.parameter else slot.owner._buffers
             table[slot.attr] = nn.Parameter(t, requires_grad=False) if slot.parameter else t
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> None:
-        i = self._index[id(module)]
-        self._drop(i)
+        self._drop(self._index[id(module)])
 
     # -- fetching ------------------------------------------------------------------------------------
     def _fetch(self, i: int) -> Future[_Fetched]:
@@ -321,10 +296,8 @@ class Offloaded:
         for stream in streams:
             stream.close()  # a fetch in flight stops within its current read
         for i, future in pending:
-            try:
+            with contextlib.suppress(BaseException):  # a stopped fetch: nothing to keep
                 future.result()
-            except BaseException:  # a stopped fetch: nothing to keep
-                pass
             self._drop(i)
 
     def close(self) -> None:
@@ -393,10 +366,10 @@ def offload(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload runs a torch.nn.Module, not {type(model).__name__}: build the model first")
-    dev = devices.resolve(device)
+    dev = resolve(device)
     if ahead < 0:
         raise ValueError(f"ahead must be 0 or more, not {ahead}")
-    if host_cache and devices.kind_of(dev).host_memory:
+    if host_cache and kind_of(dev).host_memory:
         raise UnsupportedError("host_cache keeps blocks in pinned host memory for a GPU: use it with device='cuda'")
     for banned in ("include", "exclude", "shard", "cooperative"):
         if banned in options:
@@ -406,11 +379,12 @@ def offload(
     layout = _layout(checkpoint, convert, DTypeRules.ready(options.get("dtype")), budget_bytes, ahead)
     _check_fits(model, checkpoint, convert)  # before any read
     if layout.keep:
-        from streamload.nn.load_into import load_into
-
         load_into(model, checkpoint, device=dev, include=layout.keep, strict=False,
                   conversion=convert.only(layout.keep), **options)  # type: ignore[misc]  # fmt: skip
-    _materialise_buffers(model, dev)
+    for name, b in list(model.named_buffers()):  # those the constructor made (not in the checkpoint) go along
+        if not b.is_meta and b.device != dev:
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._buffers[attr] = b.to(dev)
     by_key, block_bytes = layout.by_key, layout.block_bytes
     blocks = [_block(model, key, by_key[key], block_bytes[key], convert.only(by_key[key])) for key in layout.streamed]
     resident_bytes = layout.fixed_bytes + sum(block_bytes[k] for k in layout.resident)
@@ -452,19 +426,16 @@ def _layout(checkpoint: Checkpoint, convert: Conversion, dtype: DTypeRules, budg
     resident: list[str] = []
     left = budget_bytes - fixed_bytes - streaming
     for key in layer_keys:  # the first blocks stay: the rest stream
-        if block_bytes[key] <= left:
-            resident.append(key)
-            left -= block_bytes[key]
-        else:
+        if block_bytes[key] > left:
             break
+        resident.append(key)
+        left -= block_bytes[key]
     keep = fixed + [n for k in resident for n in by_key[k]]
     return _Layout(by_key, block_bytes, fixed_bytes, resident, layer_keys[len(resident) :], keep)
 
 
 def _check_fits(model: nn.Module, checkpoint: Checkpoint, convert: Conversion) -> None:
     """What the model needs and the checkpoint lacks (tied weights count as present), as one line."""
-    from streamload.nn.load_into import Filler
-
     if convert.regions:
         convert.check({n: t.shape for n, t in checkpoint.tensors.items() if n in convert.regions})
     names = convert.targets(checkpoint.tensors)
@@ -472,9 +443,8 @@ def _check_fits(model: nn.Module, checkpoint: Checkpoint, convert: Conversion) -
     # buffers no checkpoint holds (rotary inv_freq) must come from the constructor, not stay on meta
     empty = [n for n, b in model.named_buffers() if b.is_meta and n not in names]
     if empty:
-        shown = listed(empty, 5)
         raise StreamloadError(
-            f"offload: buffers {shown} are on the meta device and not in the checkpoint, so nothing would "
+            f"offload: buffers {listed(empty, 5)} are on the meta device and not in the checkpoint, so nothing would "
             "fill them (the model was built under torch.device('meta')?): build it under "
             "streamload.empty_weights(), which makes buffers for real and leaves only parameters on meta"
         )
@@ -487,16 +457,7 @@ def _out_bytes(info: TensorInfo, dtype: DTypeOption | DTypeRules) -> int:
     return info.nbytes if out == stored else info.numel * out.itemsize  # type: ignore[union-attr]
 
 
-def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
-    """Buffers the constructor made (not in the checkpoint) go to the device with the model."""
-    for name, b in list(model.named_buffers()):
-        if not b.is_meta and b.device != device:
-            owner, _, attr = name.rpartition(".")
-            model.get_submodule(owner)._buffers[attr] = b.to(device)
-
-
 def _block(model: nn.Module, key: str, names: list[str], nbytes: int, conversion: Conversion) -> _Block:
-    module = model.get_submodule(key)
     slots = {}
     for name in sorted(conversion.targets(names)):
         owner_path, _, attr = name.rpartition(".")
@@ -506,7 +467,7 @@ def _block(model: nn.Module, key: str, names: list[str], nbytes: int, conversion
         if current is None or not current.is_meta:
             raise StreamloadError(f"offload: {name} should be on the meta device (build the model in empty_weights())")
         slots[name] = _Slot(owner, attr, parameter, current)
-    return _Block(key, module, tuple(names), nbytes, slots, conversion)
+    return _Block(model.get_submodule(key), tuple(names), nbytes, slots, conversion)
 
 
 __all__ = ["OffloadStats", "Offloaded", "offload"]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from streamload.base.errors import IntegrityError, ReadError, StreamloadError
+from streamload.base.errors import IntegrityError, ReadError, StreamloadError, listed
 from streamload.base.gc_pause import collector_paused
 from streamload.base.limits import Staging, shared_limits
 from streamload.base.stats import Stats
@@ -144,23 +144,22 @@ class Pipeline:
                 except StreamloadError:
                     raise
                 except Exception as exc:  # a reader's error that does not say which file (a library's)
-                    raise _named(exc, filling.batch) from exc
+                    raise ReadError(f"{_paths(filling.batch)}: reading failed: {type(exc).__name__}: {exc}") from exc
                 if self._stop.is_set():
                     raise Stopped("the stream was closed")
                 made = self._instantiate(filling)
                 if filling.hashing.before_delivery:  # tensors checked by their own digests are handed out checked
-                    self._verdict(filling.hashing)
+                    self._verdict(filling.hashing.wait)
                 self._hashing.append((filling.hashing, filling.slot))
                 self._settle()
                 self._delivered = filling.batch.index + 1  # batches whose tensors went out
                 return made
             except Stopped:
                 raise
-            except Exception as exc:
-                self._release()
-                raise _surface(exc) from (exc.__cause__ if isinstance(exc, StreamloadError) else exc)
-            except BaseException:  # KeyboardInterrupt, a cancellation: nothing to wrap
-                self._release()
+            except BaseException as exc:  # released where a Ctrl-C does not cut it short
+                _shielded(self._release_all)
+                if isinstance(exc, Exception) and not isinstance(exc, StreamloadError):  # not KeyboardInterrupt
+                    raise StreamloadError(f"loading failed: {type(exc).__name__}: {exc}") from exc
                 raise
 
     def stop(self) -> None:
@@ -226,10 +225,9 @@ class Pipeline:
             hashing, slot = self._hashing[0]
             if not hashing.done() and (self._filling or self._free):
                 break
-            self._verdict(hashing)  # raises a mismatch it found
+            self._verdict(hashing.wait)  # raises a mismatch it found
             self._hashing.popleft()
             self._free.append(slot)
-            self._fill()
         self._fill()
 
     def _end(self) -> None:
@@ -237,53 +235,40 @@ class Pipeline:
         if self._ended:
             return
         while self._hashing:
-            self._verdict(self._hashing[0][0])
+            self._verdict(self._hashing[0][0].wait)
             self._hashing.popleft()
         assert self._files is not None
         verdict = getattr(self._files, "verdict_at_end", None)  # a storage's own on what it served (storage/hub.py)
         if verdict is not None:
-            try:
-                verdict()
-            except WholeFileMismatch as exc:
-                self._name_handed_out(exc)
-                raise
+            self._verdict(verdict)
         self.check.finish(self.stats, self._files)
         self._ended = True
         self.stats.finish()
 
-    def _verdict(self, hashing: Hashing) -> None:
-        """Wait for a batch's hashing; a mismatch in a file checked as a whole also names the tensors of
-        it that were handed out before its verdict (they must not be used)."""
+    def _verdict(self, wait: Callable[[], None]) -> None:
+        """Wait for a verdict (a batch's hashing, a storage's own); a mismatch in a file checked as a whole
+        also names the tensors of it that were handed out before its verdict (they must not be used)."""
         try:
-            hashing.wait()
+            wait()
         except IntegrityError as exc:
             self._name_handed_out(exc)
             raise
 
     def _name_handed_out(self, exc: IntegrityError) -> None:
-        """The error of a file names the tensors of it that were handed out before its verdict (see `_verdict`)."""
         if exc.path is not None and not exc.handed_out:
             done = self.plan.batches[: self._delivered]
             exc.handed_out = [p.item.name for b in done for p in b.pieces if p.last and p.item.info.path == exc.path]
 
     def _instantiate(self, filling: _Filling) -> list[Delivered]:
         assert self._files is not None
-        slot, batch = filling.slot, filling.batch
+        batch = filling.batch
         try:
-            return self.device.instantiate(batch, slot, self._files)
+            return self.device.instantiate(batch, filling.slot, self._files)
         except StreamloadError:
             raise  # says what failed already (a cooperative exchange)
         except Exception as exc:
-            names = ", ".join(repr(p.item.name) for p in batch.pieces[:3])
-            paths = sorted({str(p.item.info.path) for p in batch.pieces})
-            raise StreamloadError(
-                f"{', '.join(paths)}: making tensors {names}{' ...' if len(batch.pieces) > 3 else ''} "
-                f"on {self.device.name} failed: {exc}"
-            ) from exc
-
-    def _release(self) -> None:
-        """`_release_all`, from `next_batch` (which holds `_busy`), where a Ctrl-C does not cut it short."""
-        _shielded(self._release_all)
+            what = f"making tensors {listed([p.item.name for p in batch.pieces], 3)} on {self.device.name}"
+            raise StreamloadError(f"{_paths(batch)}: {what} failed: {exc}") from exc
 
     def _release_all(self) -> None:
         """Everything the pipeline holds goes: reads are waited for, then files, slots and buffers."""
@@ -404,16 +389,6 @@ def _not_read_whole(plan: Plan) -> set[PurePath]:
     return {*plan.read_in_part(), *shared}
 
 
-def _named(exc: Exception, batch: Batch) -> ReadError:
-    """A reader's error as a ReadError naming the batch's files (readers' own name file and offset)."""
-    paths = ", ".join(sorted({str(p.item.info.path) for p in batch.pieces}))
-    return ReadError(f"{paths}: reading failed: {type(exc).__name__}: {exc}")
-
-
-def _surface(exc: BaseException) -> BaseException:
-    """An error as a StreamloadError, its cause chained."""
-    if isinstance(exc, StreamloadError):
-        return exc
-    err = StreamloadError(f"loading failed: {type(exc).__name__}: {exc}")
-    err.__cause__ = exc
-    return err
+def _paths(batch: Batch) -> str:
+    """The batch's files, as an error names them (readers' own errors name file and offset)."""
+    return ", ".join(sorted({str(p.item.info.path) for p in batch.pieces}))

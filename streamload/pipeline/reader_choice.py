@@ -17,11 +17,10 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from streamload.base import tuning as defaults
 from streamload.base.errors import UnsupportedError
-from streamload.base.tuning import Tuning
+from streamload.base.tuning import Tuning, available_memory
 from streamload.device import Device, DeviceKind, Into, kind_of
-from streamload.read import Reader
+from streamload.read import DirectReader, MmapReader, PosixReader, Reader
 
 ReaderName = Literal["auto", "mmap", "posix", "direct", "kvikio", "range"]
 log = logging.getLogger("streamload")
@@ -77,28 +76,16 @@ def _mmap(load: Load) -> Reader | None:
     """On the CPU, mapping wins (measured, docs/benchmarks.md): tensors are views of the page cache.
     Not under auto where the bytes are copied into tensors of their own anyway: the mapped pages
     would hold the checkpoint in the process a second time until the load ends."""
-    from streamload.read import MmapReader
-
-    if load.copies and not load.chosen:
-        return None
-    return MmapReader(load.tuning.chunk_bytes)
+    return None if load.copies and not load.chosen else MmapReader(load.tuning.chunk_bytes)
 
 
 def _direct(load: Load) -> Reader | None:
     """O_DIRECT: under auto only for a checkpoint larger than the memory available, whose pages the
     page cache could not keep anyway (where it can, buffered reads measured faster)."""
-    from streamload.read import DirectReader
-
-    memory = defaults.available_memory()
+    memory = available_memory()
     if load.chosen or (memory is not None and load.total_bytes > memory):
         return DirectReader(load.tuning.chunk_bytes)
     return None
-
-
-def _posix(load: Load) -> Reader:
-    from streamload.read import PosixReader
-
-    return PosixReader(load.tuning.chunk_bytes)
 
 
 def _range(load: Load) -> Reader:
@@ -111,7 +98,7 @@ READERS: tuple[ReaderRow, ...] = (
     ReaderRow("kvikio", True, "device", _kvikio),
     ReaderRow("mmap", True, "mapped", _mmap),
     ReaderRow("direct", True, "host", _direct),
-    ReaderRow("posix", True, "host", _posix),
+    ReaderRow("posix", True, "host", lambda load: PosixReader(load.tuning.chunk_bytes)),
     ReaderRow("range", False, "host", _range),
 )
 
@@ -140,15 +127,12 @@ def route(
     why: str = "",
     copies: bool = False,
 ) -> tuple[Reader, Device]:
-    """The reader and device for a load of a storage that is `local` or not (`Storage.local`). `lands`:
-    where the load needs the bytes to land, and `why`
-    (cooperative loading over a host-memory process group exchanges them in host staging slots,
-    verification hashes them in host memory)."""
+    """The reader and device for a load of a storage that is `local` or not (`Storage.local`). `lands`: where
+    the load needs the bytes to land, and `why` (ranks exchanging host slots, or hashing, need host memory)."""
     names = [r.name for r in READERS]
     if reader != "auto" and reader not in names:
         raise ValueError(f"reader must be 'auto' or one of {', '.join(repr(n) for n in names)}, not {reader!r}")
-    usable(dev)
-    kind = kind_of(dev)
+    kind = kind_of(usable(dev))
     chosen = reader != "auto"
     load = Load(dev, tuning, first_file, total_bytes, chosen, copies)
     for row in READERS:

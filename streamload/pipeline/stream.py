@@ -10,8 +10,7 @@ import contextlib
 import warnings
 import weakref
 from collections.abc import Callable
-from types import TracebackType
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal
 
 from streamload.base.errors import StreamloadError
 from streamload.base.stats import Stats
@@ -23,8 +22,6 @@ from streamload.plan.plan import Plan
 if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
-
-T = TypeVar("T")
 
 
 class TensorStream:
@@ -103,7 +100,7 @@ class TensorStream:
         self._open()
         return self
 
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __iter__(self) -> Self:
@@ -127,9 +124,7 @@ class TensorStream:
         self._open()
         return self
 
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     def __aiter__(self) -> Self:
@@ -142,7 +137,13 @@ class TensorStream:
         if not self._ready:
             if self._state == "done":
                 raise StopAsyncIteration
-            made = await self._in_thread(_next_batch_of, weakref.ref(self))
+            import anyio
+
+            try:
+                made = await anyio.to_thread.run_sync(_next_batch_of, weakref.ref(self), abandon_on_cancel=True)
+            except anyio.get_cancelled_exc_class():
+                self._pipeline.stop()  # the abandoned call returns soon; close() waits for it
+                raise
             if made is None:
                 raise StopAsyncIteration
             self._ready = made
@@ -155,15 +156,6 @@ class TensorStream:
 
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self.close)
-
-    async def _in_thread(self, call: Callable[[weakref.ref[TensorStream]], T], ref: weakref.ref[TensorStream]) -> T:
-        import anyio
-
-        try:
-            return await anyio.to_thread.run_sync(call, ref, abandon_on_cancel=True)
-        except anyio.get_cancelled_exc_class():
-            self._pipeline.stop()  # the abandoned call returns soon; close() waits for it
-            raise
 
     def __del__(self) -> None:
         if getattr(self, "_state", "done") == "open":

@@ -6,9 +6,9 @@ Two kinds of digest:
   link to `blobs/<sha256 of the file>`), an S3 object's ETag, a digest file, or `verify={file: hex}`.
   Checking one needs every byte of the file in order, so such a file is read whole, in file order, and
   its verdict comes when its last byte has been hashed.
-- per-tensor blocks (xxh3-64 of each `BLOCK_BYTES` of each tensor), from a digest file that
-  `streamload digest` writes next to the checkpoint: checked in any order, before a tensor is handed
-  out, and for a rank's slice every block it reads whole.
+- per-tensor blocks (a BLAKE3, or an xxh3-64 in format 1, of each `BLOCK_BYTES` of each tensor), from a
+  digest file that `streamload digest` writes next to the checkpoint: checked in any order, before a
+  tensor is handed out, and for a rank's slice every block it reads whole.
 
 The pipeline hands each batch to `Verifier.start` once its bytes are in (a host slot, or the file's
 mapping); the verifier's threads hash it while the consumer makes the batch's tensors, each file's
@@ -18,20 +18,19 @@ are hashed; tensors checked by blocks are handed out only once their blocks matc
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import logging
 import os
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import PurePath
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from streamload.base import atomic
 from streamload.base.errors import IntegrityError, StreamloadError, UnsupportedError
 from streamload.base.stats import Stats
 from streamload.format.header import FileHeader, TensorInfo
@@ -56,7 +55,6 @@ from streamload.storage import Digest, Files, is_hex
 Verify = bool | Mapping[str, str]
 if TYPE_CHECKING:
     from streamload.pipeline.pipeline import Waitable
-log = logging.getLogger("streamload")
 
 
 def known_digests(checkpoint: Checkpoint, strict: bool = True) -> dict[PurePath, Known]:
@@ -70,7 +68,8 @@ def known_digests(checkpoint: Checkpoint, strict: bool = True) -> dict[PurePath,
         folder = str(header.path.parent)
         if folder not in sidecars:
             try:
-                sidecars[folder] = _digest_file(checkpoint, header.path)
+                raw = checkpoint.storage.sidecar(header.path, DIGEST_FILE)
+                sidecars[folder] = None if raw is None else parse(raw, f"{folder}/{DIGEST_FILE}")
             except IntegrityError as exc:
                 if strict:
                     raise
@@ -86,13 +85,6 @@ def known_digests(checkpoint: Checkpoint, strict: bool = True) -> dict[PurePath,
         out[header.path] = Known(mine or own, entry.get("tensors"), doc["block_bytes"], origin,
                                  header_sha256=entry.get("header_sha256"), block_hash=doc["block_hash"])  # fmt: skip
     return out
-
-
-def _digest_file(checkpoint: Checkpoint, near: PurePath) -> dict[str, Any] | None:
-    raw = checkpoint.storage.sidecar(near, DIGEST_FILE)
-    if raw is None:
-        return None
-    return parse(raw, f"{near.parent}/{DIGEST_FILE}")
 
 
 def choose(checkpoint: Checkpoint, verify: Verify) -> dict[PurePath, Known]:
@@ -121,22 +113,7 @@ def choose(checkpoint: Checkpoint, verify: Verify) -> dict[PurePath, Known]:
     return known
 
 
-def needs_file_order(chosen: Mapping[PurePath, Known]) -> bool:
-    """A file checked by its whole-file digest alone is hashed in file order: the plan must read it so."""
-    return any(k.blocks is None for k in chosen.values())
-
-
 # -- checking --------------------------------------------------------------------------------------
-
-
-class FileCheck(Protocol):
-    verified: int  # bytes that matched
-
-    def feed(self, piece: Piece, data: memoryview, files: Files) -> None:
-        """The bytes of `piece`, in plan order; raises IntegrityError on a mismatch."""
-
-    def end(self, files: Files) -> None:
-        """The stream ended: every byte this file was to give has been fed."""
 
 
 class WholeFile:
@@ -199,7 +176,6 @@ class Blocks:
         self.digests = known.blocks or {}
         self.open: dict[str, _Open] = {}  # tensor -> its block a slice stopped inside
         self.verified = 0
-        self.edges = 0  # bytes read from the file besides the plan's, to complete cut blocks
 
     def feed(self, piece: Piece, data: memoryview, files: Files) -> None:
         info = piece.item.info
@@ -240,7 +216,6 @@ class Blocks:
     def _hash_file(self, h: Any, files: Files, info: TensorInfo, lo: int, hi: int) -> None:
         for view in files.read(info.path, info.begin + lo, hi - lo):  # type: ignore[arg-type]
             h.update(view)
-        self.edges += hi - lo
 
     def _compare(self, info: TensorInfo, j: int, got: str) -> None:
         want = self.digests[info.name]
@@ -257,6 +232,11 @@ class Blocks:
         for state in list(self.open.values()):  # slices of a stream stopped early
             self._close(state, files)
         self.open.clear()
+
+
+# What checks one file: `feed` gets its bytes in plan order (IntegrityError on a mismatch), `end` comes once
+# the stream ended, and `verified` counts the bytes that matched.
+FileCheck = WholeFile | Blocks
 
 
 def _check_for(header: FileHeader, known: Known, items: list[Item], in_part: Mapping[PurePath, str]) -> FileCheck:
@@ -362,18 +342,16 @@ class Verifier:
         futures, before = [], False
         for path, mine in pieces.items():
             serial = self._files[path]
-            source = (
-                view
-                if view is not None
-                else writable_bytes(torch.empty(0, dtype=torch.uint8).set_(files.mapping(path)))
-            )
-            at = (lambda p: p.slot_offset) if view is not None else (lambda p: p.file_offset)
+            if view is None:  # the mapped reader: the bytes are the file's own pages
+                source = writable_bytes(torch.empty(0, dtype=torch.uint8).set_(files.mapping(path)))
+            else:
+                source = view
 
-            def task(check: FileCheck = serial.check, mine: list[Piece] = mine, source: memoryview = source,
-                     at: Callable[[Piece], int] = at) -> None:  # fmt: skip
+            def task(check: FileCheck = serial.check, mine: list[Piece] = mine, source: memoryview = source) -> None:
                 reads.wait()  # a read error is the consumer's to raise; here it only stops the hashing
                 for p in mine:
-                    check.feed(p, source[at(p) : at(p) + p.length], files)
+                    at = p.file_offset if view is None else p.slot_offset
+                    check.feed(p, source[at : at + p.length], files)
 
             futures.append(serial.submit(task))
             # Per-tensor digests: a tensor is handed out only once hashed. A whole file's verdict comes at
@@ -400,9 +378,7 @@ class Verifier:
 _READ_BYTES = 16 << 20
 
 
-def write_digests(
-    checkpoint: Checkpoint, threads: int | None = None, out: PurePath | None = None
-) -> tuple[PurePath, dict[str, Any]]:
+def write_digests(checkpoint: Checkpoint, out: PurePath | None = None) -> tuple[PurePath, dict[str, Any]]:
     """Hash every file of a checkpoint (format 2: BLAKE3 of each block of each tensor, the file's SHA-256 and
     MD5, its header's SHA-256, and the version of the file it was read at; files in parallel, each read once,
     in order) and write `streamload.digests.json` next to local files, or to `out` (where a remote
@@ -422,20 +398,15 @@ def write_digests(
     headers = {h.path: h for h in checkpoint.files}
     files = checkpoint.storage.open(headers)
     try:
-        with ThreadPoolExecutor(threads or min(len(headers), os.cpu_count() or 1)) as pool:
+        with ThreadPoolExecutor(min(len(headers), os.cpu_count() or 1)) as pool:
             entries = list(pool.map(lambda h: _digest_of(h, files), checkpoint.files))
     finally:
         files.close()
     doc = {"format": FORMAT, "block_bytes": BLOCK_BYTES, "block_hash": BLOCK_HASH,
            "files": {h.path.name: e for h, e in zip(checkpoint.files, entries, strict=True)}}  # fmt: skip
-    temporary = folder / f".{DIGEST_FILE}.{os.getpid()}"
     try:
-        with open(temporary, "w") as f:  # type: ignore[call-overload]
-            json.dump(doc, f, indent=1)
-        os.replace(temporary, target)  # type: ignore[arg-type]
+        atomic.write(Path(target), json.dumps(doc, indent=1).encode())
     except OSError as exc:  # a read-only folder, a full disk: name the folder, not the temporary file
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)  # type: ignore[arg-type]
         raise _unwritable(folder, exc.strerror or str(exc)) from None
     return target, doc
 

@@ -1,6 +1,5 @@
-"""A checkpoint: its files' validated headers, every tensor by name, and the storage that holds them.
-Which files a source names (a file, a directory or prefix with or without an index, a list, a URL) is
-the storage's business (storage/)."""
+"""A checkpoint: its files' validated headers, every tensor by name, and the storage that holds them
+(which files a source names is the storage's business: storage/)."""
 
 from __future__ import annotations
 
@@ -10,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePath
 from typing import NamedTuple
 
-from streamload.base import argument_checks as arguments
+from streamload.base import argument_checks
 from streamload.base.errors import SourceError
 from streamload.base.gc_pause import collector_paused
 from streamload.format.header import FileHeader, TensorInfo
 from streamload.integrity.digests import Known
-from streamload.storage import INDEX_NAME, LocalStorage, PathLike, Source, Storage, storage_for
+from streamload.storage import LocalStorage, PathLike, Source, Storage, storage_for
 
 
 class Checkpoint(NamedTuple):
@@ -51,11 +50,15 @@ def open_checkpoint(source: Source | Checkpoint, cache_dir: PathLike | None = No
     A `Checkpoint` (from `inspect`) is its own answer: loads of parts of it read no header again."""
     if isinstance(source, Checkpoint):
         return source
-    arguments.source(source)
-    arguments.path(cache_dir, "cache_dir")
+    argument_checks.source(source)
+    argument_checks.path(cache_dir, "cache_dir")
     storage = storage_for(source, cache_dir)
     listing = storage.locate(source)
-    headers = _headers(storage, listing.files)
+    if storage.local or len(listing.files) < 2:
+        headers = tuple(storage.header(p) for p in listing.files)
+    else:
+        with ThreadPoolExecutor(min(16, len(listing.files))) as pool:  # one round trip per object, all at once
+            headers = tuple(pool.map(storage.header, listing.files))
     copies = storage.cached(headers)
     checks: Mapping[PurePath, Known] = {}
     if copies is not None:
@@ -94,11 +97,4 @@ def merged(parts: Mapping[str, Checkpoint]) -> Checkpoint:
     return Checkpoint(tuple(files), tensors, None, storage, checks)
 
 
-def _headers(storage: Storage, files: list[PurePath]) -> tuple[FileHeader, ...]:
-    if storage.local or len(files) < 2:
-        return tuple(storage.header(p) for p in files)
-    with ThreadPoolExecutor(min(16, len(files))) as pool:  # one round trip per object, all at once
-        return tuple(pool.map(storage.header, files))
-
-
-__all__ = ["INDEX_NAME", "Checkpoint", "PathLike", "Source", "merged", "open_checkpoint"]
+__all__ = ["Checkpoint", "PathLike", "Source", "merged", "open_checkpoint"]

@@ -53,4 +53,4 @@ def group_of(name: str) -> str:
     layer = layer_of(name)
     if layer is not None:
         return layer.name
-    return "pre" if layer_rank(name)[0] == 0 else "post"
+    return "pre" if _FRONT.search(name) else "post"

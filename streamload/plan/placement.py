@@ -1,20 +1,12 @@
 """Converting while streaming: where each source tensor's bytes land in the model's tensors.
 
-A `Conversion` is data: for each checkpoint tensor it converts, the model tensor it lands in (its
-target) and the region of the target it fills, as a few view steps (`select`, `narrow`,
-`transpose`). A rename is a region with no steps; a merge of a module list into one tensor gives each
-source a `select` along the new dimension; a concatenation a `narrow`. A target filled by several
-sources is allocated once, where the model's tensors go, and each source is read straight into its
-region (`iter(into=...)`): no source is gathered, stacked or copied again. Frameworks build the data
-from their own conversion rules (`integrations/transformers.py`: transformers 5's); `load_into(...,
-conversion=...)` executes it.
-
->>> import torch
->>> c = Conversion.merge("experts.w", [f"experts.{e}.w" for e in range(2)], (4, 3))
->>> c.target_of("experts.1.w"), c.shapes["experts.w"]
-('experts.w', (2, 4, 3))
->>> c.regions["experts.1.w"].of(torch.arange(24).reshape(2, 4, 3))[0].tolist()
-[12, 13, 14]
+A `Conversion` is data: for each checkpoint tensor it converts, its target (the model tensor it lands
+in) and the region of the target it fills, as a few view steps (`select`, `narrow`, `transpose`): a
+rename has none, a module list merged into one tensor gives each source a `select`, a concatenation a
+`narrow`. A target several sources fill is allocated once, where the model's tensors go, and each
+source is read straight into its region (`iter(into=...)`): nothing is gathered, stacked or copied
+again. Frameworks build the data from their own rules (`integrations/transformers.py`);
+`load_into(..., conversion=...)` executes it.
 """
 
 from __future__ import annotations
@@ -153,9 +145,9 @@ class Conversion:
             if source not in shapes:
                 continue
             full = self.shapes.get(region.target, tuple(shapes[source]))
-            part = spec.slice(region.target, tuple(full))
+            part = spec.slice(region.target, full)
             if region.target in self.shapes and part != SKIP:
-                local[region.target] = _kept(full, part)
+                local[region.target] = part.shape(full) if isinstance(part, Slice) else full
             if not isinstance(part, Slice):  # whole, or not kept at all
                 answers[source] = part
                 if part is None:
@@ -171,13 +163,6 @@ class Conversion:
             return answers[name] if name in answers else spec.dim(name, shape)  # type: ignore[return-value]
 
         return Conversion(regions, local), ShardSpec(rule, spec.rank, spec.world_size, spec.full_shape)
-
-
-def _kept(shape: Sequence[int], part: Slice | str | None) -> tuple[int, ...]:
-    """The shape of the rank's part of a tensor of `shape`."""
-    if not isinstance(part, Slice):
-        return tuple(shape)
-    return (*shape[: part.dim], part.length, *shape[part.dim + 1 :])
 
 
 Placed = tuple[Slice | None, tuple[Step, ...]]

@@ -65,7 +65,7 @@ class Piece(NamedTuple):
 
 class Batch(NamedTuple):
     """The pieces read into one slot together. A shared batch holds bytes every rank of a cooperative
-    load needs: each rank reads a part of it and the ranks exchange the rest (see cooperative/exchange.py)."""
+    load needs: each rank reads a part of it and the ranks exchange the rest (cooperative/shares.py)."""
 
     index: int
     pieces: tuple[Piece, ...]
@@ -102,15 +102,13 @@ class Plan(NamedTuple):
 
     @collector_paused
     def without_destinations(self) -> Plan:
-        """This plan as a closed stream keeps it: its items without the tensors `into=` named, and no
-        batches (nothing is left to read; their pieces hold the same items)."""
+        """This plan as a closed stream keeps it: no tensor of `into=` held, no batch (nothing is left to read)."""
         if all(item.into is None for item in self.items):
             return self
         items = tuple(item if item.into is None else item._replace(into=None) for item in self.items)
         return self._replace(items=items, batches=())
 
     def items_by_file(self) -> dict[Path, list[Item]]:
-        """The plan's items of each file it reads, in plan order."""
         by_file: dict[Path, list[Item]] = {}
         for item in self.items:
             by_file.setdefault(item.info.path, []).append(item)  # type: ignore[arg-type]
@@ -151,12 +149,9 @@ def out_dtype(info: TensorInfo, stored: torch.dtype, dtype: DTypeOption | DTypeR
     """The dtype to hand out: `dtype` applies to floating-point tensors only (not fp8, ints, bool)."""
     if dtype is None or not info.dtype.floating:
         return stored
-    if isinstance(dtype, (torch.dtype, str)):
-        target: torch.dtype | str | None = dtype
-    else:
-        rules = dtype if isinstance(dtype, DTypeRules) else DTypeRules.of(dtype)
-        target = rules.match(info.name)
-    return stored if target is None else as_torch_dtype(target)
+    if not isinstance(dtype, (torch.dtype, str)):
+        dtype = (dtype if isinstance(dtype, DTypeRules) else DTypeRules.of(dtype)).match(info.name)
+    return stored if dtype is None else as_torch_dtype(dtype)
 
 
 class DTypeRules(NamedTuple):
@@ -180,7 +175,7 @@ class DTypeRules(NamedTuple):
 
     @staticmethod
     def ready(dtype: DTypeOption | DTypeRules) -> DTypeOption | DTypeRules:
-        """`dtype` as `out_dtype` takes it for many tensors: a {pattern: dtype} made rules once."""
+        """`dtype` made ready once for `out_dtype` over many tensors."""
         return DTypeRules.of(dtype) if isinstance(dtype, Mapping) else dtype
 
     def match(self, name: str) -> Any:
@@ -219,8 +214,8 @@ def make_plan(
     `share` (cooperative loading) is asked which whole-tensor reads every rank makes; those are
     packed into shared batches of their own, laid out alike on every rank whatever else a rank reads.
     `into` names existing tensors to write in place (their dtype is the one delivered); with `read_in_place`
-    (a reader that can, a load whose bytes no one else looks at in the slot) those in host memory
-    that take the stored bytes as they are are read straight into (`Item.read_in_place`).
+    (a reader that can, a load whose bytes no one else looks at in the slot) the reader writes straight
+    into those that can take the stored bytes as they are (`Item.read_in_place`).
     """
     if order not in ("layer", "file"):
         raise ValueError(f"order must be 'layer' or 'file', not {order!r}")
@@ -296,9 +291,9 @@ def _item(info: TensorInfo, dtype: DTypeOption | DTypeRules, shard: ShardSpec | 
     if not isinstance(part, Slice) or part.length == shape[part.dim]:  # whole: a world of one
         return Item(info, shape, stored, out, whole, info.nbytes)
     ranges = byte_ranges(info.begin, shape, stored.itemsize, part)
-    sliced = (*shape[: part.dim], part.length, *shape[part.dim + 1 :])
+    sliced = part.shape(shape)
     # Decided on the widest rank's block, so every rank decides alike (cooperative loads rely on it).
-    assert shard is not None and shard.world_size is not None
+    assert shard.world_size is not None
     widest = -(-shape[part.dim] // shard.world_size)
     block = widest * math.prod(shape[part.dim + 1 :]) * stored.itemsize
     if len(ranges) > 1 and block < MIN_STRIDED_READ:
@@ -307,13 +302,6 @@ def _item(info: TensorInfo, dtype: DTypeOption | DTypeRules, shard: ShardSpec | 
         return Item(info, sliced, stored, out, whole, info.nbytes, part, True, full_shape=shard.full_shape)
     kept = tuple(r for r in ranges if r[1])
     return Item(info, sliced, stored, out, kept, sum(n for _, n in kept), part, full_shape=shard.full_shape)
-
-
-def converts(stored: torch.dtype, dest: torch.dtype) -> bool:
-    """Whether bytes stored as `stored` may be written in place into a `dest` tensor: the same dtype,
-    or one plain floating-point dtype converted to another. A float8 or float4 value means something
-    only with its scale (a block's, a channel's): cast alone, into or out of them, it is wrong data."""
-    return dest == stored or (stored in _PLAIN_FLOATS and dest in _PLAIN_FLOATS)
 
 
 # The dtypes `dtype=` converts (format/dtypes.py's `floating`): float64, float32, float16, bfloat16.
@@ -326,7 +314,7 @@ def scaled(dtype: torch.dtype) -> bool:
 
 
 def cannot_convert(stored: torch.dtype, dest: torch.dtype) -> str:
-    """Why bytes of `stored` are not written into a `dest` tensor (`converts` is False), in words."""
+    """Why bytes of `stored` are not written into a `dest` tensor of another dtype, in words."""
     held = next((d for d in (stored, dest) if scaled(d)), None)
     if held is not None:
         return (
@@ -338,15 +326,15 @@ def cannot_convert(stored: torch.dtype, dest: torch.dtype) -> str:
 
 def why_not_into(stored: torch.dtype, dest: torch.Tensor, device: torch.device | None = None) -> str:
     """Why `iter(into=...)` refuses to write bytes stored as `stored` into `dest`, whatever the shapes
-    (`_into` checks those against the rank's part), or "". With `device` (resolved: `device.resolve`,
-    as a tensor's own device is): also a `dest` elsewhere than the stream's device (as `api.iter`
-    refuses it)."""
+    (`_into` checks those), or "". With `device` (resolved: `device.resolve`): also a `dest` elsewhere."""
     if device is not None and (
         dest.device.type != device.type
         or (None not in (device.index, dest.device.index) and dest.device.index != device.index)
     ):  # an index left out: the current one
         return f"cannot load in place into a tensor on {dest.device} from a stream into {device}"
-    if not converts(stored, dest.dtype):
+    # Same dtype, or one plain float to another: a float8 or float4 value means something only with its
+    # scale (a block's, a channel's); cast alone, into or out of them, it is wrong data.
+    if dest.dtype != stored and not (stored in _PLAIN_FLOATS and dest.dtype in _PLAIN_FLOATS):
         return f"cannot load {stored} in place into a {dest.dtype} tensor: {cannot_convert(stored, dest.dtype)}"
     if dest.is_meta:
         return "cannot load in place into a tensor on the meta device"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+from streamload.base.argument_checks import described
 
 SKIP = "skip"  # a rule's answer for a tensor this rank does not keep at all (an expert it does not own)
 Dim = int | str | None  # a split dimension, None (replicate) or SKIP
@@ -19,6 +21,10 @@ class Slice:
     dim: int
     start: int
     length: int
+
+    def shape(self, full: Sequence[int]) -> tuple[int, ...]:
+        """The part's shape in a tensor of shape `full`."""
+        return (*full[: self.dim], self.length, *full[self.dim + 1 :])
 
 
 @dataclass(frozen=True)
@@ -45,21 +51,20 @@ class ShardSpec:
     full_shape: bool = False
     SKIP = SKIP
 
-    def __post_init__(self) -> None:
-        # checked here, not at the first tensor: `ShardSpec("lm_head", ...)` failed deep in a load
+    def __post_init__(self) -> None:  # (a bad rule fails here, not deep in a load)
         if callable(self.rules):
             return
         if not isinstance(self.rules, Mapping):
             raise TypeError(
                 "ShardSpec rules must be a mapping of fnmatch patterns to a dimension, None or ShardSpec.SKIP "
-                f"(e.g. {{'*.q_proj.weight': 0}}), or a callable (name, shape) -> dim, not {_kind(self.rules)}"
+                f"(e.g. {{'*.q_proj.weight': 0}}), or a callable (name, shape) -> dim, not {described(self.rules)}"
             )
         for pattern, dim in self.rules.items():
             if not isinstance(pattern, str):
                 raise TypeError(f"ShardSpec rule {pattern!r}: patterns must be text, not {type(pattern).__name__}")
             if not (dim is None or dim == SKIP or (isinstance(dim, int) and not isinstance(dim, bool))):
                 raise TypeError(
-                    f"ShardSpec rule {pattern!r}: {_kind(dim)} is not a dimension (an int), None or ShardSpec.SKIP"
+                    f"ShardSpec rule {pattern!r}: {described(dim)} is not a dimension (an int), None or ShardSpec.SKIP"
                 )
 
     def unmatched(self, names: Iterable[str]) -> list[str]:
@@ -110,10 +115,6 @@ class ShardSpec:
         base, extra = divmod(shape[dim], self.world_size)
         start = self.rank * base + min(self.rank, extra)
         return Slice(dim, start, base + (self.rank < extra))
-
-
-def _kind(value: object) -> str:
-    return f"{type(value).__name__} {value!r:.60}"
 
 
 def byte_ranges(begin: int, shape: tuple[int, ...], itemsize: int, part: Slice) -> list[tuple[int, int]]:

@@ -10,14 +10,6 @@ where it dequantizes (on a machine without the format's kernels, or `dequantize=
 
 A tensor and its scale belong to one layer and arrive in its group; each pair is computed once both
 are in (one whose partner comes in a later group waits for it), so memory is one layer's.
-
->>> import torch
->>> q = torch.tensor([[1.0, 2.0], [3.0, 4.0]]).to(torch.float8_e4m3fn)
->>> fp8_blocks(q, torch.tensor([[0.5]]), torch.bfloat16).tolist()
-[[0.5, 1.0], [1.5, 2.0]]
->>> mxfp4_blocks(torch.full((1, 1, 1, 16), 0x21, dtype=torch.uint8), torch.full((1, 1, 1), 128, dtype=torch.uint8),
-...              torch.float32).flatten()[:4].tolist()  # nibbles 1 (0.5) then 2 (1.0), times 2**(128 - 127)
-[1.0, 2.0, 1.0, 2.0]
 """
 
 from __future__ import annotations
@@ -52,14 +44,17 @@ def fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     grid = fp8_scales(scale).reshape(-1, scale_rows, scale_cols)  # one grid, or one a matrix
     scales = grid.expand(values.shape[0] // scale_rows, -1, -1).reshape(-1, 1, scale_cols, 1)
     step = max(1, _CHUNK // (block_rows * cols))  # block rows at a time: its temporaries stay in the cache
-    # A chunk's temporaries, made once a weight (made a chunk, they left holes in the heap that a load's
-    # parameters, allocated between them, kept from going back: ~0.07x of a model's bytes)
-    scratch = _Scratch(min(step, values.shape[0]) * block_rows * cols)
+    # A chunk's temporaries (float32 result, float16 bits, a byte each), made once a weight (made a chunk,
+    # they left holes in the heap that a load's parameters, allocated between them, kept from going
+    # back: ~0.07x of a model's bytes)
+    n = min(step, values.shape[0]) * block_rows * cols
+    scratch = [torch.empty(n, dtype=d) for d in (torch.float32, torch.int16, torch.uint8)]
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     into = out.view(-1, block_rows, cols)
     for at in range(0, values.shape[0], step):
         part = values[at : at + step]
-        chunk, power = _float8_as_float32(part, scales[at : at + step], scratch.take(part.shape))
+        work = [t[: part.numel()].view(part.shape) for t in scratch]
+        chunk, power = _float8_as_float32(part, scales[at : at + step], work)
         chunk.view(-1, block_rows, scale_cols, cols // scale_cols).mul_(scales[at : at + step] * power)
         into[at : at + step] = chunk
     return out
@@ -72,19 +67,6 @@ def fp8_scales(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype == torch.uint8:  # the raw byte as a number would be a scale 127x too large (or worse)
         return (scale.to(torch.float32) - 127.0).exp2()
     return scale.to(torch.float32)
-
-
-class _Scratch:
-    """Working memory for a chunk of float8 values: the float32 result, the float16 bits, a byte each."""
-
-    def __init__(self, values: int) -> None:
-        self.float32 = torch.empty(values, dtype=torch.float32)
-        self.bits = torch.empty(values, dtype=torch.int16)
-        self.bytes = torch.empty(values, dtype=torch.uint8)
-
-    def take(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n = math.prod(shape)
-        return tuple(t[:n].view(shape) for t in (self.float32, self.bits, self.bytes))  # type: ignore[return-value]
 
 
 # float8 -> float16 by its bits: float16 holds every float8 value exactly, and torch converts float16
@@ -101,7 +83,7 @@ _HALF_SCALE = 2.0**100  # a scale this large times 2**8 could overflow where its
 
 
 def _float8_as_float32(
-    weight: torch.Tensor, scale: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    weight: torch.Tensor, scale: torch.Tensor, scratch: list[torch.Tensor]
 ) -> tuple[torch.Tensor, float]:
     """`weight`'s values as float32 (in `scratch`'s first tensor; the others are worked in) divided by
     the returned power of two (torch's own conversion, power 1, where a value is NaN, whose bits
@@ -191,6 +173,7 @@ class Dequantization:
         self.format = fmt
         self.pairs = pairs
         self.role = {s: (t, i) for t, parts in pairs.items() for i, s in enumerate(parts)}  # stored -> (target, i)
+        self.names = set(self.role)  # every stored tensor it computes from (read as stored)
         self._waiting: dict[str, torch.Tensor] = {}
         self.dtypes: dict[str, torch.dtype] = {}  # targets of the format's own dtype (`check` finds them)
 
@@ -205,11 +188,6 @@ class Dequantization:
             if scale in present:
                 pairs[target] = (values, scale, *(p for p in optional if p in present))
         return Dequantization(fmt, pairs)
-
-    @property
-    def names(self) -> set[str]:
-        """Every stored tensor it computes from (read as stored)."""
-        return set(self.role)
 
     def check(self, tensors: Mapping[str, TensorInfo]) -> None:
         """Before a byte is read: each target's parts fit its format (whole blocks, one scale per
@@ -235,12 +213,8 @@ class Dequantization:
 
     def targets(self, names: Iterable[str]) -> list[str]:
         """The names the model gets from `names`: each pair's target once, the rest as they are."""
-        out: list[str] = []
-        for n in names:
-            target, which = self.role.get(n, (n, 0))
-            if which == 0:
-                out.append(target)
-        return out
+        roles = (self.role.get(n, (n, 0)) for n in names)
+        return [target for target, which in roles if which == 0]
 
     def apply(
         self,

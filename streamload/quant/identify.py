@@ -1,10 +1,5 @@
 """What a checkpoint's quantization is, from its config's `quantization_config` and its tensors' names
-and dtypes: the method, the weights' bits, the group or block size, and which tensors are scales.
-
-    >>> from streamload.quant.identify import describe
-    >>> describe(streamload.inspect("Qwen3-8B-FP8"))  # doctest: +SKIP
-    Quantization(method='fp8', bits=8, group='blocks of 128x128', scales=252, scale_names=('*.weight_scale_inv',), ...)
-"""
+and dtypes: the method, the weights' bits, the group or block size, and which tensors are scales."""
 
 from __future__ import annotations
 

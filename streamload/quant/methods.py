@@ -3,11 +3,6 @@ tensor names its checkpoints hold, what its config leaves unsaid (bits, group), 
 computed into plain ones here, and how transformers' own loader treats it (placed as stored, dequantized
 where it lacks the kernels, or kept in layers streamload does not fill: refused before reading). A
 method is added by one record; `identify`, `dequantize` and `integrations/transformers*.py` read only this.
-
-    >>> METHODS["mxfp4"].bits, METHODS["mxfp4"].group
-    (4, 'blocks of 32')
-    >>> "x.qweight".endswith(ENDINGS), "x.weight".endswith(ENDINGS)
-    (True, False)
 """
 
 from __future__ import annotations
@@ -89,11 +84,7 @@ def quantized_name(name: str, names: Container[str]) -> bool:
 
 def dequantization(name: str, names: Iterable[str]) -> Dequantization:
     """The tensors of `names` that method `name` (a `quant_method`) computes from, paired by its `Format`
-    (`load_into(dequantize=...)`).
-
-    Raises:
-        UnsupportedError: no method of that name is known, or streamload does not compute its weights.
-    """
+    (`load_into(dequantize=...)`); UnsupportedError where streamload does not know or compute the method."""
     known = METHODS.get(name)
     if known is None:
         raise UnsupportedError(f"quant_method {name!r}: streamload knows {', '.join(METHODS)}")

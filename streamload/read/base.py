@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from streamload.base.errors import ReadError
-from streamload.plan.plan import Batch, Piece
+from streamload.plan.plan import Batch
 
 Job = Callable[[], int]  # blocking; runs on a reader thread; returns the bytes it brought in
 Work = Job | int  # a job, or the length of a range already in place (resident pages): nothing to run
@@ -22,11 +22,19 @@ class Reader(Protocol):
     def jobs(self, batch: Batch, slot: torch.Tensor | None, files: Any) -> Sequence[Work]:
         """Blocking jobs that, once all have run, leave the batch's bytes in `slot` (or resident).
         `files` is what the storage this reader serves opened (storage/: LocalFiles, ObjectFiles)."""
-        ...
 
     def close(self) -> None:
         """Release what the reader opened (called once the last job has returned)."""
-        ...
+
+
+class ChunkedReader:
+    """A reader whose requests ask at most `chunk_bytes`, with nothing of its own to release."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+
+    def close(self) -> None:
+        pass
 
 
 Where = int | memoryview  # a slot offset, or (`Item.read_in_place`) the destination's own bytes
@@ -67,7 +75,10 @@ def spans(batch: Batch, chunk_bytes: int) -> Iterable[Span]:
             parts = []
         if not parts:
             path, start, end = info.path, p.file_offset, p.file_offset
-        parts.append((landing(p) if p.item.read_in_place else p.slot_offset, p.length))
+        at: Where = p.slot_offset
+        if p.item.read_in_place:  # the destination's own bytes
+            at = writable_bytes(p.item.into)[p.offset : p.offset + p.length]  # type: ignore[arg-type]
+        parts.append((at, p.length))
         end += p.length
     if parts:
         yield from _cut(Span(path, start, tuple(parts)), chunk_bytes)  # type: ignore[arg-type]
@@ -85,12 +96,6 @@ def span_groups(batch: Batch, chunk_bytes: int) -> list[list[Span]]:
         groups[-1].append(span)
         size += span.length
     return groups
-
-
-def landing(piece: Piece) -> memoryview:
-    """The bytes of the piece's destination it fills (`Item.read_in_place`)."""
-    assert piece.item.into is not None
-    return writable_bytes(piece.item.into)[piece.offset : piece.offset + piece.length]
 
 
 def extents(group: list[Span]) -> list[tuple[int, int]]:

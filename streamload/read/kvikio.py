@@ -20,13 +20,6 @@ from streamload.read.base import Job, Span, eof_error, read_error, span_groups
 from streamload.storage import LocalFiles
 
 
-def _configure(defaults: Any, wanted: dict[str, int]) -> None:
-    """Set kvikio's global settings that differ: a new `num_threads` rebuilds kvikio's thread pool."""
-    changed = {key: value for key, value in wanted.items() if defaults.get(key) != value}
-    if changed:
-        defaults.set(changed)
-
-
 class KvikioReader:
     """Reads each span with `CuFile.pread` straight into the device slot; kvikio splits every request
     into `task_size` tasks on its own thread pool of `threads` threads."""
@@ -38,8 +31,10 @@ class KvikioReader:
         except Exception as exc:  # ImportError, or a missing libcufile/libcuda behind it
             raise UnsupportedError(f"kvikio cannot be imported: {exc}") from exc
         self._kvikio: Any = kvikio
-        try:
-            _configure(kvikio.defaults, {"num_threads": threads, "task_size": task_size})
+        try:  # only the settings that differ: a new `num_threads` rebuilds kvikio's thread pool
+            wanted = {"num_threads": threads, "task_size": task_size}
+            if changed := {key: value for key, value in wanted.items() if kvikio.defaults.get(key) != value}:
+                kvikio.defaults.set(changed)
             self.gds = not kvikio.defaults.is_compat_mode_preferred()
         except Exception as exc:  # kvikio < 25.04 has no defaults.get/set; a broken cuFile setup
             why = f"{type(exc).__name__}: {exc}"

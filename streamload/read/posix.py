@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from streamload.plan.plan import Batch
-from streamload.read.base import Job, Span, eof_error, extents, read_error, span_groups, writable_bytes
+from streamload.read.base import ChunkedReader, Job, Span, eof_error, extents, read_error, span_groups, writable_bytes
 from streamload.read.resident import cached
 from streamload.storage import LocalFiles
 
@@ -31,15 +31,9 @@ _RETRIES = 100  # EAGAIN in a row before a read is given up
 _BACKOFF = 0.001  # seconds, times the retries so far (up to 10)
 
 
-class PosixReader:
+class PosixReader(ChunkedReader):
     name = "posix"
     reads_in_place = True  # reads a piece straight into its destination where the plan says so (`Item.read_in_place`)
-
-    def __init__(self, chunk_bytes: int) -> None:
-        self.chunk_bytes = chunk_bytes
-
-    def close(self) -> None:
-        pass
 
     def jobs(self, batch: Batch, slot: torch.Tensor | None, files: LocalFiles) -> list[Job]:
         assert slot is not None, "the posix reader reads into a staging slot"
@@ -147,17 +141,11 @@ def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
 _bounce = threading.local()
 
 
-def _bounce_buffer() -> memoryview:
-    """This reader thread's page-aligned buffer for O_DIRECT (kept for the thread's life)."""
-    buf = getattr(_bounce, "buf", None)
-    if buf is None:
-        buf = _bounce.buf = memoryview(mmap.mmap(-1, DIRECT_BYTES))
-    return buf
-
-
 def _read_direct(fd: int, group: list[Span], slot: memoryview) -> int:
     """O_DIRECT reads of aligned windows around each span, scattered from the bounce buffer."""
-    bounce = _bounce_buffer()
+    bounce = getattr(_bounce, "buf", None)
+    if bounce is None:  # this reader thread's page-aligned buffer, kept for the thread's life
+        bounce = _bounce.buf = memoryview(mmap.mmap(-1, DIRECT_BYTES))
     for span in group:
         pos = span.file_offset - span.file_offset % DIRECT_ALIGN
         parts = list(span.parts)

@@ -7,27 +7,21 @@ import functools
 import torch
 
 from streamload.plan.plan import Batch
-from streamload.read.base import Job, Span, spans, writable_bytes
+from streamload.read.base import ChunkedReader, Job, Span, spans, writable_bytes
 from streamload.storage.remote import ObjectFiles
 
 
-class RangeReader:
+class RangeReader(ChunkedReader):
     """Each span of a batch (contiguous bytes of one object, at most `chunk_bytes`) is read by one reader
     thread as ranged GETs of the store's request size, all at once, whose bodies are copied to their
     places in the slot; how many requests are in flight is the store's pace (storage/pace.py)."""
 
     name = "range"
 
-    def __init__(self, chunk_bytes: int) -> None:
-        self.chunk_bytes = chunk_bytes
-
     def jobs(self, batch: Batch, slot: torch.Tensor | None, files: ObjectFiles) -> list[Job]:
         assert slot is not None
         view = writable_bytes(slot)
         return [functools.partial(_get_span, files, span, view) for span in spans(batch, self.chunk_bytes)]
-
-    def close(self) -> None:
-        pass
 
 
 def _get_span(files: ObjectFiles, span: Span, view: memoryview) -> int:

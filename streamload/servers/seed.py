@@ -1,47 +1,36 @@
-"""Seeding: the complete copies a cache directory holds, served to peers over HTTP ranges.
+"""Seeding: the complete copies a cache directory holds, served to peers over HTTP ranges (`streamload seed`;
+docs/peers.md tells users).
 
-    streamload seed --cache-dir DIR [--host H] [--port P] [--rate 50MB] [--connections N]
-                    [--token-file FILE] [--cert CERT --key KEY]
-    python -m streamload seed ...          (the same; prints the URL it serves at, then serves until stopped)
+`GET /v1/<scheme>/<host>/<key>` (and HEAD) answers with the copy of `scheme://host/key` that
+`DIR/<scheme>/<host>/<key>` holds (the cache's layout, storage/cache.py), with `Range: bytes=a-b` (206; 416 past
+the end; a number too long to be an offset is one past any end) and a strong `ETag` made of the version the
+copy's record names (`peers.version_tag`): a peer asks with `If-Match` and gets 412 for another version, before
+its proof is checked, as a proof is made for one version (a 412 names no version).
 
-`GET /v1/<scheme>/<host>/<key>` (and HEAD) answers with the copy of the object `scheme://host/key` that
-`DIR/<scheme>/<host>/<key>` holds (the cache's layout, storage/cache.py; the URL scheme is peers.py's), with
-`Range: bytes=a-b` (206, `Content-Range`; 416 past the end; a number too long to be an offset is one past
-any end), `Content-Length`, and a strong `ETag` made of the version the copy's record names
-(`peers.version_tag`: the same on every node holding that version, so a peer asks with `If-Match` and gets
-412 for another version: before its proof is checked, as a proof is made for one version; a 412 names
-no version). Only what the cache vouches for is served: a regular file with one link
-(`cache.single`: a FIFO, a device, a hard link to a file elsewhere is 404), opened without blocking, whose
-record names its inode, modification time and size (a partial file, a record, a lock, a copy being
-written, anything else: 404). Each folder is opened from the one above it without following a link and
-the copy with `O_NOFOLLOW` (storage/cache.py's `Folders`): a link planted in the cache, or a path that
-leaves it (`..`, an encoded `/`), is 404. Files are opened read-only; nothing is ever written.
+Only what the cache vouches for is served: this user's regular file with one link (a FIFO, a device, a hard
+link to a file elsewhere is 404), opened without blocking and read-only, whose record names its inode,
+modification time and size (a partial file, a record, a lock, anything else: 404). Each folder is opened from
+the one above it without following a link, the copy and its record with `O_NOFOLLOW` (storage/cache.py): a
+planted link, or a path that leaves the cache (`..`, an encoded `/`), is 404. Nothing is ever written.
 
-Who may read: every GET and HEAD carries `X-Streamload-Proof` (storage/peer_proof.py), made with the key
-of the copy's object version: the copy's header bytes (its length word and JSON header), its record's
-version tag and the peers' token (`--token-file`, else `STREAMLOAD_PEER_TOKEN_FILE` or
-`STREAMLOAD_PEER_TOKEN`), over the method, the request target as sent and the Range header. A request
-without one, with a proof made with another key (a co-tenant who never read the object from its origin, or
-lacks the token), for another request, or seen before (a replay) gets 403 and the connection is closed:
-not a byte, not the version. With `--cert`/`--key` it serves TLS (`https://`), so an observer on the path
-sees neither the bytes nor the proofs; without, the bytes cross the network in the clear.
+Who may read: every request carries `X-Streamload-Proof` (storage/peer_proof.py), keyed by the copy's header
+bytes, its version tag and the peers' token. Without one, with one made with another key (a co-tenant who
+never read the object from its origin, or lacks the token), for another request, or seen before: 403 and the
+connection closed, not a byte. With `--cert`/`--key` it serves TLS; without, the bytes cross the network in the
+clear.
 
-Bounded, whatever the peers do: one thread runs every connection (asyncio; HTTP/1.1 parsed by h11; bodies
-by sendfile over plain TCP), and at most `IO_THREADS` open the cache's files (and read them for TLS), so a
-connection costs no thread. At most `connections`
-connections are open at once; one more is answered at accept with a canned 503 (`Retry-After: 1`,
-`Connection: close`) and closed unread, unless a connection that has waited `EVICT_AFTER` seconds for a
-request (an idle kept one, or a silent new one) can be closed to make room. A request's headers must arrive
-whole (at most `HEAD_LIMIT` bytes) within `header_timeout` seconds of the connection, or of their first
-byte on a kept connection; a kept connection waits `idle` seconds for its next request; a response must be
-sent within its size at `send_floor` bytes a second (at most the rate cap's share of a connection) plus
-`send_margin` seconds. `rate` (bytes a second, all connections together) caps what seeding takes of the
-node's link. The server's thread is a daemon: it stops with its process.
+Bounded, whatever the peers do: one thread runs every connection (asyncio; HTTP/1.1 parsed by h11; bodies by
+sendfile over plain TCP) and `IO_THREADS` open the cache's files, so a connection costs no thread. Past
+`connections`, one more is answered at accept with a canned 503 and closed unread, unless one that has waited
+`EVICT_AFTER` s for a request can be closed to make room. A request's headers (at most `HEAD_LIMIT` bytes) must
+arrive within `header_timeout` s; a kept connection waits `idle` s for its next request; a response must go
+within its size at `send_floor` bytes a second plus `send_margin` s. `rate` caps all connections together.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -52,7 +41,6 @@ import ssl
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from http import HTTPStatus
 from pathlib import Path
@@ -63,6 +51,7 @@ import h11
 from streamload.base.atomic import PARTIAL
 from streamload.format.header import HEADER_LIMIT
 from streamload.storage.cache import LOCK, RECORD, Folders, Place, open_copy, own, record_of
+from streamload.storage.local import pread_full
 from streamload.storage.peer_proof import HEADER, Proofs, read_key, token
 from streamload.storage.peers import DEFAULT_PORT, PREFIX, version_tag
 
@@ -83,20 +72,6 @@ _KEYS = 256  # read keys remembered (by file and version: a header is read once,
 _DIGITS = 19  # digits of a Range number read as they are; a longer one is past any end
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 _PROOF = HEADER.lower().encode()
-
-
-class _Pace:
-    """A rate cap shared by every connection: each send takes its slot in time (the server's thread only)."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self._next = time.monotonic()
-
-    def delay(self, n: int) -> float:
-        """Seconds until `n` more bytes are within the rate (the end of their slot: no burst ahead of it)."""
-        now = time.monotonic()
-        self._next = max(now, self._next) + n / self.rate
-        return self._next - now
 
 
 class _Conn:
@@ -123,27 +98,6 @@ class _Conn:
     def end(self) -> None:
         if self.task is not None:
             self.task.cancel()
-
-
-class _Told(asyncio.Protocol):
-    """A refused TLS connection: told 503, then gone (`gone` done)."""
-
-    def __init__(self) -> None:
-        self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.gone.done():
-            self.gone.set_result(None)
-
-
-class _Body:
-    """Stands for a response's body in h11's bookkeeping (its length), the bytes sent by `sendfile`."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
 
 
 class Seeder:
@@ -181,12 +135,12 @@ class Seeder:
             raise ValueError(f"{self.cache_dir}: cannot read this folder (list and enter it): nothing could be served")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port {port!r} is out of range: a port is 0..65535 (0: any free one)")
-        self.pace = _Pace(rate) if rate else None
+        self.rate = rate
+        self._paced_until = 0.0  # under `rate`, every connection's sends take their slots in turn (monotonic)
         self.connections = connections
         self.header_timeout, self.idle, self.send_margin = header_timeout, idle, send_margin
         self.send_floor = min(send_floor, rate / connections / 2) if rate else send_floor  # a paced share is slower
         self.sent = 0  # body bytes sent
-        self.refused = 0  # connections answered 503 at accept
         self.requests: list[tuple[str, str, int]] = []  # (method, path, status)
         self._secret = token(token_file)
         self._tls = _tls(cert, key)
@@ -195,7 +149,8 @@ class Seeder:
         self._keys_lock = threading.Lock()
         self._conns: set[_Conn] = set()
         self._refusals: set[asyncio.Task[None]] = set()  # TLS connections being told 503 (at most `connections`)
-        self._listener = _listen(host, port)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=128)
         bound = self._listener.getsockname()
         shown = f"[{bound[0]}]" if ":" in str(bound[0]) else str(bound[0])
         self.url = f"{'https' if self._tls else 'http'}://{shown}:{bound[1]}"
@@ -210,15 +165,6 @@ class Seeder:
     def open(self) -> int:
         """Connections open now (being served or waiting for a request)."""
         return len(self._conns)
-
-    @property
-    def tls(self) -> bool:
-        return self._tls is not None
-
-    @property
-    def token(self) -> bool:
-        """Whether proofs must be made with the peers' token too."""
-        return self._secret is not None
 
     def start(self) -> Seeder:
         with self._lock:
@@ -240,10 +186,8 @@ class Seeder:
                 return
             self._closed = True
         if self._thread is not None and self._loop is not None and self._main is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # its loop has ended already
                 self._loop.call_soon_threadsafe(self._main.cancel)
-            except RuntimeError:  # its loop has ended already
-                pass
             self._thread.join()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
@@ -255,41 +199,12 @@ class Seeder:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def copy(self, url_path: str) -> tuple[int, os.stat_result, dict[str, object]] | None:
-        """The open copy (descriptor, its stat, its record) that a request's path names, if the cache vouches
-        for it; else None. Never through a link, never outside the cache, never a partial file, never
-        anything but a regular file with one link (a FIFO never blocks: `cache.open_copy`)."""
-        names = _names(url_path)
-        if names is None:
-            return None
-        folders = Folders(self.cache_dir, create=False)
-        fd = None
-        try:  # the record is read through the folder's descriptor too: closed only after
-            place = Place(folders.folder(tuple(names[:-1])), names[-1], self.cache_dir.joinpath(*names))
-            if place.linked() is not None:
-                return None
-            fd = open_copy(place)
-            st = os.fstat(fd)
-            record = record_of(place, st)
-            if record is not None and not own(place, st):
-                record = None  # another user's copy: what it holds was never checked by this user's loads
-        except OSError:
-            record = None
-        finally:
-            folders.close()
-        if record is None:
-            if fd is not None:
-                os.close(fd)
-            return None
-        return fd, st, record
-
     # -- the server's thread -------------------------------------------------------------------------
     def _run(self) -> None:
         assert self._loop is not None and self._main is not None
         try:
-            self._loop.run_until_complete(self._main)
-        except asyncio.CancelledError:
-            pass
+            with contextlib.suppress(asyncio.CancelledError):
+                self._loop.run_until_complete(self._main)
         finally:
             self._loop.close()
 
@@ -316,13 +231,23 @@ class Seeder:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _admit(self, sock: socket.socket) -> None:
-        """Serve `sock`, or refuse it at once where every slot is held (making room where one can be had)."""
-        if len(self._conns) >= self.connections and not self._make_room():
-            self._refuse(sock)
-            return
+        """Serve `sock`, or refuse it at once where every slot is held (making room where one can be had): the
+        canned 503, written without reading (no task, no thread); over TLS, after the handshake (at most
+        `connections` at once: beyond, closed)."""
+        loop = asyncio.get_running_loop()
         conn = _Conn()
-        self._conns.add(conn)
-        conn.task = asyncio.get_running_loop().create_task(self._connection(conn, sock))
+        if len(self._conns) < self.connections or self._make_room():
+            self._conns.add(conn)
+            conn.task = loop.create_task(self._connection(conn, sock))
+        elif self._tls is not None and len(self._refusals) < self.connections:
+            conn.task = loop.create_task(self._connection(conn, sock, refuse=True))
+            self._refusals.add(conn.task)
+            conn.task.add_done_callback(self._refusals.discard)
+        else:
+            if self._tls is None:
+                with contextlib.suppress(OSError):
+                    sock.send(BUSY)
+            sock.close()
 
     def _make_room(self) -> bool:
         """Close the connection that has waited longest for a request, if one has waited `EVICT_AFTER`."""
@@ -335,42 +260,8 @@ class Seeder:
         oldest.end()
         return True
 
-    def _refuse(self, sock: socket.socket) -> None:
-        """The canned 503, written without reading (no task, no thread); over TLS, after the handshake
-        (at most `connections` at once: beyond, closed)."""
-        self.refused += 1
-        if self._tls is None:
-            try:
-                sock.send(BUSY)
-            except OSError:
-                pass
-            sock.close()
-        elif len(self._refusals) < self.connections:
-            task = asyncio.get_running_loop().create_task(self._refuse_tls(sock))
-            self._refusals.add(task)
-            task.add_done_callback(self._refusals.discard)
-        else:
-            sock.close()
-
-    async def _refuse_tls(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        told = _Told()
-        transport = None
-        try:
-            transport, _ = await asyncio.wait_for(
-                loop.connect_accepted_socket(lambda: told, sock, ssl=self._tls), self.header_timeout
-            )
-            transport.write(BUSY)
-            transport.close()  # once written
-            await asyncio.wait_for(told.gone, self.header_timeout)
-        except (OSError, asyncio.TimeoutError, ssl.SSLError):
-            pass
-        finally:
-            if transport is not None:
-                transport.abort()  # (gone already: a no-op)
-            sock.close()
-
-    async def _connection(self, conn: _Conn, sock: socket.socket) -> None:
+    async def _connection(self, conn: _Conn, sock: socket.socket, refuse: bool = False) -> None:
+        """Serve `sock` until it ends, or (`refuse`) tell it 503 once its TLS handshake is done."""
         loop = asyncio.get_running_loop()
         conn.arm(self.header_timeout)  # the handshake and the first request's headers
         transport: asyncio.Transport | None = None
@@ -383,7 +274,9 @@ class Seeder:
             transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock, **tls)  # type: ignore[arg-type]
             writer = asyncio.StreamWriter(transport, protocol, reader, loop)
             http = h11.Connection(h11.SERVER, max_incomplete_event_size=HEAD_LIMIT)
-            while await self._exchange(conn, reader, writer, http, peer):
+            if refuse:
+                writer.write(BUSY)  # its request never read
+            while not refuse and await self._exchange(conn, reader, writer, http, peer):
                 http.start_next_cycle()
                 conn.kept, conn.waiting = True, time.monotonic()
                 conn.arm(self.idle)
@@ -411,7 +304,9 @@ class Seeder:
             return False
         conn.arm(self.header_timeout)  # finding the copy and its key
         method, target = request.method.decode("latin-1"), request.target.decode("latin-1")
-        fields = _fields(request.headers)
+        fields: dict[bytes, list[str]] = {}  # each name's values, in order
+        for name, value in request.headers:  # (h11 gives the names lower-case)
+            fields.setdefault(name, []).append(value.decode("latin-1"))
         if method not in ("GET", "HEAD"):
             return await self._canned(writer, 405, method, target, {"Allow": "GET, HEAD"})
         if not _ended(http) or len(fields.get(b"range", ())) > 1:
@@ -420,16 +315,28 @@ class Seeder:
         found = await self._found(target)
         if found is None:
             return await self._respond(writer, http, method, target, 404)
-        fd, st, tag, key = found
+        fd, size, tag, key = found
         try:
-            if not _matches(tag, (fields.get(b"if-match") or [None])[0]):  # before the proof: it is made for
-                return await self._respond(writer, http, method, target, 412)  # one version (its tag not said)
+            match = (fields.get(b"if-match") or ["*"])[0]  # checked before the proof: it is made for one version
+            if match.strip() != "*" and tag not in [m.strip() for m in match.split(",")]:
+                return await self._respond(writer, http, method, target, 412)  # (its tag not said)
             value = proofs[0] if len(proofs) == 1 else None  # none, or two: no proof
             why = self._proofs.check(key, value, method, target, span)
             if why is not None:  # said to the log; to the peer, no more than 403
                 log.info("streamload seed: %s: 403 for %s %s: %s", peer, method, target, why)
                 return await self._canned(writer, 403, method, target)
-            return await self._send(conn, writer, http, method, target, fd, st.st_size, tag, fields)
+            asked = _span(span, size)
+            if asked == "unsatisfiable":
+                unsatisfiable = {"Content-Range": f"bytes */{size}", "ETag": tag}
+                return await self._respond(writer, http, method, target, 416, unsatisfiable)
+            headers = {"ETag": tag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+            start, end, status = 0, size, 200
+            if isinstance(asked, tuple):
+                (start, end), status = asked, 206
+                headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+            conn.arm(self.send_margin + (end - start) / self.send_floor)  # the response's whole send
+            body = (fd, start, end) if method == "GET" else None
+            return await self._respond(writer, http, method, target, status, headers, end - start, body)
         finally:
             os.close(fd)
 
@@ -457,8 +364,8 @@ class Seeder:
                 return event
             return None  # ConnectionClosed
 
-    async def _found(self, target: str) -> tuple[int, os.stat_result, str, bytes] | None:
-        """The copy `target` names, open, with its stat, version tag and read key (on the I/O threads: a
+    async def _found(self, target: str) -> tuple[int, int, str, bytes] | None:
+        """The copy `target` names, open, with its size, version tag and read key (on the I/O threads: a
         slow disk holds them, not the server); its descriptor closed where this request is gone by then."""
         assert self._pool is not None
         future = self._pool.submit(self._look_up, target)
@@ -468,20 +375,33 @@ class Seeder:
             future.add_done_callback(_close_found)
             raise
 
-    def _look_up(self, target: str) -> tuple[int, os.stat_result, str, bytes] | None:
-        found = self.copy(target)
-        if found is None:
+    def _look_up(self, url_path: str) -> tuple[int, int, str, bytes] | None:
+        """The open copy (descriptor, size, version tag, read key) that a request's path names, if the cache
+        vouches for it; else None. Never through a link, never outside the cache, never a partial file, never
+        anything but a regular file with one link (a FIFO never blocks: `cache.open_copy`), never one without
+        a safetensors header (no copy a peer could have asked for)."""
+        names = _names(url_path)
+        if names is None:
             return None
-        fd, st, record = found
-        try:
-            tag = version_tag(record)
-            key = self._read_key(fd, st, tag)
+        folders = Folders(self.cache_dir, create=False)
+        fd = key = None
+        try:  # the record is read through the folder's descriptor too: closed only after
+            place = Place(folders.folder(tuple(names[:-1])), names[-1], self.cache_dir.joinpath(*names))
+            fd = open_copy(place)  # (the copy and its record are opened without following a link)
+            st = os.fstat(fd)
+            record = record_of(place, st)
+            if record is not None and own(place, st):  # another user's copy was never checked by our loads
+                tag = version_tag(record)
+                key = self._read_key(fd, st, tag)
         except (OSError, KeyError, TypeError, ValueError):
             key = None
-        if key is None:  # no safetensors header to make it with: no copy a peer could have asked for
-            os.close(fd)
+        finally:
+            folders.close()
+        if key is None:
+            if fd is not None:
+                os.close(fd)
             return None
-        return fd, st, tag, key
+        return fd, st.st_size, tag, key
 
     def _read_key(self, fd: int, st: os.stat_result, tag: str) -> bytes | None:
         """The key proofs for this copy's version are made with (peer_proof.read_key), remembered by file."""
@@ -501,43 +421,21 @@ class Seeder:
                 self._keys.popitem(last=False)
         return key
 
-    async def _send(
-        self, conn: _Conn, writer: asyncio.StreamWriter, http: h11.Connection, method: str, target: str, fd: int,
-        size: int, tag: str, fields: dict[bytes, list[str]],
-    ) -> bool:  # fmt: skip
-        span = _span((fields.get(b"range") or [None])[0], size)
-        if span == "unsatisfiable":
-            unsatisfiable = {"Content-Range": f"bytes */{size}", "ETag": tag}
-            return await self._respond(writer, http, method, target, 416, unsatisfiable)
-        start, end = span if isinstance(span, tuple) else (0, size)
-        headers = {"ETag": tag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
-        if isinstance(span, tuple):
-            headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
-        conn.arm(self.send_margin + (end - start) / self.send_floor)  # the response's whole send
-        status = 206 if isinstance(span, tuple) else 200
-        self._record(method, target, status)
-        writer.write(http.send(_response(status, headers, end - start)))
-        if method == "GET" and end > start:
-            http.send_with_data_passthrough(h11.Data(data=_Body(end - start)))  # type: ignore[arg-type]
-            if not await self._body(writer, fd, start, end):
-                return False
-        writer.write(http.send(h11.EndOfMessage()) or b"")
-        await writer.drain()
-        return http.our_state is h11.DONE and http.their_state is h11.DONE
-
     async def _body(self, writer: asyncio.StreamWriter, fd: int, start: int, end: int) -> bool:
         """Bytes [start, end) of the copy, by sendfile where the connection is plain TCP (else read on the I/O
         threads, `_SEALED` at a time, and encrypted); whether all went (a file cut short since its record was
         written cuts the answer: the connection is closed)."""
         loop = asyncio.get_running_loop()
         await writer.drain()
-        step = _PACED if self.pace is not None else end - start if self._tls is None else _SEALED
+        step = _PACED if self.rate else end - start if self._tls is None else _SEALED
         with open(fd, "rb", closefd=False) as f:
             at = start
             while at < end:
                 n = min(step, end - at)
-                if self.pace is not None:
-                    await asyncio.sleep(self.pace.delay(n))
+                if self.rate:  # until the end of these bytes' slot: no burst ahead of it
+                    now = time.monotonic()
+                    self._paced_until = max(now, self._paced_until) + n / self.rate
+                    await asyncio.sleep(self._paced_until - now)
                 if self._tls is None:
                     try:
                         sent = await loop.sendfile(writer.transport, f, at, n)
@@ -556,11 +454,18 @@ class Seeder:
 
     async def _respond(
         self, writer: asyncio.StreamWriter, http: h11.Connection, method: str, target: str, status: int,
-        headers: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None, length: int = 0, body: tuple[int, int, int] | None = None,
     ) -> bool:  # fmt: skip
-        """A response without a body; whether the connection may carry another request."""
+        """A response of `length` bytes, its body (a GET's) bytes [start, end) of the copy `body` names (fd, start,
+        end); whether the connection may carry another request."""
         self._record(method, target, status)
-        writer.write(http.send(_response(status, headers or {}, 0)))
+        fields = [*(headers or {}).items(), ("Content-Length", str(length))]
+        writer.write(http.send(h11.Response(status_code=status, headers=fields, reason=HTTPStatus(status).phrase)))
+        if body is not None and length:
+            # h11 counts the body's length (a range stands for it); `_body` sends its bytes
+            http.send_with_data_passthrough(h11.Data(data=range(length)))  # type: ignore[arg-type]
+            if not await self._body(writer, *body):
+                return False
         writer.write(http.send(h11.EndOfMessage()) or b"")
         await writer.drain()
         return http.our_state is h11.DONE and http.their_state is h11.DONE
@@ -572,8 +477,8 @@ class Seeder:
         if method:
             self._record(method, target, status)
         more = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        writer.write(f"HTTP/1.1 {status} {_reason(status)}\r\n{more}Connection: close\r\nContent-Length: 0\r\n\r\n"
-                     .encode())  # fmt: skip
+        writer.write(f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n{more}Connection: close\r\n"
+                     "Content-Length: 0\r\n\r\n".encode())  # fmt: skip
         await writer.drain()
         return False
 
@@ -582,17 +487,10 @@ class Seeder:
         del self.requests[:-1000]
 
 
-def _close_found(future: Future[tuple[int, os.stat_result, str, bytes] | None]) -> None:
+def _close_found(future: Future[tuple[int, int, str, bytes] | None]) -> None:
     """The descriptor a lookup opened for a request that went while it ran, closed."""
-    if not future.cancelled() and future.exception() is None:
-        found = future.result()
-        if found is not None:
-            os.close(found[0])
-
-
-def _matches(tag: str, match: str | None) -> bool:
-    """Whether an If-Match header (None: none) lets a request for the version `tag` names go on."""
-    return match is None or match.strip() == "*" or tag in [m.strip() for m in match.split(",")]
+    if not future.cancelled() and future.exception() is None and (found := future.result()) is not None:
+        os.close(found[0])
 
 
 def _ended(http: h11.Connection) -> bool:
@@ -601,11 +499,6 @@ def _ended(http: h11.Connection) -> bool:
         return isinstance(http.next_event(), h11.EndOfMessage)
     except h11.RemoteProtocolError:
         return False
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=128)
 
 
 def _tls(cert: str | os.PathLike[str] | None, key: str | os.PathLike[str] | None) -> ssl.SSLContext | None:
@@ -627,40 +520,12 @@ def _tls(cert: str | os.PathLike[str] | None, key: str | os.PathLike[str] | None
 def _header_prefix(fd: int, size: int) -> bytes | None:
     """The copy's length word and JSON header as a load reads them from the origin (N capped as safetensors
     caps it); None where the file has none."""
-    word = os.pread(fd, 8, 0)
-    if len(word) < 8:
-        return None
+    word = bytes(pread_full(fd, 8, 0))
     n = int.from_bytes(word, "little")
-    if n > HEADER_LIMIT or 8 + n > size:
+    if len(word) < 8 or n > HEADER_LIMIT or 8 + n > size:
         return None
-    parts, at = [word], 8
-    while at < 8 + n:
-        part = os.pread(fd, min(8 << 20, 8 + n - at), at)
-        if not part:
-            return None
-        parts.append(part)
-        at += len(part)
-    return b"".join(parts)
-
-
-def _fields(headers: Iterable[tuple[bytes, bytes]]) -> dict[bytes, list[str]]:
-    """A request's headers by (lower-case) name, each name's values in order."""
-    out: dict[bytes, list[str]] = {}
-    for name, value in headers:
-        out.setdefault(name.lower(), []).append(value.decode("latin-1"))
-    return out
-
-
-def _reason(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return ""
-
-
-def _response(status: int, headers: dict[str, str], length: int) -> h11.Response:
-    fields = [*headers.items(), ("Content-Length", str(length))]
-    return h11.Response(status_code=status, headers=fields, reason=_reason(status))
+    rest = pread_full(fd, n, 8)
+    return word + rest if len(rest) == n else None
 
 
 def _names(url_path: str) -> list[str] | None:
@@ -716,8 +581,8 @@ def address(text: str) -> tuple[str, int]:
 
 def described(seeder: Seeder) -> str:
     """Who may read what `seeder` serves, and what the path sees, in a few words (the printed lines')."""
-    who = "peers that read each object from its origin" + (" and hold the peers' token" if seeder.token else "")
-    path = "TLS" if seeder.tls else "plain HTTP: the bytes are visible on the path"
+    who = "peers that read each object from its origin" + (" and hold the peers' token" if seeder._secret else "")
+    path = "TLS" if seeder._tls else "plain HTTP: the bytes are visible on the path"
     return f"{who}; {path}"
 
 
@@ -727,13 +592,11 @@ def serve(
     port: int | None = None,
     rate: float | None = None,
     connections: int = CONNECTIONS,
-    token_file: str | os.PathLike[str] | None = None,
-    cert: str | os.PathLike[str] | None = None,
-    key: str | os.PathLike[str] | None = None,
+    **files: str | os.PathLike[str] | None,
 ) -> None:
-    """`streamload seed`: serve until SIGTERM or SIGINT; the first line printed names the URL."""
-    seeder = Seeder(cache_dir, host, DEFAULT_PORT if port is None else port, rate, connections, token_file=token_file,
-                    cert=cert, key=key)  # fmt: skip
+    """`streamload seed`: serve until SIGTERM or SIGINT; the first line printed names the URL. `files`: the
+    token file, certificate and key (Seeder's)."""
+    seeder = Seeder(cache_dir, host, DEFAULT_PORT if port is None else port, rate, connections, **files)  # type: ignore[arg-type]
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -10,17 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from streamload.storage.base import INDEX_NAME, Digest, Files, Listing, PathLike, Source, Storage, is_hex, redacted
-from streamload.storage.hub import hub_id
+from streamload.storage.hub import HubStorage, hub_id
 from streamload.storage.local import LocalFiles, LocalStorage
 
-
-def _hub(root: str, cache_dir: Path | None) -> Storage:
-    from streamload.storage.hub import HubStorage  # huggingface_hub is imported only for hub ids
-
-    return HubStorage(cache_dir)
-
-
-STORAGES: dict[str, Callable[[str, Path | None], Storage]] = {"hf": _hub}  # and each object store's: remote.PROFILES
+# and each object store's: remote.PROFILES (huggingface_hub is imported only once a hub id is loaded)
+STORAGES: dict[str, Callable[[str, Path | None], Storage]] = {"hf": lambda root, cache: HubStorage(cache)}
 
 
 def storage_for(source: Source, cache_dir: PathLike | None = None) -> Storage:

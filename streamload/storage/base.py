@@ -1,11 +1,6 @@
-"""What a storage is: where a checkpoint's files are, their headers' bytes, and byte ranges of them.
-
-A storage lists a source's files (`locate`), reads each header (`header`), and opens the files of a
-plan for the readers (`open`). The handle `open` returns is the storage's own (descriptors and
-mappings for local files, an HTTP client for objects); a storage says what it can do (`local`), and
-the reader table (pipeline/reader_choice.py) asks that, never which storage it is. Each header
-carries the version it was read from (`format.header.FileVersion`), typed, never read by position.
-"""
+"""What a storage is: where a checkpoint's files are, their headers' bytes, and byte ranges of them. A storage
+says what it can do (`local`) and the reader table (pipeline/reader_choice.py) asks that, never which storage it
+is; each header carries the version it was read from (`format.header.FileVersion`), typed."""
 
 from __future__ import annotations
 
@@ -23,6 +18,13 @@ from streamload.integrity.digests import Digest, Known
 PathLike = str | os.PathLike[str]
 Source = PathLike | Sequence[PathLike]
 INDEX_NAME = "model.safetensors.index.json"
+# An index file's name: `<name>.index.json`, or with a variant (`<name>.safetensors.index.fp16.json`, as
+# diffusers' `save_pretrained(variant=...)` names it).
+_INDEX = re.compile(r".+\.index\.json|.+\.safetensors\.index\.[\w-]+\.json")
+
+
+def is_index(name: str) -> bool:
+    return _INDEX.fullmatch(name) is not None
 
 
 Partly = Callable[[], Collection[PurePath]] | None  # the files a load reads in part
@@ -107,10 +109,15 @@ _USER_INFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s]*@")
 
 
 def redacted(text: object) -> str:
-    """`text` (a URL, a path, a message or a list of them) with the user info of every URL in it
-    (`user:password@`, or a token given as the user) shown as `***@`: what a log line, an error, a
-    summary or a file name may hold. Used wherever a source as the caller wrote it is formatted."""
+    """`text` (a URL, a path, a message or a list of them) with the user info of every URL in it (`user:password@`,
+    or a token given as the user) shown as `***@`: wherever a source as the caller wrote it is formatted."""
     return _USER_INFO.sub(r"\1***@", str(text))
+
+
+def first_line(exc: BaseException | None) -> str:
+    """An error's first line (obstore's debug trail cut, user info redacted), else its type's name."""
+    text = redacted(str(exc).split("\n\nDebug source:")[0].strip())
+    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def is_hex(text: str) -> bool:
@@ -127,10 +134,10 @@ def file_list(paths: list[PurePath]) -> Listing:
     return Listing(paths)
 
 
-def parse_index(index: PurePath, text: str) -> Listing:
+def parse_index(index: PurePath, raw: str | bytes) -> Listing:
     """An index's shards (sorted, plain file names next to the index), weight map and metadata."""
     try:
-        doc = json.loads(text)
+        doc = json.loads(raw)  # bytes not UTF-8 (nor UTF-16/32) raise a ValueError too
     except ValueError as exc:
         raise SourceError(f"{index}: cannot read the index: {exc}") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None

@@ -1,56 +1,43 @@
 """A local copy of objects, written as their bytes stream past, so that the next load is local.
 
-Layout: `cache_dir/<scheme>/<bucket or host>/<key>`, with `<key>.streamload.json` beside it (the object's
-size and ETag or Last-Modified, and the copy's inode and mtime) and `<key>.lock`, which the writer of `<key>` holds
-(and removes as it lets go).
+Layout: `cache_dir/<scheme>/<bucket or host>/<key>`, beside it `<key>.streamload.json` (the object's
+size and ETag or Last-Modified, the copy's inode and mtime) and `<key>.lock`, held by `<key>`'s writer.
 
-Any number of processes, on one host or on several over a shared file system, may fill and read one
-cache at once:
-- one writer per file: the process that takes the file's lock (`flock`, which the kernel drops when
-  the process dies; over NFS it is a byte-range lock the server keeps) writes it; the others read the
-  complete copy it leaves, waiting for it while it writes (`Copies.local`), instead of downloading again;
-  where that writer goes without completing it (killed), the first load to find the lock free takes its
-  place: it writes the copy itself from the bytes it reads (a load that writes copies then waits for no
-  other writer: it reads what another live writer holds from the store, so no two loads wait for each other);
-- a writer writes into a file of its own (`<key>.partial.<host>.<pid>.<random>`), never truncating or
-  overwriting another's bytes, and renames it to `<key>` only once every byte is on disk, after its
-  record: a copy counts as complete only if the record names the object's version and the copy's inode and mtime,
-  so a killed writer leaves nothing that looks complete (its partial file is removed by the next writer);
-- a complete copy is never written again: a newer version replaces it by a rename, and a reader that
-  opened the old one keeps reading the old one's bytes;
-- a wait for another writer is bounded: a writer whose partial file has not changed for `WRITER_STALL`
-  seconds (stopped, or hung on a dead mount) is given up on, and the waiting load reads the objects it
-  lacks from the store itself, waiting for no other writer (one warning);
-- a file a load does not read every byte of is neither written nor waited for: one read in part
-  (`include=`, `shard=`), and in a cooperative load one with bytes in shared batches (each rank reads
-  a part of those: no rank could complete its copy, and a rank waiting for one would wait for ever).
+Processes on one host or on several (over a shared file system) fill and read one cache at once:
+- one writer per file: the process holding the file's `flock` (dropped by the kernel when it dies;
+  over NFS a lock the server keeps). Others wait for its copy (`Copies.local`) instead of downloading
+  again; where it dies, the first load to find the lock free writes the copy from the bytes it reads,
+  and from then on waits for no other writer, so no two loads wait for each other;
+- a writer writes a file of its own (`<key>.partial.<host>.<pid>.<random>`) and renames it to `<key>`
+  once every byte is on disk, after its record. A copy is complete only if its record names the
+  object's version and the copy's inode and mtime, so a killed writer leaves nothing that looks
+  complete (the next writer removes its partial file). A newer version replaces a copy by a rename:
+  a reader of the old one keeps its bytes;
+- a writer whose partial file has not changed for `WRITER_STALL` seconds (stopped, or hung on a dead
+  mount) is given up on: the load reads what it lacks from the store (one warning);
+- a file a load reads in part (`include=`, `shard=`, a cooperative load's shared batches) is neither
+  written nor waited for: no such load could complete its copy.
 
-Sharing it between users, and what goes wrong on a disk:
-- nothing in it is reached through a symlink: each folder under `cache_dir` is opened from the one
-  above it (`O_DIRECTORY|O_NOFOLLOW`, `dir_fd=`), once a load, and every file in it is opened, renamed,
-  removed and looked at through the folder's descriptor (`O_NOFOLLOW`; new files `O_EXCL`). A link
-  another user put there (for a folder, a copy, its record or its lock) cannot make a load read, create,
-  lock or replace a file elsewhere: the load reads what lies behind it from the store, without the
-  cache, and one warning names the link;
-- a lock file another user created is opened read-only (`flock` needs no write access), so a second
-  user reads the complete copies and waits for copies being written like the first; where it cannot
-  write (the directories are another user's, and not group-writable: use a setgid directory and
-  umask 002 for a cache that several users fill), it does not keep copies;
-- a copy that cannot be kept (a full disk, a quota, a directory this user cannot write, a symlink
-  where the lock should be) is dropped, nothing of it left, and the load goes on reading from the store:
-  one warning a load, naming the cache directory.
+Shared between users:
+- nothing is reached through a symlink: each folder under `cache_dir` is opened from the one above it
+  (`O_DIRECTORY|O_NOFOLLOW`, `dir_fd=`), once a load, and every file through its folder's descriptor
+  (`O_NOFOLLOW`; new files `O_EXCL`). Behind a link another user put there, the load reads from the
+  store, and one warning names the link;
+- a copy another user wrote is not read unchecked (`own`); a lock file of theirs is opened read-only
+  (`flock` needs no write access). A cache that several users fill wants a setgid directory and umask 002;
+- a copy that cannot be kept (a full disk, a quota, a folder this user cannot write) is dropped,
+  nothing of it left, and the load reads from the store (one warning a load).
 
-NFS mounted with `nolock` or `local_lock=flock|all` (read from /proc/self/mountinfo) takes locks on
-each host alone, so two hosts would both write a file, and each take the other's partial file for a
-killed writer's. There, nothing is locked and nothing waited for: each load writes the copies it lacks
-under its own name and renames them into place (the last rename wins; a record that names another
-inode makes the copy incomplete, and a later load writes it again), and no partial file is ever
-removed as stale (those of killed writers stay: delete `*.partial.*` while no load runs). A warning
-names the directory.
+NFS mounted with `nolock` or `local_lock=flock|all` (/proc/self/mountinfo) locks on each host alone, so
+two hosts would both write a file. There nothing is locked nor waited for: each load writes the copies
+it lacks under its own name and renames them into place (the last wins; a record naming another inode
+makes the copy incomplete), and no partial file is removed as stale (delete `*.partial.*` while no
+load runs). A warning names the directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -93,8 +80,8 @@ def _names(path: PurePath) -> list[str]:
 
 
 class Linked(OSError):
-    """A symbolic link where the cache has a folder or a file of its own (put there by another user of a
-    shared cache: it would have this process read, create or replace files elsewhere)."""
+    """A symbolic link where the cache has a folder or a file of its own (another user's, in a shared
+    cache: it would have this process read, create or replace files elsewhere)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(errno.ELOOP, "a symbolic link where the cache keeps a folder or file of its own", str(path))
@@ -109,24 +96,10 @@ def _refused(parent: int, name: str, path: Path, exc: OSError) -> OSError:
     return Linked(path) if stat.S_ISLNK(st.st_mode) else exc
 
 
-def _subfolder(parent: int, name: str, path: Path, create: bool) -> int:
-    """The folder `name` in `parent` (`atomic.subfolder`: made where `create` and absent, never through a
-    link): a link there raises `Linked`."""
-    if name in ("", ".", "..") or "/" in name:
-        raise OSError(errno.EINVAL, "not a name the cache keeps a folder under", str(path))
-    try:
-        return atomic.subfolder(parent, name, create)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise _refused(parent, name, path, exc) from exc
-
-
 class Place:
     """Where one file of the cache goes: its folder, open (`Folders`), and its name there. Every file of
-    it (`<name><suffix>`: the copy, its record, its lock, partial files) is opened, renamed, removed and
-    looked at through the folder's descriptor, never through a link. `path` names it in messages and
-    keys this process's locks."""
+    it (`<name><suffix>`: the copy, its record, its lock, partial files) is reached through the folder's
+    descriptor, never through a link. `path` names it in messages and keys this process's locks."""
 
     __slots__ = ("folder", "name", "path")
 
@@ -140,28 +113,21 @@ class Place:
         return os.stat(self.name + suffix, dir_fd=self.folder, follow_symlinks=False)
 
     def unlink(self, suffix: str) -> None:
-        """`<name><suffix>` removed, if it is there (a link is removed, never what it points to)."""
-        try:
+        with contextlib.suppress(FileNotFoundError):  # a link is removed, never what it points to
             os.unlink(self.name + suffix, dir_fd=self.folder)
-        except FileNotFoundError:
-            pass
 
     def rename(self, src: str, dst: str) -> None:
         os.replace(self.name + src, self.name + dst, src_dir_fd=self.folder, dst_dir_fd=self.folder)
 
     def suffixes(self, start: str) -> list[str]:
         """The suffixes of the files in the folder named `<name><start>...`."""
-        head = self.name + start
-        try:  # the folder opened anew: a listing's position is its descriptor's, and threads list at once
-            fd = os.open(".", FOLDER, dir_fd=self.folder)
-        except OSError:
-            return []
-        try:
-            return [n[len(self.name) :] for n in os.listdir(fd) if n.startswith(head)]
-        except OSError:
-            return []
-        finally:
-            os.close(fd)
+        with contextlib.suppress(OSError):
+            fd = os.open(".", FOLDER, dir_fd=self.folder)  # anew: a listing's position is its descriptor's
+            try:
+                return [n[len(self.name) :] for n in os.listdir(fd) if n.startswith(self.name + start)]
+            finally:
+                os.close(fd)
+        return []
 
     def linked(self) -> Linked | None:
         """A link where the copy, its record or its lock goes, if there is one."""
@@ -173,22 +139,11 @@ class Place:
                 pass
         return None
 
-    def put(self, suffix: str, data: bytes, temporary: str) -> None:
-        """`data` at `<name><suffix>` whole: written into a new `<name><temporary>`, renamed over it."""
-        fd = self.open(temporary, NEW)
-        try:
-            with open(fd, "wb") as f:
-                f.write(data)
-            self.rename(temporary, suffix)
-        except BaseException:
-            self.unlink(temporary)
-            raise
-
 
 class Folders:
     """The folders of one cache that a load (or a lookup) uses: each opened once, from the one above it
-    without following a link (`O_DIRECTORY|O_NOFOLLOW`, `dir_fd=`), made where `create` and absent, and
-    kept open until `close`. The cache directory itself is the caller's, links and all."""
+    without following a link, made where `create` and absent, and kept open until `close`. The cache
+    directory itself is the caller's, links and all."""
 
     def __init__(self, cache_dir: Path, create: bool) -> None:
         self.cache_dir = cache_dir
@@ -213,8 +168,15 @@ class Folders:
         if fd is not None:
             return fd
         if names:
-            parent = self.folder(names[:-1])
-            fd = _subfolder(parent, names[-1], self.cache_dir.joinpath(*names), self._create)
+            parent, name, path = self.folder(names[:-1]), names[-1], self.cache_dir.joinpath(*names)
+            if name in ("", ".", "..") or "/" in name:
+                raise OSError(errno.EINVAL, "not a name the cache keeps a folder under", str(path))
+            try:
+                fd = atomic.subfolder(parent, name, self._create)  # never through a link
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                raise _refused(parent, name, path, exc) from exc
         else:
             if self._create:
                 self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -238,8 +200,8 @@ def complete(place: Place, header: FileHeader) -> bool:
 
 def open_copy(place: Place, suffix: str = "") -> int:
     """`<name><suffix>` at `place` opened read-only where it is a regular file with one link (`single`);
-    else OSError. Opened without blocking (`O_NONBLOCK`: a FIFO put there would block the open until a
-    writer came), the flag cleared once the descriptor is known to be a file's."""
+    else OSError. Opened with `O_NONBLOCK` (a FIFO put there would block the open until a writer came),
+    cleared once the descriptor is known to be a file's."""
     fd = place.open(suffix, os.O_RDONLY | os.O_NONBLOCK)
     try:
         if not single(os.fstat(fd)):
@@ -259,17 +221,14 @@ def single(st: os.stat_result) -> bool:
 
 
 def own(place: Place, st: os.stat_result) -> bool:
-    """Whether the copy `st` describes and its record at `place` are this user's: written by this user's
-    loads, which keep only bytes read from the origin or checked (another user's could hold anything)."""
+    """Whether the copy `st` describes and its record at `place` are this user's: this user's loads keep
+    only bytes read from the origin or checked (another user's could hold anything)."""
     return st.st_uid == os.geteuid() and place.stat(RECORD).st_uid == os.geteuid()
 
 
 def _vouched(place: Place, st: os.stat_result, header: FileHeader) -> bool:
-    """Whether the record at `place` vouches for the file `st` describes as a whole copy of `header`'s
-    version (a regular file with one link: `single`)."""
-    if not single(st) or st.st_size != header.size:
-        return False
-    return _read_record(place) == {**_record(header), **_file(st)}
+    """Whether the record at `place` vouches for the file `st` describes as a whole copy of `header`'s version."""
+    return single(st) and st.st_size == header.size and _read_record(place) == {**version_of(header), **_file(st)}
 
 
 def _read_record(place: Place) -> object:
@@ -284,72 +243,51 @@ def _read_record(place: Place) -> object:
 
 
 def record_of(place: Place, st: os.stat_result) -> dict[str, object] | None:
-    """The record at `place` where it vouches for the file `st` describes as a whole copy (its inode,
-    modification time and size; a regular file with one link: `single`), whatever version it names (a
-    seeder's question); else None."""
-    if not single(st):
-        return None
-    record = _read_record(place)
-    if not isinstance(record, dict) or set(record) != {"size", "version", *_file(st)}:
-        return None
-    return record if {k: record[k] for k in _file(st)} == _file(st) and record["size"] == st.st_size else None
+    """The record at `place` where it vouches for the file `st` describes as a whole copy, whatever
+    version it names (a seeder's question); else None."""
+    record = _read_record(place) if single(st) else None
+    vouched = isinstance(record, dict) and set(record) == {"size", "version", *_file(st)}
+    return record if vouched and record == {**record, "size": st.st_size, **_file(st)} else None
 
 
 def version_of(header: FileHeader) -> dict[str, object]:
-    """The version a record names for the object whose header was read (its size, ETag or Last-Modified)."""
-    return _record(header)
+    """What identifies the version of an object that was copied: its size and ETag (or Last-Modified)."""
+    assert header.identity is not None, header.path  # an object's header always names its version
+    return {"size": header.size, "version": header.identity.recorded()}
 
 
 def lookup(cache_dir: Path, headers: Sequence[FileHeader]) -> list[Path] | None:
     """The local copies of every file, if the cache holds all of them complete at the versions whose
-    headers were just read; else None (never waits: files being written are the load's to wait for; a
-    link in the way is no copy, and the load's `Copies` warns of it; nor is a FIFO, a device or a hard
-    link: `single`, looked at without opening it)."""
-    folders = Folders(cache_dir, create=False)
-    try:
-        for h in headers:
-            if not complete(folders.place(h.path), h):
-                return None
-    except OSError:
+    headers were just read; else None (never waits: files being written are the load's to wait for)."""
+    if len(kept(cache_dir, headers)) < len(headers):
         return None
-    finally:
-        folders.close()
     return [cache_path(cache_dir, h.path) for h in headers]
 
 
 def kept(cache_dir: Path, headers: Sequence[FileHeader]) -> list[FileHeader]:
     """The files of which the cache holds a complete copy now, at the versions whose headers were read
-    (a link in the way is no copy; a copy still being written is none yet)."""
+    (a link in the way is no copy, nor a FIFO, a device or a hard link; one still being written is none yet)."""
     folders = Folders(cache_dir, create=False)
     whole = []
     try:
         for h in headers:
-            try:
+            with contextlib.suppress(OSError):  # a folder absent, or a link in the way
                 if complete(folders.place(h.path), h):
                     whole.append(h)
-            except OSError:
-                continue
     finally:
         folders.close()
     return whole
 
 
-def keep(local: Path, data: bytes, root: Path | None = None) -> None:
-    """A small file (an index, a digest file) into the cache whole: written under a name of this
-    writer's own, then renamed, so that two writers never mix their bytes and a reader sees one whole.
-    With `root` (the cache directory `local` is in), each folder under it is walked as a load walks it,
-    never through a link. Where it cannot be kept (a full disk, another user's directory, a link), the
-    caller goes on without it."""
+def keep(local: Path, data: bytes, root: Path) -> None:
+    """A small file (an index, a digest file) into the cache directory `root` whole: written under a
+    name of this writer's own, then renamed, through folders walked as a load walks them. Where it
+    cannot be kept (a full disk, another user's directory, a link), the caller goes on without it."""
     try:
-        if root is None:
-            local.parent.mkdir(parents=True, exist_ok=True)
-            atomic.write(local, data)
-            return
         folders = Folders(root, create=True)
         try:
             names = local.relative_to(root).parts
-            place = Place(folders.folder(names[:-1]), names[-1], local)
-            place.put("", data, f"{PARTIAL}{writer_tag()}")
+            atomic.write(Path(names[-1]), data, dir_fd=folders.folder(names[:-1]))
         finally:
             folders.close()
     except (OSError, ValueError) as exc:
@@ -366,8 +304,9 @@ def lock_scope(directory: Path, mountinfo: str) -> str | None:
         if "-" not in fields[6:]:
             continue
         end = fields.index("-", 6)
-        mount = _unescaped(fields[4])
-        if len(fields) > end + 3 and _under(where, mount) and len(mount) >= len(point):  # later mounts hide earlier
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])  # spaces, tabs...: octal escapes
+        under = where == mount or where.startswith(mount.rstrip("/") + "/")
+        if len(fields) > end + 3 and under and len(mount) >= len(point):  # later mounts hide earlier
             point, fstype, options = mount, fields[end + 1], fields[end + 3].split(",")
     local = [o for o in options if o in ("nolock", "local_lock=flock", "local_lock=all")]
     return f"{fstype} mounted with {','.join(local)}" if fstype.startswith("nfs") and local else None
@@ -381,23 +320,13 @@ def _resolved(directory: Path) -> str:
     return os.path.realpath(path) + str(directory.absolute())[len(str(path)) :]
 
 
-def _under(path: str, mount: str) -> bool:
-    return path == mount or path.startswith(mount.rstrip("/") + "/")
-
-
-def _unescaped(field: str) -> str:
-    """A mountinfo path: spaces, tabs, newlines and backslashes are written as octal escapes."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
-
-
 def shared_locks(cache_dir: Path) -> bool:
     """Whether other hosts see this host's locks in `cache_dir` (see the module's docstring); warns once
     a directory where they do not."""
     if cache_dir not in _lock_scopes:
-        try:
+        mountinfo = ""
+        with contextlib.suppress(OSError):  # not Linux: nothing says otherwise
             mountinfo = MOUNTINFO.read_text()
-        except OSError:  # not Linux: nothing says otherwise
-            mountinfo = ""
         scope = _lock_scopes[cache_dir] = lock_scope(cache_dir, mountinfo)
         if scope is not None:
             log.warning(
@@ -414,7 +343,6 @@ class Claim:
 
     def __init__(self, place: Place, fd: int | None) -> None:
         self.place = place
-        self.final = place.path
         self._fd = fd
         self._holding = True
         self.exclusive = fd is not None  # no other process writes it: other partial files are killed writers'
@@ -429,13 +357,11 @@ class Claim:
                 return None
             _held.add(place.path)
         try:
-            if not locks:
-                return cls(place, None)
-            fd = _locked(place)
+            fd = _locked(place) if locks else None
         except BaseException:
             _forget(place.path)
             raise
-        if fd is None:
+        if locks and fd is None:
             _forget(place.path)
             return None
         return cls(place, fd)
@@ -443,11 +369,13 @@ class Claim:
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
-            _unlink_if_ours(self.place, fd)  # while held: no lock file outlives its use
+            with contextlib.suppress(OSError):  # while held: no lock file outlives its use (where this user may)
+                if _is_at(self.place, fd):
+                    self.place.unlink(LOCK)
             os.close(fd)  # drops the lock
         if self._holding:
             self._holding = False
-            _forget(self.final)
+            _forget(self.place.path)
 
 
 def _locked(place: Place) -> int | None:
@@ -479,16 +407,6 @@ def _is_at(place: Place, fd: int) -> bool:
     return (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)
 
 
-def _unlink_if_ours(place: Place, fd: int) -> None:
-    """The lock file at `place` removed, if it is still the file this process holds locked at `fd` (where
-    this user may: another user's, in a folder this one cannot write, stays)."""
-    try:
-        if _is_at(place, fd):
-            place.unlink(LOCK)
-    except OSError:
-        pass
-
-
 def _open_lock(place: Place) -> int:
     """The lock file, never through a symlink (one put there would have this process create or lock a
     file elsewhere); read-only where another user made it (`flock` needs no write access)."""
@@ -516,19 +434,14 @@ class WriterStalled(Exception):
 
 
 def wait_for_writer(
-    place: Place,
-    header: FileHeader,
-    stopped: threading.Event,
-    locks: bool = True,
-    writing: threading.Event | None = None,
+    place: Place, header: FileHeader, stopped: threading.Event, locks: bool, writing: threading.Event
 ) -> Claim | None:
     """Wait while another writer holds the lock of the copy at `place`. Returns the claim where that
-    writer went without completing the copy (killed, or failed): the caller writes the copy in its
-    place, or releases it. Returns None once the copy is complete, or the wait ends without it
-    (`stopped`; `writing` set: the caller became a writer, and a writer waits for no other; the lock
-    cannot be taken at all): the caller opens the copy if it is complete, else reads the object
-    itself. Polls, so that `stopped` ends the wait at once and a writer in another process or host is
-    seen going. Raises WriterStalled once the writer's partial file has not changed for `WRITER_STALL` seconds."""
+    writer went without completing the copy (killed, or failed): the caller writes it or releases the
+    claim. Else None, once the copy is complete or the wait ends without it (`stopped`; `writing` set:
+    a writer waits for no other; the lock cannot be taken at all): the caller opens the copy if it is
+    complete, else reads the object. Polls, so that `stopped` ends the wait at once and a writer on
+    another host is seen going. Raises WriterStalled where the writer's partial file stays unchanged."""
     start = changed = time.monotonic()
     seen = _progress(place)
     noticed = False
@@ -545,9 +458,7 @@ def wait_for_writer(
             return claim
         if held_here(place.path):  # the writer is another load of this process: its reads may need the reader
             return None  # threads this wait would hold (it stalled both until WRITER_STALL); read the object
-        if writing is not None and writing.is_set():
-            return None
-        if stopped.wait(pause):
+        if writing.is_set() or stopped.wait(pause):
             return None
         pause = min(0.25, pause * 2)
         now, progress = time.monotonic(), _progress(place)
@@ -562,15 +473,12 @@ def wait_for_writer(
 
 
 def _progress(place: Place) -> list[tuple[str, int, int]]:
-    """What changes while a writer writes the copy at `place`: its partial files' names, modification
-    times and blocks."""
+    """What changes while a writer writes the copy at `place`: its partial files' names, mtimes and blocks."""
     out = []
     for suffix in place.suffixes(PARTIAL):
-        try:
+        with contextlib.suppress(OSError):  # gone meanwhile
             st = place.stat(suffix)
-        except OSError:
-            continue
-        out.append((suffix, st.st_mtime_ns, st.st_blocks))
+            out.append((suffix, st.st_mtime_ns, st.st_blocks))
     return sorted(out)
 
 
@@ -597,7 +505,7 @@ class CacheWriter:
 
     def __init__(self, claim: Claim, header: FileHeader) -> None:
         self.header = header
-        self.final = claim.final
+        self.final = claim.place.path
         self._place = place = claim.place
         self._claim = claim
         if claim.exclusive:
@@ -632,10 +540,11 @@ class CacheWriter:
         names an inode no copy has)."""
         os.fsync(fd)
         made = _file(os.fstat(fd))
-        record = json.dumps({**_record(self.header), **made}).encode()
+        record = json.dumps({**version_of(self.header), **made}).encode()
         # The record's temporary file is this writer's own (a killed one's goes with its partial file); the
         # record names an inode the copy's name is not yet: nothing looks complete before the second rename.
-        self._place.put(RECORD, record, temporary=f"{self._partial}.record")
+        name, folder = self._place.name, self._place.folder
+        atomic.write(Path(name + RECORD), record, temporary=Path(f"{name}{self._partial}.record"), dir_fd=folder)
         self._place.rename(self._partial, "")
         self._fd = None
         os.close(fd)
@@ -651,23 +560,12 @@ class CacheWriter:
             self._claim.release()
 
 
-class _Awaited:
-    """A file another writer is writing: the first reader thread that needs it waits, the rest wait on it."""
-
-    def __init__(self, place: Place) -> None:
-        self.place = place
-        self.lock = threading.Lock()
-        self.done = False
-
-
 class Copies:
     """What one load does with the cache for each object it reads: reads a complete copy (`local`),
     writes the copy as the bytes stream past (`write`), or waits for the writer another process (or
     load) is and then reads its copy. Files the load reads in part (`partly`) are neither written nor
-    waited for: a copy is whole or absent. A copy that cannot be written is dropped, a link in the way
-    of one (`Linked`) makes the load read that object from the store, and a writer that stalls is given
-    up on: the load reads from the store instead (one warning each). The folders are opened once, at the
-    start (`Folders`), and every file in them through their descriptors."""
+    waited for. A copy that cannot be written is dropped; a link in the way of one, or a writer that
+    stalls, makes the load read from the store (one warning each)."""
 
     def __init__(self, cache_dir: Path, headers: dict[PurePath, FileHeader], partly: Iterable) -> None:
         self._cache_dir = cache_dir
@@ -675,7 +573,9 @@ class Copies:
         self._folders = Folders(cache_dir, create=True)
         self._fds: dict[PurePath, int] = {}
         self._writers: dict[PurePath, CacheWriter] = {}
-        self._awaited: dict[PurePath, _Awaited] = {}
+        # files another writer writes: the first reader thread that needs one waits, the rest on its lock
+        self._awaited: dict[PurePath, tuple[Place, threading.Lock]] = {}
+        self._settled: set[PurePath] = set()
         self.stopped = threading.Event()
         self._warned: set[type] = set()  # the kinds of warning this load gave (one of each)
         self._warned_lock = threading.Lock()
@@ -690,13 +590,12 @@ class Copies:
             for path, claim in claims.items():
                 if self._open(path, claim.place):  # completed since it was looked at
                     claim.release()
-                    continue
-                try:
-                    self._writers[path] = CacheWriter(claim, headers[path])
-                except OSError as exc:  # released its claim
-                    self._not_kept(claim.final, exc)
+                else:
+                    self._start_writer(path, claim)
             if not claims:  # another writer's: waited for, unless it is a load of this very process (`wait_for_writer`)
-                self._awaited = {p: _Awaited(place) for p, place in wanted.items() if not held_here(place.path)}
+                self._awaited = {
+                    p: (place, threading.Lock()) for p, place in wanted.items() if not held_here(place.path)
+                }
         except BaseException:
             self.close()
             raise
@@ -725,15 +624,17 @@ class Copies:
         awaited = self._awaited.get(path)
         if fd is not None or awaited is None:
             return fd
-        with awaited.lock:  # held until settled: no byte of the object is read before (its copy may be ours)
-            if not awaited.done:
-                awaited.done = True
-                self._settle(path, awaited.place)
+        place, lock = awaited
+        with lock:  # held until settled: no byte of the object is read before (its copy may be ours)
+            if path not in self._settled:
+                self._settled.add(path)
+                self._settle(path, place)
             return self._fds.get(path)
 
     def _settle(self, path: PurePath, place: Place) -> None:
-        """The copy another writer writes, opened once complete (at once, complete or not, where a writer
-        stalled); or, where that writer went without completing it, written by this load (`_take_over`)."""
+        """The copy another writer writes, opened once complete (at once where a writer stalled). Where
+        that writer went without completing it, this load writes it from the bytes it reads (none read
+        yet: `local` holds them back), and waits for no other writer from then on (one may wait for it)."""
         claim = None
         if not self._stalled:
             try:
@@ -741,23 +642,20 @@ class Copies:
             except WriterStalled as exc:
                 self._stalled = True
                 self._warn(WriterStalled, "streamload: %s; this load reads the objects it lacks from the store", exc)
-        if claim is not None:
-            self._take_over(path, claim)
-        else:
+        if claim is None:
             self._open(path, place)
-
-    def _take_over(self, path: PurePath, claim: Claim) -> None:
-        """The copy whose writer went without completing it, written by this load from the bytes it
-        reads (none of the object's bytes has been read yet: `local` holds them back until now); the
-        dead writer's partial file is removed (`CacheWriter`). From now on this load waits for no
-        other writer (one could be waiting for it)."""
+            return
         self._writing.set()
+        if self._start_writer(path, claim):
+            log.info("streamload: %s: its writer went without completing it; this load writes it", place.path)
+
+    def _start_writer(self, path: PurePath, claim: Claim) -> bool:
         try:
             self._writers[path] = CacheWriter(claim, self._headers[path])
         except OSError as exc:  # released its claim
-            self._not_kept(claim.final, exc)
-            return
-        log.info("streamload: %s: its writer went without completing it; this load writes it", claim.final)
+            self._not_kept(claim.place.path, exc)
+            return False
+        return True
 
     def write(self, path: PurePath, offset: int, data: memoryview) -> None:
         writer = self._writers.get(path)
@@ -849,12 +747,6 @@ def _claim_all(
             break
         time.sleep(0.01 * (1 + attempt) * (0.5 + random.random()))  # nosec B311 # jitter: two loads took a file each
     return {}
-
-
-def _record(header: FileHeader) -> dict[str, object]:
-    """What identifies the version of an object that was copied: its size and ETag (or Last-Modified)."""
-    assert header.identity is not None, header.path  # an object's header always names its version
-    return {"size": header.size, "version": header.identity.recorded()}
 
 
 def _file(st: os.stat_result) -> dict[str, int]:

@@ -1,31 +1,27 @@
 """Hugging Face hub ids: `"org/name"` or `"name"`, either with `@revision`, or `hf://org/name@revision`.
 
 Loaded as transformers loads them: from the local hub cache (huggingface_hub's layout: `HF_HUB_CACHE`, else
-`HF_HOME/hub`; `models--org--name/refs/<revision>` naming the commit, `snapshots/<commit>/<file>` linked to
-`blobs/<etag>`) where the snapshot holds every weight file, with no request; else from the hub (`HF_ENDPOINT`,
-the token of huggingface_hub's `get_token`), into that cache while the load reads it:
+`HF_HOME/hub`) where the snapshot holds every weight file, with no request; else from the hub (`HF_ENDPOINT`, the
+token of huggingface_hub's `get_token`), into that cache while the load reads it:
 - the index (and any small file asked for beside the weights) by huggingface_hub's `hf_hub_download`;
-- each weight file by a thread of its own, through huggingface_hub's `http_get` from where the hub's
-  resolve URL redirects (the CDN), into `blobs/<etag>.incomplete`, which grows in file order: a read
-  waits for its bytes there, so the load goes on while the files download;
-- resumable: a partial file is kept when its download fails or the process dies, and the next load
-  resumes at its end (a `Range` request);
-- checked as it is written: hashed in order (`integrity.whole`) and compared with the etag (an LFS file's
-  SHA-256, a git blob's SHA-1) before it is renamed to `blobs/<etag>` and linked from the snapshot; a mismatch
-  removes it, the part a resumed download kept included (the next load starts again from its first byte);
-- handed out only as its verdict allows: a range is read as soon as its bytes are in, but the range holding a
-  file's last byte only once the file has passed, and nothing of a file that failed (an IntegrityError naming
-  the repo, revision and file); a load ends only once every file it read from has passed (`HubFiles.verdict_at_end`),
-  and a load with `verify=` reads none of a file's bytes before its verdict (`HubStorage.held_until_checked`);
+- each weight file by a thread of its own (huggingface_hub's `http_get`, from where the resolve URL redirects)
+  into `blobs/<etag>.incomplete`, which grows in file order: a read waits for its bytes there, so the load goes
+  on while the files download; a partial file is kept when a download fails or the process dies, and the next
+  load resumes at its end;
+- checked as it is written: hashed in order (`integrity.whole`) and compared with the etag (an LFS file's SHA-256,
+  a git blob's SHA-1) before it is renamed to `blobs/<etag>` and linked from the snapshot; a mismatch removes it,
+  the part a resumed download kept included;
+- handed out only as its verdict allows: the range holding a file's last byte only once the file has passed, and
+  nothing of a file that failed; a load ends only once every file it read from has passed
+  (`HubFiles.verdict_at_end`), and a load with `verify=` reads nothing of a file before its verdict;
 - one writer per blob: the lock file huggingface_hub's own downloads take (`.locks/models--org--name/<etag>.lock`).
-`HF_HUB_OFFLINE=1`: the cache only; a repo it lacks is an error naming it. What the hub answers chooses no
-path: an etag and a commit must be hex digests, and shard names plain (`base.parse_index`).
-
-A string is a hub id only where no local file or folder has its name, so a local path always wins.
+`HF_HUB_OFFLINE=1`: the cache only. What the hub answers chooses no path: an etag and a commit must be hex digests,
+and shard names plain (`base.parse_index`). A string is a hub id only where no local path has its name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -37,18 +33,12 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from streamload.base import settings
-from streamload.base.errors import (
-    IntegrityError,
-    MissingFileError,
-    ReadError,
-    SourceError,
-    StreamloadError,
-    UnsupportedError,
-)
+from streamload.base.errors import IntegrityError, MissingFileError, ReadError, SourceError, UnsupportedError
 from streamload.format.header import FIRST_READ, FileHeader, FileVersion, header_from
+from streamload.integrity.digests import Digest
 from streamload.integrity.whole import WholeFile, WholeFileMismatch
-from streamload.storage.base import INDEX_NAME, Copied, Digest, Listing, Partly, Source, is_hex, parse_index
-from streamload.storage.local import LocalFiles, LocalStorage
+from streamload.storage.base import INDEX_NAME, Copied, Listing, Partly, Source, first_line, is_hex, parse_index
+from streamload.storage.local import LocalFiles, LocalStorage, pread_full
 
 SINGLE_NAME = "model.safetensors"
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_-])?"  # a hub user, org or repo name
@@ -65,9 +55,7 @@ def hub_id(source: object) -> HubId | None:
     """`source` as a hub id, or None: `hf://...`, or a string with a hub id's shape that names nothing local."""
     if not isinstance(source, str):
         return None
-    if "://" in source and not source.startswith("hf://"):
-        return None
-    found = _HUB_ID.fullmatch(source)
+    found = _HUB_ID.fullmatch(source)  # no other scheme (no ":" in a name)
     if found is None or ".." in source or found["repo"].endswith(_FILE_SUFFIXES):
         return None
     if not source.startswith("hf://") and os.path.lexists(source):
@@ -221,9 +209,7 @@ class HubStorage:
             if not link.is_file():
                 self.downloads[link] = Download(self.cache, found, remote, link)
             files.append(link)
-        if index is None:
-            return Listing(files)
-        return Listing(files, listing.weight_map, listing.index, listing.index_metadata)
+        return listing._replace(files=files)
 
     @property
     def snapshot(self) -> Path:
@@ -304,7 +290,7 @@ class HubStorage:
     def wait(self) -> None:
         """Every download complete (raises the first that failed)."""
         for download in self.downloads.values():
-            download.wait()
+            download.settled(threading.Event())
 
 
 class HubFiles:
@@ -325,9 +311,8 @@ class HubFiles:
         return [download.read(offset, length, self._stopped, self._held)]
 
     def verdict_at_end(self) -> None:
-        """The load read its last byte: it ends only once every file it read from has passed its SHA-256
-        (a load of part of a file included); else the file's IntegrityError (or why it did not download).
-        Called by the pipeline at a stream's end (where a storage's files have it)."""
+        """At a stream's end (the pipeline's call): the load ends only once every file it read from has passed its
+        SHA-256 (a load of part of a file included); else the file's IntegrityError (or why it did not download)."""
         for path in sorted(self._read):
             self._downloads[path].settled(self._stopped)
 
@@ -361,13 +346,9 @@ class Download:
         with self._changed:
             return self._finished and self._error is None
 
-    def wait(self) -> None:
-        """The download ended and its file passed; else why not (IntegrityError: its SHA-256 failed)."""
-        never = threading.Event()
-        self.settled(never)
-
     def settled(self, stopped: threading.Event) -> None:
-        """As `wait`, giving up (ReadError) once `stopped` is set."""
+        """The download ended and its file passed; else why not (IntegrityError: its SHA-256 failed), or a
+        ReadError once `stopped` is set."""
         with self._changed:
             while not self._finished and not stopped.is_set():
                 self._changed.wait(0.25)
@@ -391,26 +372,21 @@ class Download:
             if self._have < end or self._fd is None:
                 raise ReadError(self._failure())
             fd = self._fd
-        out = memoryview(bytearray(length))
-        done = 0
-        while done < length:
-            n = os.preadv(fd, [out[done:]], offset + done)
-            if n == 0:
-                raise ReadError(f"{self.link}: its downloaded bytes end at {offset + done} (removed meanwhile?)")
-            done += n
+        out = pread_full(fd, length, offset)
+        if len(out) < length:
+            raise ReadError(f"{self.link}: its downloaded bytes end at {offset + len(out)} (removed meanwhile?)")
         return out
 
-    def _refusal(self) -> StreamloadError:
+    def _refusal(self) -> IntegrityError | ReadError:
         """The download's error as a load raises it (one of its own per reader: each may add to it)."""
         if isinstance(self._error, IntegrityError):
             return WholeFileMismatch(str(self._error.args[0]), self.link)
         return ReadError(self._failure())
 
     def _failure(self) -> str:
-        reason = str(self._error).strip().splitlines()[0] if self._error and str(self._error).strip() else ""
         return (
             f"{self.repo}: {self.remote.name}: the download failed at {self._have} of {self.size} bytes "
-            f"({reason or type(self._error).__name__}); the next load resumes from {self.partial}"
+            f"({first_line(self._error)}); the next load resumes from {self.partial}"
         )
 
     # -- the download thread -------------------------------------------------------------------------
@@ -418,7 +394,7 @@ class Download:
         try:
             self.lock.parent.mkdir(parents=True, exist_ok=True)
             self.blob.parent.mkdir(parents=True, exist_ok=True)
-            with _file_lock(self.lock):  # one writer per blob, huggingface_hub's downloads included
+            with _hf().utils.WeakFileLock(str(self.lock)):  # one writer per blob, huggingface_hub's downloads too
                 if self.blob.is_file():
                     _refuse_theirs(self.repo, [self.blob])
                     self._opened(self.blob, self.size)
@@ -555,20 +531,8 @@ def _write_ref(folder: Path, revision: str, commit: str) -> None:
 def _link(blob: Path, link: Path) -> None:
     """`snapshots/<commit>/<file>` linked to its blob, relatively, as huggingface_hub links it."""
     link.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         os.symlink(os.path.relpath(blob, link.parent), link)
-    except FileExistsError:
-        pass
-
-
-def _file_lock(path: Path) -> Any:
-    try:
-        from huggingface_hub.utils import WeakFileLock
-    except ImportError:
-        from filelock import FileLock
-
-        return FileLock(str(path))
-    return WeakFileLock(str(path))
 
 
 def _named(found: HubId, exc: BaseException, name: str | None = None) -> BaseException:
@@ -585,9 +549,8 @@ def _named(found: HubId, exc: BaseException, name: str | None = None) -> BaseExc
         return MissingFileError(f"{what}: no revision {found.revision!r} on {endpoint()}")
     if isinstance(exc, errors.EntryNotFoundError):
         return MissingFileError(f"{what}: neither {INDEX_NAME} nor {SINGLE_NAME} is in the repo")
-    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return ReadError(f"{what}: no such local path, not in the Hugging Face cache, and {endpoint()} could not be "
-                     f"asked: {reason}")  # fmt: skip
+                     f"asked: {first_line(exc)}")  # fmt: skip
 
 
 def snapshot_folder(source: str, cache_dir: Path | None = None) -> Path:

@@ -10,7 +10,18 @@ from typing import TYPE_CHECKING
 
 from streamload.base.errors import HeaderError, MissingFileError, ReadError, SourceError, StreamloadError
 from streamload.format.header import FIRST_READ, FileHeader, FileVersion, header_from
-from streamload.storage.base import INDEX_NAME, Copied, Digest, Listing, Partly, Source, file_list, is_hex, parse_index
+from streamload.storage.base import (
+    INDEX_NAME,
+    Copied,
+    Digest,
+    Listing,
+    Partly,
+    Source,
+    file_list,
+    is_hex,
+    is_index,
+    parse_index,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +93,7 @@ def _located(path: Path) -> Listing:
         for file in found:  # the rule an index's shards follow: a folder's listing is no way around it
             _inside(file, path, path)
         return Listing(found)
-    if path.name.endswith(".index.json") and path.is_file():
+    if is_index(path.name) and path.is_file():
         return _from_index(path)
     if not path.exists():
         raise MissingFileError(f"{path}: no such file or directory")
@@ -91,10 +102,9 @@ def _located(path: Path) -> Listing:
 
 def _from_index(index: Path) -> Listing:
     try:
-        text = index.read_text("utf-8")
-    except (OSError, ValueError) as exc:
+        listing = parse_index(index, index.read_bytes())
+    except OSError as exc:
         raise SourceError(f"{index}: cannot read the index: {exc}") from None
-    listing = parse_index(index, text)
     for shard in listing.files:
         if not Path(shard).is_file():
             raise MissingFileError(f"{index}: shard {shard.name} is missing")
@@ -115,7 +125,7 @@ def _inside(file: Path, folder: Path, where: Path) -> None:
 def open_regular(path: Path) -> int:
     """Open a file for reading; refuse anything but a regular file (a FIFO would hang a read)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise MissingFileError(f"{path}: no such file") from None
     except OSError as exc:
@@ -133,19 +143,26 @@ def file_identity(st: os.stat_result) -> FileVersion:
     return FileVersion(st.st_size, device=st.st_dev, inode=st.st_ino, mtime_ns=st.st_mtime_ns)
 
 
+def pread_full(fd: int, length: int, offset: int) -> memoryview:
+    """`length` bytes of `fd` at `offset`; fewer only where the file ends first (an OSError is the caller's to name)."""
+    view = memoryview(bytearray(length))
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            return view[:done]
+        done += n
+    return view
+
+
 def _pread_exact(fd: int, path: PurePath, count: int, offset: int) -> bytes:
-    parts = []
-    while count > 0:
-        try:
-            chunk = os.pread(fd, count, offset)
-        except OSError as exc:
-            raise ReadError(f"{path}: reading the header failed: {exc.strerror or exc}") from exc
-        if not chunk:
-            raise HeaderError(f"{path}: file ended while reading its header")
-        parts.append(chunk)
-        count -= len(chunk)
-        offset += len(chunk)
-    return b"".join(parts)
+    try:
+        data = pread_full(fd, count, offset)
+    except OSError as exc:
+        raise ReadError(f"{path}: reading the header failed: {exc.strerror or exc}") from exc
+    if len(data) < count:
+        raise HeaderError(f"{path}: file ended while reading its header")
+    return bytes(data)
 
 
 class LocalFiles:
@@ -176,17 +193,12 @@ class LocalFiles:
         return self._fds[path]
 
     def read(self, path: PurePath, offset: int, length: int) -> list[memoryview]:
-        view = memoryview(bytearray(length))
-        done = 0
-        while done < length:
-            try:
-                n = os.preadv(self._fds[path], [view[done:]], offset + done)
-            except OSError as exc:
-                what = f"{path}: reading bytes {offset}..{offset + length} failed"
-                raise ReadError(f"{what}: {exc.strerror or exc}") from exc
-            if n == 0:
-                raise ReadError(f"{path}: file is shorter than its header says (truncated?)")
-            done += n
+        try:
+            view = pread_full(self._fds[path], length, offset)
+        except OSError as exc:
+            raise ReadError(f"{path}: reading bytes {offset}..{offset + length} failed: {exc.strerror or exc}") from exc
+        if len(view) < length:
+            raise ReadError(f"{path}: file is shorter than its header says (truncated?)")
         return [view]
 
     def mapping(self, path: PurePath) -> torch.UntypedStorage:

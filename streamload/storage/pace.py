@@ -45,9 +45,8 @@ class Sample(NamedTuple):
 class Pace:
     """The request size and connection count for one store, adapted as its requests complete."""
 
-    def __init__(self, connections: int = FIRST_CONNECTIONS, most: int = MOST_CONNECTIONS) -> None:
+    def __init__(self, connections: int = FIRST_CONNECTIONS) -> None:
         self.limit = connections  # requests in flight at most
-        self.most = most
         self.latency: float | None = None  # median first-byte seconds
         self.rate: float | None = None  # bytes/s a request receives (median)
         self._size = SMALLEST
@@ -169,11 +168,11 @@ class Pace:
             self._change(before[0])
             return
         self._before = (self.limit, total)
-        if self.limit >= self.most:
+        if self.limit >= MOST_CONNECTIONS:
             self._settled = True
             self._change(self.limit)
         else:
-            self._change(min(self.most, 2 * self.limit))
+            self._change(min(MOST_CONNECTIONS, 2 * self.limit))
 
 
 def _request_size(latency: float, rate: float) -> int:
@@ -206,12 +205,9 @@ def restart_all() -> None:
     """Every store's `Pace` as new, in place (a forked child: what its parent had in flight is not its own;
     a storage made before the fork holds the same object)."""
     for pace in _PACES.values():
-        pace.__init__(pace.limit, pace.most)  # type: ignore[misc]
+        pace.__init__(pace.limit)  # type: ignore[misc]
 
 
 def pace_of(root: str) -> Pace:
     """The process's `Pace` for the store at `root` (made on first use, on the loop thread or not)."""
-    pace = _PACES.get(root)
-    if pace is None:
-        pace = _PACES.setdefault(root, Pace())
-    return pace
+    return _PACES.setdefault(root, Pace())

@@ -30,8 +30,6 @@ from pathlib import Path
 from streamload.base import settings
 
 HEADER = "X-Streamload-Proof"
-TOKEN = settings.PEER_TOKEN.name
-TOKEN_FILE = settings.PEER_TOKEN_FILE.name
 WINDOW = 120.0  # seconds a proof's time may differ from the seeder's clock (and a nonce is remembered)
 REMEMBERED = 1 << 18  # nonces kept at most (~2,000 requests a second; past it, new proofs are refused)
 _VALUE = re.compile(r"t=(\d{1,12}),\s*n=([0-9a-f]{32}),\s*p=([0-9a-f]{64})")
@@ -101,4 +99,4 @@ class Proofs:
         return None
 
 
-__all__ = ["HEADER", "TOKEN", "TOKEN_FILE", "WINDOW", "Proofs", "proof", "read_key", "token"]
+__all__ = ["HEADER", "WINDOW", "Proofs", "proof", "read_key", "token"]

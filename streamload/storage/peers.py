@@ -1,53 +1,29 @@
-"""Peers: a remote checkpoint's bytes from nodes that hold complete copies of its files, over plain HTTP
-ranges (`streamload seed`, servers/seed.py), each block checked against the source's digests before use;
-the source (the object store) serves what no peer has, and everything a peer fails at.
+"""Peers: a remote checkpoint's bytes from nodes that hold complete copies of its files (`streamload seed`,
+servers/seed.py), over plain HTTP ranges, each block checked against the source's digests before use; the
+source (the object store) serves what no peer has, and everything a peer fails at. docs/peers.md tells users.
 
-`peers=` (of `iter`, `load`, `prefetch.fetch`, vLLM's options): peer URLs (`http://host:port`,
-`https://host:port`, or `host[:port]`, port 8470 by default), a list of them or one text with commas; each
-name's addresses are peers (`socket.getaddrinfo`): a Kubernetes headless service's name is every pod behind
-it. An https:// peer is reached at each address, its certificate verified for the name as given against the
-CA file `STREAMLOAD_PEER_CA` (else the system's store); one that does not verify is dropped.
+Protocol: the file the source URL `scheme://host/key` names is `GET /v1/<scheme>/<host>/<key>` on a peer (the
+cache's own layout, storage/cache.py), with `Range: bytes=a-b`, `If-Match: <tag>` (`version_tag`: the version
+the source's header named) and `X-Streamload-Proof` (storage/peer_proof.py). A peer holding a complete copy of
+that version answers 206 with that ETag; another version 412; no copy 404; a proof it refuses 403; 503 at its
+connection cap.
 
-Protocol (plain HTTP/1.1, nothing home-made): the file that the source URL `scheme://host/key` names is
-`GET /v1/<scheme>/<host>/<key>` on a peer, the cache's own layout under `cache_dir` (storage/cache.py: a
-host's `:` written `_`; each part percent-encoded), with `Range: bytes=a-b` and `If-Match: <tag>`, where
-the tag is a strong ETag made of the version the source's header named (size, and ETag or Last-Modified:
-`version_tag`), and `X-Streamload-Proof` (storage/peer_proof.py: a fresh HMAC over the method, the target
-as sent and the Range, keyed by the file's header bytes, the tag and the cluster's `STREAMLOAD_PEER_TOKEN`,
-read once a load). A peer that holds a complete copy of that version answers 206 with that ETag; another
-version 412; no copy 404; a proof it does not accept 403; 503 at its connection cap.
-
-A load (`PeerFiles`) reads each range of a file the peers hold from the peer with the fewest requests in
-flight (at most `REQUESTS` each), whole digest blocks at a time, so that every block passes the integrity
-layer (integrity/blocks.py) against the source's digest file (`streamload digest`, beside the weights: format
-2, BLAKE3 blocks, each entry bound to the version of the object it was made from) before a byte of it is used.
-Which peers hold a file is asked once a load, when it is first read (HEAD, all peers at once). A block failing
-its digest is read from the source, and checked too: where the source's fails as well, the digest file is
-stale (one warning; peers not used for that file; the peer not blamed). A peer that fails (down, a timeout, a
-reset, an answer that is not the range asked for, a block failing its digest, slower than the source) is
-dropped for the rest of the load, with one warning naming it; a peer without the file (404) or with another
-version (412) is not asked for that file (one warning a peer), nor is one refusing our proof (403: one
-warning, saying to set the same token on every node). A busy peer (503) is asked again after its Retry-After
-(at most `RETRY_CAP` s; other peers meanwhile), and dropped once it has answered nothing else for
-`BUSY_TIMEOUTS` timeouts. Requests to peers are bounded: each ends by its deadline, `STREAMLOAD_PEER_TIMEOUT`
-seconds (default 5) plus a second per MB asked for, from its connect to its last byte (`_Watchdog` shuts the
-socket of one past it: a dripped answer, a stalled handshake), and no wait within it is longer than the
-timeout. Only the answer asked for is read: another's body (404, 412, 5xx...) never is (its connection is
-closed), and a chunked answer, or one of another length or range, is refused. Whatever a peer's request raises
-(a malformed answer, MemoryError, TLS) drops that peer, never fails the load.
-
-Files the source publishes no usable digests of (none, format 1, or an entry bound to another version) are
-read from the source alone (one warning saying why), unless `STREAMLOAD_PEERS_UNVERIFIED=1`: then a peer's
-bytes of them are used as it sends them (versions still matched by the tag; a peer sending wrong bytes gives
-wrong tensors), and the load keeps no copy of those files in its cache.
-
-Messages name a peer as given without its user info (`user:password@` shown `***@`); a digest file that
-cannot be read is said once, in the warning that peers are not used. `TALLY` counts the bytes loads took
-from peers and from the source (what `streamload load --peers` prints).
+A load (`PeerFiles`) reads each range from the peer with the fewest requests in flight (at most `REQUESTS`),
+whole digest blocks at a time, so that every block passes the integrity layer (integrity/blocks.py) against the
+source's digest file before a byte of it is used. A block failing it is read from the source, and checked too:
+where the source's fails as well, the digest file is stale (peers not used for that file; the peer not blamed).
+A peer that fails (down, a timeout, an answer that is not the range asked for, a forged block, slower than the
+source) is dropped for the load, with one warning; one without the file (404, 412) or refusing our proof (403)
+is not asked for that file again; a busy one (503) is asked again after its Retry-After (at most `RETRY_CAP` s)
+and dropped after `BUSY_TIMEOUTS` timeouts of nothing else. Each request ends by its deadline (`_Watchdog`),
+and only the answer asked for is read: a peer can delay a load by its timeout, never fail it. Files without
+usable digests are read from the source alone, unless `STREAMLOAD_PEERS_UNVERIFIED=1`: then a peer's bytes of
+them are used as sent, and the load keeps no copy of those files in its cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import hashlib
 import http.client
@@ -61,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path, PurePath
 from typing import Any, NamedTuple
@@ -73,7 +50,6 @@ from streamload.integrity.blocks import Outcome, Unit, Units, origin_units
 from streamload.integrity.digests import DIGEST_FILE, version_of
 from streamload.storage import cache, peer_proof
 from streamload.storage.base import Copied, Digest, Listing, Partly, Source, redacted
-from streamload.storage.cache import cache_path
 from streamload.storage.remote import ObjectFiles, ObjectPath, ObjectStorage, origin_digests
 
 log = logging.getLogger("streamload")
@@ -81,7 +57,6 @@ log = logging.getLogger("streamload")
 DEFAULT_PORT = 8470
 PREFIX = "/v1/"
 UNVERIFIED = settings.PEERS_UNVERIFIED.name
-TIMEOUT = settings.PEER_TIMEOUT.name
 PEER_CA = settings.PEER_CA.name  # the CA file https:// peers' certificates are checked against
 REQUESTS = 4  # requests in flight to one peer at once, per load
 UNCHECKED_BLOCK = 1 << 20  # the pieces of a file without digests (STREAMLOAD_PEERS_UNVERIFIED=1)
@@ -100,7 +75,7 @@ _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]
 
 def url_path(path: PurePath) -> str:
     """The URL path a peer serves the object at `path` (an ObjectPath) under: its place in a cache."""
-    return PREFIX + "/".join(quote(name, safe="") for name in cache_path(Path(), path).parts)
+    return PREFIX + "/".join(quote(name, safe="") for name in cache.cache_path(Path(), path).parts)
 
 
 def version_tag(version: Mapping[str, object]) -> str:
@@ -127,8 +102,8 @@ class Peer(NamedTuple):
     host: str  # an address (IPv6 without brackets)
     port: int
     base: str  # a path the peer's URLs start with ("" for none)
-    tls: bool = False  # https://
-    server_name: str = ""  # the name it was given as (its certificate must name it); "": `host`
+    tls: bool  # https://
+    server_name: str  # the name it was given as (its certificate must name it)
 
 
 def names(peers: Peers | None) -> list[str]:
@@ -147,9 +122,7 @@ def names(peers: Peers | None) -> list[str]:
 def entry_shown(entry: str) -> str:
     """A `peers=` entry as a message shows it: its user info (`user:password@`) as `***@`, also where it
     has no scheme (`host[:port]` form)."""
-    if "://" in entry:
-        return redacted(entry)
-    return redacted(f"http://{entry}").removeprefix("http://")
+    return redacted(entry) if "://" in entry else redacted(f"http://{entry}").removeprefix("http://")
 
 
 def _parsed(entry: str) -> tuple[str, int, str, bool] | None:
@@ -171,8 +144,7 @@ def resolve(peers: Peers | None) -> list[Peer]:
     """The peers `peers=` names: each entry's name resolved to its addresses, each address a peer (once).
     An entry that is not a peer's URL, or a name that resolves to nothing, is left out with a warning.
     An https:// peer is reached at each address, its certificate checked for the name as given."""
-    out: list[Peer] = []
-    seen: set[tuple[str, int, str, bool]] = set()
+    out: dict[tuple[str, int, str, bool], Peer] = {}
     for entry in names(peers):
         parsed = _parsed(entry)
         if parsed is None:
@@ -187,24 +159,10 @@ def resolve(peers: Peers | None) -> list[Peer]:
             continue
         for *_, address in found:
             ip = str(address[0])
-            if (ip, port, base, tls) in seen:
-                continue
-            seen.add((ip, port, base, tls))
             shown = f"{'https' if tls else 'http'}://{f'[{ip}]' if ':' in ip else ip}:{port}{base}"
-            out.append(Peer(shown if ip == host else f"{shown} ({host})", ip, port, base, tls, host))
-    return out
-
-
-# -- what a file's blocks are --------------------------------------------------------------------------
-def file_units(header: FileHeader, doc: Mapping[str, Any] | None, where: str) -> tuple[Units | None, str]:
-    """The units peers may serve of one file: its origin-bound blocks (integrity/blocks.py), or (None, why not);
-    with `STREAMLOAD_PEERS_UNVERIFIED=1`, a file without them in unchecked pieces (never kept in a cache)."""
-    units, why = origin_units(header, doc, where, version_of(header))
-    if units is None and unverified_allowed():
-        step = UNCHECKED_BLOCK
-        return Units([Unit(a, min(a + step, header.size), None, f"bytes {a}..") for a in
-                      range(header.data_start, header.size, step)]), ""  # fmt: skip
-    return units, why
+            named = shown if ip == host else f"{shown} ({host})"
+            out.setdefault((ip, port, base, tls), Peer(named, ip, port, base, tls, host))
+    return list(out.values())
 
 
 # -- the storage ---------------------------------------------------------------------------------------
@@ -214,17 +172,15 @@ class Tally:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._peers = self._source = 0
+        self._counts = (0, 0)
 
     def add(self, peers: int, source: int) -> None:
         with self._lock:
-            self._peers += peers
-            self._source += source
+            self._counts = (self._counts[0] + peers, self._counts[1] + source)
 
     def read(self) -> tuple[int, int]:
         """(bytes from peers, bytes from the source) so far."""
-        with self._lock:
-            return self._peers, self._source
+        return self._counts  # replaced whole: read without the lock
 
 
 TALLY = Tally()
@@ -284,9 +240,11 @@ class PeerStorage:
         return self.inner.open(headers, partly, files)
 
     def _units(self, headers: dict[PurePath, FileHeader]) -> dict[PurePath, Units]:
-        """The units peers may serve, by file; what the source publishes no digests of is said once."""
+        """The units peers may serve, by file: its origin-bound blocks (integrity/blocks.py), or with
+        `STREAMLOAD_PEERS_UNVERIFIED=1` unchecked pieces; what the source publishes no digests of is said once."""
         docs = origin_digests(self.inner, headers)  # a file that cannot be read: why, said in the one warning below
-        if unverified_allowed():  # files read from peers unchecked: no warning below says why their digests are not
+        unchecked = unverified_allowed()
+        if unchecked:  # files read from peers unchecked: no warning below says why their digests are not
             for _, broken in docs.values():
                 if broken:
                     log.warning("streamload: peers: %s", broken)
@@ -294,7 +252,11 @@ class PeerStorage:
         without: list[str] = []
         for path, header in headers.items():
             doc, broken = docs[path.parent]
-            units, why = file_units(header, doc, f"{path.parent}/{DIGEST_FILE}")
+            where = f"{path.parent}/{DIGEST_FILE}"
+            units, why = origin_units(header, doc, where, version_of(header, self.inner.digest(header)))
+            if units is None and unchecked:
+                units = Units([Unit(a, min(a + UNCHECKED_BLOCK, header.size), None, f"bytes {a}..") for a in
+                               range(header.data_start, header.size, UNCHECKED_BLOCK)])  # fmt: skip
             if units is None:
                 without.append(f"{path.name}: {broken or why}")
             else:
@@ -307,7 +269,7 @@ class PeerStorage:
                 "uses peers unchecked)", some, without[0], f" and {len(without) - 1} more" if len(without) > 1
                 else "", DIGEST_FILE, UNVERIFIED,
             )  # fmt: skip
-        if unverified_allowed() and any(u.digest is None for units in out.values() for u in units.units[:1]):
+        if unchecked and any(u.digest is None for units in out.values() for u in units.units[:1]):
             log.warning("streamload: peers: %s=1: bytes from peers of files without digests are used unchecked",
                         UNVERIFIED)  # fmt: skip
         return out
@@ -358,30 +320,32 @@ class PeerFiles(ObjectFiles):
             data = self._swarm.get(peer, path, start, stop, self._source_rate)
             if data is None:
                 continue
-            outcome, failed = units_of.settle(units, memoryview(data), start,
-                                              lambda at, n: b"".join(self._source(path, at, n)))  # fmt: skip
+            refetched: list[tuple[int, int]] = []  # units settle read from the source: not the peer's bytes
+
+            def from_source(at: int, n: int, refetched: list[tuple[int, int]] = refetched) -> bytes:
+                refetched.append((at, at + n))
+                return b"".join(self._source(path, at, n))
+
+            outcome, failed = units_of.settle(units, memoryview(data), start, from_source)
             if outcome is Outcome.FORGED and failed is not None:
                 self._swarm.drop(peer, f"sent bytes of {path.name} ({failed.what}) that do not match the "
                                        "source's digests")  # fmt: skip
             elif outcome is Outcome.STALE and failed is not None:
-                # the digests do not describe the source: the peer's other blocks matched nothing that proves them
+                # the source's bytes fail too: the digests do not describe its version (the peer is not blamed),
+                # and the peer's other blocks matched nothing that proves them
                 memoryview(data)[:] = b"".join(self._source(path, start, stop - start))
-                self._stale(path, units_of, failed)
+                refetched.append((lo, hi))
+                if self._units.pop(path, None) is not None:  # said once; peers not used for the file again
+                    log.warning("streamload: %s does not describe %s as the source holds it now (%s fails it from "
+                                "the source too): it is stale; peers are not used for this file (write it anew "
+                                "with `streamload digest`)", units_of.where, path.name, failed.what)  # fmt: skip
                 self.unkept(path)  # blocks of it taken from peers earlier were checked against those digests
             elif outcome is Outcome.UNCHECKED:
                 self.unkept(path)  # unchecked bytes never become a copy a later load would trust
             with self._counts_lock:
-                self.from_peers += hi - lo
+                self.from_peers += hi - lo - sum(max(0, min(b, hi) - max(a, lo)) for a, b in refetched)
             return [memoryview(data)[lo - start : hi - start]]
         return self._source(path, lo, hi - lo)
-
-    def _stale(self, path: ObjectPath, units: Units, unit: Unit) -> None:
-        """The source's own bytes failed the digests too: the digest file does not describe the source's
-        version. Said once; peers are not used for the file again this load, and the peer is not blamed."""
-        if self._units.pop(path, None) is not None:
-            log.warning("streamload: %s does not describe %s as the source holds it now (%s fails it from the "
-                        "source too): it is stale; peers are not used for this file (write it anew with "
-                        "`streamload digest`)", units.where, path.name, unit.what)  # fmt: skip
 
     def _source(self, path: ObjectPath, offset: int, length: int) -> list[memoryview]:
         began = time.monotonic()
@@ -440,13 +404,11 @@ def _retry_after(value: str | None) -> float:
     """Seconds a 503's `Retry-After` (seconds or an HTTP date) asks for, within [RETRY_FLOOR, RETRY_CAP]:
     a peer cannot hold a load up for long, nor have it ask again at once (1 s where it names none)."""
     wait, text = 1.0, (value or "").strip()
-    try:
+    with contextlib.suppress(TypeError, ValueError, IndexError, OverflowError):  # not a time: the default
         if text.isascii() and text.isdigit():
             wait = float(text)
         elif text:
             wait = email.utils.parsedate_to_datetime(text).timestamp() - time.time()
-    except (TypeError, ValueError, IndexError, OverflowError):
-        pass  # not a time: the default
     return min(RETRY_CAP, max(RETRY_FLOOR, wait))
 
 
@@ -469,7 +431,7 @@ class _Connection(http.client.HTTPConnection):
 
     def __init__(self, peer: Peer, timeout: float, tls: ssl.SSLContext | None) -> None:
         super().__init__(peer.host, peer.port, timeout=timeout)
-        self._tls, self._server_name = (tls if peer.tls else None), peer.server_name or peer.host
+        self._tls, self._server_name = (tls if peer.tls else None), peer.server_name
         self.expired = False  # the watchdog cut it (its request ran past its deadline)
 
     def connect(self) -> None:
@@ -486,12 +448,10 @@ class _Connection(http.client.HTTPConnection):
     def expire(self) -> None:
         """End whatever the request is doing now: its socket shut both ways (the owner closes it)."""
         self.expired = True
-        sock = self.sock
+        sock = self.sock  # read once: the request's thread may close it (None) meanwhile
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the socket's own, also under TLS
-            except OSError:
-                pass
 
 
 def _late(connection: _Connection, limit: float) -> str | None:
@@ -544,19 +504,18 @@ class _Watchdog:
             thread.join()
 
 
+@dataclass
 class _State:
     """What one load knows of one peer."""
 
-    def __init__(self) -> None:
-        self.alive = True
-        self.inflight = 0
-        self.idle: list[_Connection] = []
-        self.rates: list[float] = []
-        self.sent = 0
-        self.warned_lacks = False
-        self.warned_refused = False
-        self.busy_until = 0.0  # a 503's Retry-After: not asked again before (monotonic)
-        self.busy_since: float | None = None  # its first 503 since it last answered otherwise
+    alive: bool = True
+    inflight: int = 0
+    idle: list[_Connection] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)
+    sent: int = 0
+    warned: set[str] = field(default_factory=set)  # what it was warned of once: "refused", "lacks"
+    busy_until: float = 0.0  # a 503's Retry-After: not asked again before (monotonic)
+    busy_since: float | None = None  # its first 503 since it last answered otherwise
 
 
 class Swarm:
@@ -634,16 +593,14 @@ class Swarm:
         """Whether `peer` holds `path`; one that is busy (503) is taken at its word that it may: its first
         range request says (a 404 or 412 then leaves it out for the file)."""
         try:
-            self._request(peer, "HEAD", path, None, lambda response, late: None)
+            self._request(peer, "HEAD", path)
         except _Busy as exc:
             return self._on_busy(peer, path, exc, wait=False)
         except _Failed as exc:
             self._failed(peer, path, exc)
             return False
-        except Exception as exc:  # whatever a peer makes a request raise drops it, never the load
-            self._failed(peer, path, _Failed(f"failed: {type(exc).__name__}: {_line(exc)}"))
-            return False
-        self._answered(peer)
+        with self._lock:
+            self._state[peer].busy_since = None  # it answered as asked
         return True
 
     # -- requests ---------------------------------------------------------------------------------------
@@ -682,17 +639,14 @@ class Swarm:
                                       f"about {len(data) / source:.2g} s)")  # fmt: skip
                     self._failed(peer, path, exc)
                     return None
-                except Exception as exc:  # whatever a peer makes a request raise drops it, never the load
-                    self._failed(peer, path, _Failed(f"failed: {type(exc).__name__}: {_line(exc)}"))
-                    return None
         finally:
             with self._lock:
                 self._state[peer].inflight -= 1
                 self._lock.notify_all()
-        self._answered(peer)
         took = time.monotonic() - began
         state = self._state[peer]
         with self._lock:
+            state.busy_since = None  # it answered as asked
             state.sent += len(data)
             if len(data) >= MEASURED and took > 0:
                 state.rates = [*state.rates[-7:], len(data) / took]
@@ -708,14 +662,16 @@ class Swarm:
         peer: Peer,
         method: str,
         path: PurePath,
-        span: tuple[int, int] | None,
-        body: Callable[[http.client.HTTPResponse, Callable[[], str | None]], None],
+        span: tuple[int, int] | None = None,
+        body: Callable[[http.client.HTTPResponse, Callable[[], str | None]], None] | None = None,
         sooner: float | None = None,
     ) -> None:
-        """One request to `peer`, its answer checked to be the version and range asked for; raises _Failed
-        (whatever went wrong, said in a line). The whole request, from the connect to the body's last byte,
-        ends by its deadline: the timeout, and a second per MB asked for, or `sooner` seconds where less. A
-        kept connection the peer closed meanwhile (its idle timeout) is replaced once, at no cost."""
+        """One request to `peer`, its answer checked to be the version and range asked for, then its body read
+        by `body` (told how long the request was given, where its deadline cut it); raises _Failed for whatever
+        went wrong (said in a line: whatever a peer makes a request raise drops it, never fails the load). The
+        whole request, from the connect to the body's last byte, ends by its deadline: the timeout and a second
+        per MB asked for, or `sooner` seconds where less. A kept connection the peer closed meanwhile (its idle
+        timeout) is replaced once, at no cost."""
         target = peer.base + url_path(path)
         headers = {"If-Match": self._tags[path]}
         if span is not None:
@@ -736,8 +692,11 @@ class Swarm:
                     if reused and not connection.expired:
                         continue  # closed by the peer while kept: once more, on a new connection
                     raise
-                late = partial(_late, connection, limit)
-                self._answer(method, path, span, response, late, body)
+                self._answer(method, path, span, response)
+                if body is not None:
+                    body(response, partial(_late, connection, limit))
+                if response.length == 0:
+                    response.read()  # nothing is left (read to its end): its connection can take the next request
                 keep = peer if response.isclosed() and not response.will_close else None
                 return
             except _Failed:
@@ -749,22 +708,16 @@ class Swarm:
                 self._let_go(connection, None if connection.expired else keep)
 
     def _answer(
-        self,
-        method: str,
-        path: PurePath,
-        span: tuple[int, int] | None,
-        response: http.client.HTTPResponse,
-        late: Callable[[], str | None],
-        body: Callable[[http.client.HTTPResponse, Callable[[], str | None]], None],
+        self, method: str, path: PurePath, span: tuple[int, int] | None, response: http.client.HTTPResponse
     ) -> None:
-        """Check that `response` is the version and range asked for, then read its body (`body`). Any other
-        answer's body is never read (its connection is closed): a peer cannot stall a load with one."""
+        """Check that `response` is the version and range asked for (else raise _Failed). Any other answer's
+        body is never read (its connection is closed): a peer cannot stall a load with one."""
         tag, size, status, reason = self._tags[path], self._sizes[path], response.status, _line(response.reason)
         if status in (404, 412):
             raise _Failed(f"does not hold {path.name} (404)" if status == 404 else
                           f"holds another version of {path.name} than the source's (412)", drop=False)  # fmt: skip
         if status == 403:
-            raise _Failed(f"refused us ({status} {reason})", drop=False, refused=True)
+            raise _Failed(f"refused us ({status} {reason}) when asked for {path.name}", drop=False, refused=True)
         if status == 503:
             raise _Busy(f"answered {status} {reason}", _retry_after(response.getheader("Retry-After")))
         want, length = (206, span[1] - span[0]) if span is not None else (200, size)
@@ -781,10 +734,6 @@ class Swarm:
         if got != expect:
             wrong = next(k for k in expect if got[k] != expect[k])
             raise _Failed(f"answered {wrong} {_line(got[wrong])!r}, not {expect[wrong]!r}")
-        if method == "GET":
-            body(response, late)
-        if response.length == 0:
-            response.read()  # nothing is left (read to its end): its connection can take the next request
 
     def _named(self, exc: BaseException, connection: _Connection, limit: float) -> _Failed:
         """A request's exception as why the peer failed."""
@@ -818,11 +767,6 @@ class Swarm:
         connection.close()
 
     # -- failures ---------------------------------------------------------------------------------------
-    def _answered(self, peer: Peer) -> None:
-        """`peer` answered a request as asked: no longer busy."""
-        with self._lock:
-            self._state[peer].busy_since = None
-
     def _on_busy(self, peer: Peer, path: PurePath, exc: _Busy, wait: bool) -> bool:
         """`peer` answered 503: not chosen before its Retry-After (`exc.wait`), dropped once it has answered
         nothing else for `busy_limit` s. With `wait`: whether to ask it again now, after waiting for it where
@@ -852,25 +796,16 @@ class Swarm:
             self.drop(peer, f"{exc} (asked for {path.name})")
             return
         with self._lock:
-            holders = self._holders.get(path)
-            if holders is not None and peer in holders:
-                self._holders[path] = [p for p in holders if p != peer]
-            state = self._state[peer]
-            if exc.refused:
-                first, state.warned_refused = not state.warned_refused, True
-            else:
-                first, state.warned_lacks = not state.warned_lacks, True
-        if exc.refused:
-            (log.warning if first else log.debug)(
-                "streamload: peer %s %s when asked for %s: not asked for it again this load (the other peers and "
-                "the source serve it); a seeder refuses proofs of reading made with another token (or a clock "
-                "minutes apart): set the same %s (or %s) on every node", peer.name, exc, path.name, peer_proof.TOKEN,
-                peer_proof.TOKEN_FILE,
-            )  # fmt: skip
-            return
+            if peer in self._holders.get(path, ()):  # a new list: `holders` handed the old one out
+                self._holders[path] = [p for p in self._holders[path] if p != peer]
+            kind = "refused" if exc.refused else "lacks"
+            first = kind not in self._state[peer].warned
+            self._state[peer].warned.add(kind)
+        hint = "; a seeder refuses proofs of reading made with another token (or a clock minutes apart): set the "
+        hint += f"same {settings.PEER_TOKEN.name} (or {settings.PEER_TOKEN_FILE.name}) on every node"
         (log.warning if first else log.debug)(
-            "streamload: peer %s %s: not asked for it again this load (the other peers and the source serve it)",
-            peer.name, exc,
+            "streamload: peer %s %s: not asked for it again this load (the other peers and the source serve it)%s",
+            peer.name, exc, hint if exc.refused else "",
         )  # fmt: skip
 
     def drop(self, peer: Peer, why: str) -> None:
@@ -905,12 +840,10 @@ class Swarm:
         self.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._watchdog.close()
-        with self._lock:
-            idle = [c for s in self._state.values() for c in s.idle]
-            for s in self._state.values():
-                s.idle = []
-        for connection in idle:
-            connection.close()
+        for state in self._state.values():  # stopped: no request keeps a connection any more
+            idle, state.idle = state.idle, []
+            for connection in idle:
+                connection.close()
 
 
 __all__ = ["DEFAULT_PORT", "PREFIX", "TALLY", "UNVERIFIED", "Peer", "PeerFiles", "PeerStorage", "Swarm", "names",

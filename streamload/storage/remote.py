@@ -1,44 +1,35 @@
 """Objects: S3 and S3-compatible stores, Google Cloud Storage, Azure Blob, and HTTP(S) servers that honour `Range`.
 
-Every read is a ranged GET made by obstore (Rust's `object_store`: one client for S3, GCS, Azure and
-HTTP, async requests that release the GIL and can be dropped mid-flight). Requests run on one
-event loop thread per process; readers block on them from their own threads, so a load's
-concurrency is its reader threads, as for local files. A process forked after it made requests has
-neither that thread nor obstore's runtime: it starts its own of both (`_forked`, `_native`).
-Each URL scheme is one row of `PROFILES`: which obstore store serves it, whether it lists, which of
-its SDK's environment variables give credentials and endpoint (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`,
-`GOOGLE_APPLICATION_CREDENTIALS`, `AZURE_STORAGE_ACCOUNT_KEY`, ...), and what its messages say.
+Every read is a ranged GET made by obstore (Rust's `object_store`: async requests that release the GIL and can be
+dropped mid-flight), on one event loop thread per process; readers block on them from their own threads, so a
+load's concurrency is its reader threads, as for local files. A process forked after it made requests has neither
+that thread nor obstore's runtime: it starts its own of both (`_forked`, `_native`). Each URL scheme is one row of
+`PROFILES`: its obstore store, whether it lists, which of its SDK's environment variables give credentials and
+endpoint (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`, `GOOGLE_APPLICATION_CREDENTIALS`, ...), what its messages say.
 
-Versions. A tensor is handed out as soon as its own bytes are in, so a change to an object mid-load must
-be seen on the response that brings the changed bytes, before they are used: a check at the end of a
-load could not take back the tensors already handed out. Each object's size and validator are taken
-with its header, and every later range is asked for with it and checked against its response:
-- a strong ETag (S3, GCS, nginx, CDNs): `If-Match`, and the response's own ETag and size. An object
-  replaced mid-load is an error, never a mix of two versions: this is the guarantee.
-- no strong ETag (a weak `W/` one, Last-Modified alone, or neither): nothing the server says tells a
-  change for sure. Last-Modified has one-second resolution and is kept by copies that keep times
-  (`cp -p`, `rsync -a`, unpacking an archive), so an object swapped for another of the same size and
-  Last-Modified answers exactly as before, and its later ranges would bring the new bytes: tensors of
-  both versions, and one torn between them. Such an object is therefore refused before any of its
-  tensor bytes are read (inspecting its headers still works), naming the URL, unless the caller opts in
-  with `STREAMLOAD_ALLOW_UNVALIDATED=1`. Then the load warns once, naming it, and checks what there is:
-  `If-Unmodified-Since` with its Last-Modified (412 where it changed) and each response's size,
-  Last-Modified and weak ETag, which catches every change that moves them; a change that keeps them
-  is seen only by `verify=True` with a digest file of per-tensor blocks (`streamload digest`), whose
-  tensors are each checked before they are handed out.
+Versions. A tensor is handed out as soon as its own bytes are in, so a change to an object mid-load must be seen on
+the response that brings the changed bytes: a check at the end of a load could not take back the tensors already
+handed out. Each object's size and validator are taken with its header, and every later range is asked for with it
+and checked against its response:
+- a strong ETag (S3, GCS, nginx, CDNs): `If-Match`, and the response's own ETag and size. An object replaced
+  mid-load is an error, never a mix of two versions: this is the guarantee.
+- no strong ETag (a weak `W/` one, Last-Modified alone, or neither): Last-Modified has one-second resolution and is
+  kept by copies that keep times (`cp -p`, `rsync -a`, unpacking an archive), so an object swapped for another of
+  the same size and Last-Modified answers exactly as before, and tensors could mix both versions. Such an object is
+  refused before any of its tensor bytes are read (its headers can still be inspected), unless the caller opts in
+  with `STREAMLOAD_ALLOW_UNVALIDATED=1`: the load then warns once and checks what there is (`If-Unmodified-Since`,
+  each response's size, Last-Modified and weak ETag); a change that keeps them is seen only by `verify=True` with
+  a digest file of per-tensor blocks (`streamload digest`).
 
-A 206 whose Content-Range is not the range asked for is a server (or a cache in front of it) that
-misbehaves: refused at once, naming it, not retried. Timeouts, resets, 5xx and throttling are retried
-with backoff a bounded number of times (`STREAMLOAD_RETRIES`, default 4; `STREAMLOAD_TIMEOUT`, seconds
-per request, default 30). A request that runs out its time is not a refused connection (both read "error
-sending request"), and once no request to a store has been answered for the timeout x attempts, all of them
-fail (`Silence`): requests queued behind the connection cap do not each wait their own attempts in turn.
+A 206 whose Content-Range is not the range asked for is a server (or a cache in front of it) that misbehaves:
+refused at once, not retried. Timeouts, resets, 5xx and throttling are retried with backoff (`STREAMLOAD_RETRIES`
+times, `STREAMLOAD_TIMEOUT` seconds each); once no request to a store has been answered for the timeout x attempts,
+all of them fail (`Silence`): requests queued behind the connection cap do not each wait their own attempts.
 
-Credentials in an HTTP(S) URL (`https://user:password@host/...`) are sent as Basic authorization and
-kept in the client only: the storage's paths, hence every message, log line, record and cache folder
-made from them, carry the bare URL, and a source as the caller wrote it is formatted through
-`base.redacted` (`***@host`). A cloud store's URL with user info is refused: its keys come from the
-environment.
+Credentials in an HTTP(S) URL (`https://user:password@host/...`) are sent as Basic authorization and kept in the
+client only: the storage's paths, hence every message, log line, record and cache folder made from them, carry the
+bare URL (a source as the caller wrote it is shown through `base.redacted`). A cloud store's URL with user info is
+refused: its keys come from the environment.
 """
 
 from __future__ import annotations
@@ -80,12 +71,14 @@ from streamload.storage.base import (
     Partly,
     Source,
     file_list,
+    first_line,
     is_hex,
+    is_index,
     parse_index,
     redacted,
 )
-from streamload.storage.local import file_identity
-from streamload.storage.pace import SMALLEST, Pace, Timer, pace_of
+from streamload.storage.local import file_identity, pread_full
+from streamload.storage.pace import SMALLEST, Pace, Timer, pace_of, restart_all
 
 if TYPE_CHECKING:
     from streamload.storage.cache import Copies
@@ -94,8 +87,8 @@ T = TypeVar("T")
 
 
 def _aws_profile() -> dict[str, Any]:
-    """A named profile (`AWS_PROFILE`, from ~/.aws/config and credentials) is resolved by boto3 where
-    it is installed; keys in the environment, instance roles and web identity need no profile."""
+    """A named profile (`AWS_PROFILE`) is resolved by boto3 where it is installed; keys in the environment,
+    instance roles and web identity need none."""
     if not os.environ.get("AWS_PROFILE") or os.environ.get("AWS_ACCESS_KEY_ID"):
         return {}
     try:
@@ -120,7 +113,8 @@ class Profile(NamedTuple):
     endpoints: tuple[str, ...] = ()  # variables that may point it at another server (plain http:// allowed there)
     bucket: str = "bucket"  # what the URL's first part names
     missing: str = "NoSuchBucket"  # the error code of a 404 whose bucket is absent
-    md5_etag: bool = False  # a strong ETag of 32 hex digits is the object's MD5 (S3 unless multipart or KMS)
+    md5_etag: bool = False  # a strong ETag of 32 hex digits is the object's MD5 (S3's, but for KMS; a multipart
+    # upload's is "<hex>-<parts>"); others' ETags are opaque, whatever they look like
     places: str | None = None  # `x@host` with a host ending so names a container and its account, not credentials
     extra: Callable[[], dict[str, Any]] = dict  # more arguments for the store
 
@@ -142,12 +136,10 @@ PROFILES: dict[str, Profile] = {
     "http": _HTTP,
     "https": _HTTP,
 }  # fmt: skip
-SCHEMES = tuple(PROFILES)
 
 
 class ObjectPath(PurePosixPath):
-    """An object's URL as a path, so that `.name`, `.parent` and `/` work as for files:
-    `ObjectPath("s3://bucket/models/llama/model.safetensors")`."""
+    """An object's URL as a path, so that `.name`, `.parent` and `/` work as for files."""
 
     def __str__(self) -> str:
         return super().__str__().replace(":/", "://", 1)  # the path form keeps one slash after the scheme
@@ -176,7 +168,7 @@ def _examples() -> str:
 
 
 def is_url(source: object) -> bool:
-    return isinstance(source, str) and source.split("://", 1)[0] in SCHEMES and "://" in source
+    return isinstance(source, str) and "://" in source and source.split("://", 1)[0] in PROFILES
 
 
 def bare(url: str) -> str:
@@ -203,13 +195,6 @@ def _authorization(root: str) -> str | None:
     parts = urlsplit(root)
     pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
     return "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
-
-
-ALLOW_UNVALIDATED = settings.ALLOW_UNVALIDATED.name
-
-
-def _unvalidated_allowed() -> bool:
-    return settings.ALLOW_UNVALIDATED.get()
 
 
 class ObjectStorage:
@@ -244,7 +229,7 @@ class ObjectStorage:
         path = self._path(source)
         if path.name.endswith(".safetensors") and not source.endswith("/"):
             return Listing([path])
-        if path.name.endswith(".index.json") and not source.endswith("/"):
+        if is_index(path.name) and not source.endswith("/"):
             return self._index(path)
         return self._directory(path if len(path.parts) > 2 else ObjectPath(path.root + "/"))
 
@@ -256,7 +241,7 @@ class ObjectStorage:
             except MissingFileError:
                 single = prefix / "model.safetensors"
                 try:
-                    self.call(lambda: _head(self.store, single.key), single)
+                    self.call(lambda: _obstore().head_async(self.store.get(), single.key), single)
                 except MissingFileError:
                     raise SourceError(
                         f"{prefix}/: neither {INDEX_NAME} nor model.safetensors is there "
@@ -264,7 +249,8 @@ class ObjectStorage:
                     ) from None
                 return Listing([single])
         key = prefix.key.rstrip("/")
-        listed = self.call(lambda: _list(self.store, key + "/" if key else None), prefix)
+        below = key + "/" if key else None
+        listed = self.call(lambda: _obstore().list_with_delimiter_async(self.store.get(), prefix=below), prefix)
         names = sorted(o["path"].rsplit("/", 1)[-1] for o in listed["objects"])
         if INDEX_NAME in names:
             return self._index(index)
@@ -275,23 +261,18 @@ class ObjectStorage:
 
     def _index(self, index: ObjectPath) -> Listing:
         data, _ = self.call(lambda: _get(self.store, index.key, None, None), index)
-        try:
-            text = bytes(data).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise SourceError(f"{index}: cannot read the index: {exc}") from None
-        return parse_index(index, text)
+        return parse_index(index, bytes(data))
 
     def header(self, path: PurePath) -> FileHeader:
         assert isinstance(path, ObjectPath)
         head, meta = self.call(lambda: _get(self.store, path.key, (0, FIRST_READ), None), path, (0, FIRST_READ))
         identity = _identity(meta)
-        size = int(meta["size"])
 
         def read_at(offset: int, n: int) -> bytes:
             got = self.call(lambda: _get(self.store, path.key, (offset, offset + n), identity), path, (offset, n))
             return bytes(got[0])
 
-        return header_from(path, size, bytes(head), read_at)._replace(identity=identity)
+        return header_from(path, identity.size, bytes(head), read_at)._replace(identity=identity)
 
     def open(
         self,
@@ -299,11 +280,9 @@ class ObjectStorage:
         partly: Partly = None,
         files: Callable[..., ObjectFiles] | None = None,
     ) -> ObjectFiles:
-        """The objects of a load; refused, before any byte is read, where the server gives one no
-        strong ETag and the caller has not allowed that (see the module's docstring). `files`: what
-        reads them (default `ObjectFiles`; peers.py passes one that reads from peers first)."""
-        weak = _unvalidated(tuple(headers.values()))
-        if weak:
+        """The objects of a load, refused before any byte is read where one has no strong ETag (the module's
+        docstring); `files`: what reads them (peers.py passes one that reads from peers first)."""
+        if weak := _unvalidated(tuple(headers.values())):
             _refuse_or_warn(weak)
         return (files or ObjectFiles)(self, headers, partly)
 
@@ -313,7 +292,7 @@ class ObjectStorage:
         user's copy could hold anything: the load then reads from the origin, one warning)."""
         from streamload.storage.cache import RECORD, lookup
 
-        if self.cache_dir is None or (_unvalidated(headers) and not _unvalidated_allowed()):
+        if self.cache_dir is None or (_unvalidated(headers) and not settings.ALLOW_UNVALIDATED.get()):
             return None  # a copy is only as sure as the load that made it: open() says why
         paths = lookup(self.cache_dir, headers)
         if paths is None:
@@ -326,14 +305,19 @@ class ObjectStorage:
         except OSError:
             return None
         foreign = [(h, p) for h, p, own in zip(headers, paths, mine, strict=True) if not own]
-        checks = copy_checks(self, [h for h, _ in foreign]) if foreign else {}
-        if any(h.path not in checks for h, _ in foreign):
-            return None  # read through the load's `Copies`, which reads such a copy's object from the origin
-        return Copied(paths, {p: checks[h.path] for h, p in foreign}, [file_identity(st) for st in stats])
+        docs = origin_digests(self, (h.path for h, _ in foreign))
+        checks: dict[PurePath, Known] = {}
+        for header, path in foreign:  # each checked against the blocks of its origin's digest file, if bound
+            where = f"{header.path.parent}/{DIGEST_FILE}"
+            known, _ = origin_known(header, docs[header.path.parent][0], where, version_of(header, self.digest(header)))
+            if known is None:
+                return None  # read through the load's `Copies`, which reads such a copy's object from the origin
+            checks[path] = known
+        return Copied(paths, checks, [file_identity(st) for st in stats])
 
     def digest(self, header: FileHeader) -> Digest | None:
-        """The ETag, where the store's is the object's MD5 (`Profile.md5_etag`: S3's, unless uploaded in parts,
-        "<hex>-<parts>", or encrypted with KMS); other stores' ETags are opaque."""
+        """The ETag, where the store vouches that it is the object's MD5 (`Profile.md5_etag`): what `verify=` checks
+        the whole object against and binds a digest entry by (`digests.version_of`); other stores' are opaque."""
         etag = (header.identity.etag or "" if header.identity else "").strip('"').lower()
         if self.profile.md5_etag and len(etag) == 32 and is_hex(etag):
             return Digest("md5", etag, "the object's ETag")
@@ -371,16 +355,10 @@ class ObjectStorage:
 
     # -- requests -----------------------------------------------------------------------------------
     def call(
-        self,
-        request: Callable[[], Coroutine[Any, Any, T]],
-        path: PurePath,
-        span: tuple[int, int] | None = None,
-        pending: set[concurrent.futures.Future[Any]] | None = None,
-        stopped: threading.Event | None = None,
+        self, request: Callable[[], Coroutine[Any, Any, T]], path: PurePath, span: tuple[int, int] | None = None
     ) -> T:
         """Run a request on the loop thread, again after what may pass (see `attempts`); blocks."""
-        attempts = self.attempts(lambda ticket: request(), path, span, stopped, measured=False)
-        return self.wait(attempts, path, pending, stopped)
+        return self.wait(self.attempts(lambda ticket: request(), path, span, measured=False), path)
 
     def wait(
         self,
@@ -447,7 +425,7 @@ class ObjectStorage:
                         silence.check(path, span, exc=exc)  # unless the store has said nothing for all of them
                         log.warning("streamload: %s: %s got no answer within %g s; trying again (attempt %d of %d)",
                                     path, _what(span), _timeout(), attempt + 2, self.retries + 1)  # fmt: skip
-                elif _connection_refused(exc) and self.pace.refused(ticket):
+                elif any(words in str(exc).lower() for words in _CONNECTION_REFUSED) and self.pace.refused(ticket):
                     attempt -= 1  # fewer connections now: this one is tried again at no cost
                 else:
                     silence.heard()  # an answer (503, a reset mid-body): the server is there
@@ -455,25 +433,22 @@ class ObjectStorage:
                 self.pace.release()
             attempt += 1
             await asyncio.sleep(min(2.0, 0.05 * 2 ** max(0, attempt - 1)) * (0.5 + random.random()))  # nosec B311 # jitter
-        waited = time.monotonic() - first
+        waited, tries = time.monotonic() - first, self.retries + 1
+        said = f"failed after {tries} attempts ({waited:.1f} s in all)"
         if timed_out:
-            raise ReadError(
-                f"{path}: {_what(span)} got no answer within {_timeout():g} s in {timed_out} of {self.retries + 1} "
-                f"attempts ({waited:.1f} s in all; STREAMLOAD_TIMEOUT, STREAMLOAD_RETRIES): {_short(last)}"
-            ) from last
-        raise ReadError(
-            f"{path}: {_what(span)} failed after {self.retries + 1} attempts ({waited:.1f} s in all): {_short(last)}"
-        ) from last
+            said = (
+                f"got no answer within {_timeout():g} s in {timed_out} of {tries} attempts ({waited:.1f} s in all; "
+                "STREAMLOAD_TIMEOUT, STREAMLOAD_RETRIES)"
+            )
+        raise ReadError(f"{path}: {_what(span)} {said}: {first_line(last)}") from last
 
 
 class Silence:
-    """How long a store has answered none of the requests made to it. Each request has `attempts` of
-    `timeout` seconds, but many requests wait on one store, behind its connection cap: retried each on
-    its own, they would time out one after another, for `timeout` x `attempts` x (requests / connections)
-    in all. Once no request has been answered for the whole `timeout` x `attempts` (a server that accepts
-    and then stalls), every request of the store fails, naming how long it waited: a load's wait on an
-    unanswering server is bounded as one request's is. Any answer starts the count again. Used on the
-    requests' loop thread only."""
+    """How long a store has answered none of its requests. Many requests wait on one store behind its connection
+    cap: retried each on its own, they would time out one after another, `timeout` x `attempts` x (requests /
+    connections) in all. Once none has been answered for `timeout` x `attempts` (a server that accepts, then
+    stalls), every request of the store fails, naming how long it waited; any answer starts the count again.
+    Used on the requests' loop thread only."""
 
     def __init__(self, timeout: float, attempts: int) -> None:
         self.timeout, self.attempts = timeout, attempts
@@ -516,7 +491,7 @@ class Silence:
             return
         if release is not None:
             release()
-        raise ReadError(f"{path}: {_what(span)}: {self.verdict}" + (f": {_short(exc)}" if exc else ""))
+        raise ReadError(f"{path}: {_what(span)}: {self.verdict}" + (f": {first_line(exc)}" if exc else ""))
 
 
 class ObjectFiles:
@@ -535,8 +510,8 @@ class ObjectFiles:
             self._copies = Copies(storage.cache_dir, headers, partly() if partly else ())
 
     def read(self, path: PurePath, offset: int, length: int) -> list[memoryview]:
-        """`length` bytes of the object at `offset`, from the version whose header was read: in ranges of
-        the store's request size (storage/pace.py), fetched at once, returned in order."""
+        """`length` bytes at `offset`, from the version whose header was read: in ranges of the store's request
+        size (storage/pace.py), fetched at once."""
         assert isinstance(path, ObjectPath)
         copies = self._copies
         fd = None if copies is None else copies.local(path)
@@ -607,8 +582,7 @@ Digests = tuple[dict[str, Any] | None, str]  # a folder's digest file as parsed 
 
 
 def origin_digests(storage: ObjectStorage, paths: Iterable[PurePath]) -> dict[PurePath, Digests]:
-    """{folder: (its digest file's document, or None; why it is None where it could not be read)} for the
-    folders of `paths`, each read from the origin once."""
+    """{folder of `paths`: (its digest file parsed, or None; why where it could not be)}, each read once."""
     out: dict[PurePath, Digests] = {}
     for path in paths:
         folder = path.parent
@@ -621,32 +595,14 @@ def origin_digests(storage: ObjectStorage, paths: Iterable[PurePath]) -> dict[Pu
     return out
 
 
-def copy_checks(storage: ObjectStorage, headers: list[FileHeader]) -> dict[PurePath, Known]:
-    """{origin path: its blocks} for each file the origin's digest file describes at this version with a
-    cryptographic hash (integrity/blocks.py's rules); files it does not are left out."""
-    docs = origin_digests(storage, (h.path for h in headers))
-    out: dict[PurePath, Known] = {}
-    for header in headers:
-        folder = header.path.parent
-        known, _ = origin_known(header, docs[folder][0], f"{folder}/{DIGEST_FILE}", version_of(header))
-        if known is not None:
-            out[header.path] = known
-    return out
-
-
 def _pread(fd: int, path: PurePath, offset: int, length: int) -> memoryview:
     """`length` bytes at `offset` of a complete local copy of the object at `path`."""
-    out = bytearray(length)
-    view = memoryview(out)
-    done = 0
-    while done < length:
-        try:
-            n = os.preadv(fd, [view[done:]], offset + done)
-        except OSError as exc:
-            raise ReadError(f"{path}: reading its cached copy at offset {offset + done} failed: {exc}") from exc
-        if n == 0:
-            raise ReadError(f"{path}: its cached copy ends at {offset + done} (cut short since it was completed?)")
-        done += n
+    try:
+        view = pread_full(fd, length, offset)
+    except OSError as exc:
+        raise ReadError(f"{path}: reading its cached copy at bytes {offset}..{offset + length} failed: {exc}") from exc
+    if len(view) < length:
+        raise ReadError(f"{path}: its cached copy ends at {offset + len(view)} (cut short since it was completed?)")
     return view
 
 
@@ -673,17 +629,13 @@ def _loop() -> asyncio.AbstractEventLoop:
 
 
 def _forked() -> None:
-    """In a child just forked (`os.register_at_fork`): none of its parent's threads exist in it, so
-    neither the loop thread nor obstore's runtime threads. A request sent to the parent's loop would
-    wait for ever, and the child's exit would wait `_EXIT_WAIT` s on it: the child starts its own loop
-    on first use (`_loop`) and its own obstore (`_native`), and waits at exit only on its own. What
-    the parent had in flight is not the child's: each store's count of requests starts afresh (a
-    storage made before the fork holds the same `Pace`, so it is reset in place)."""
+    """In a child just forked: none of its parent's threads exist in it (the loop thread, obstore's runtime), so
+    a request sent to the parent's loop would wait for ever, and so would the child's exit. The child starts its
+    own loop and obstore on first use (`_loop`, `_native`); each store's count of requests in flight starts afresh
+    (`restart_all`: a storage made before the fork holds the same `Pace`)."""
     global _LOOP, _LOOP_LOCK, _NATIVE_LOCK
     _LOOP_LOCK, _NATIVE_LOCK = threading.Lock(), threading.Lock()  # a parent's thread may have held them
     _LOOP = None  # the parent's: its selector stays open, unused (closing it would need asyncio's internals)
-    from streamload.storage.pace import restart_all
-
     restart_all()
 
 
@@ -692,13 +644,10 @@ os.register_at_fork(after_in_child=_forked)
 
 def _wind_down() -> None:
     """At interpreter exit (atexit, before finalization): drop every request in flight and make no more.
-
-    A request is a task on obstore's Rust runtime that takes the GIL once more when it ends or is dropped.
-    A thread that takes the GIL while the interpreter finalizes is ended by `pthread_exit`, which cannot
-    unwind through Rust frames: the process aborts (SIGABRT, "terminate called without an active
-    exception"; Python < 3.14). A program that exits while a load runs in another thread (a daemon
-    thread, a Ctrl-C, `sys.exit` from a callback) would abort so; after this, its reads fail at once
-    ("the process is exiting") and the tasks have let go before finalization starts."""
+    A request is a task on obstore's Rust runtime that takes the GIL once more when it ends or is dropped; a
+    thread that takes the GIL while the interpreter finalizes is ended by `pthread_exit`, which cannot unwind
+    through Rust frames: the process aborts (SIGABRT; Python < 3.14). So a program that exits while a load runs
+    in another thread (a daemon thread, a Ctrl-C) has its reads fail at once, and the tasks let go first."""
     _EXITING.set()
     loop = _LOOP
     if loop is None or loop.is_closed() or not loop.is_running():
@@ -733,11 +682,12 @@ class _Exiting(Exception):
     """A request not made: the process is exiting."""
 
 
-class _Obstore:
+class _Obstore(NamedTuple):
     """The obstore a process makes its requests with: its functions, store classes and exceptions."""
 
-    def __init__(self, api: Any, stores: Any, errors: Any) -> None:
-        self.api, self.stores, self.errors = api, stores, errors
+    api: Any
+    stores: Any
+    errors: Any
 
 
 _NATIVE: tuple[int, _Obstore] | None = None  # (the process id it was loaded for, it)
@@ -745,12 +695,10 @@ _NATIVE_LOCK = threading.Lock()
 
 
 def _native() -> _Obstore:
-    """The obstore this process can use. obstore runs every async request on one tokio runtime, made
-    once a process (pyo3-async-runtimes), with no fork handling: in a child forked after it started,
-    its threads are gone, and a request there is never polled (it hangs for ever; obstore's sync calls
-    panic on their own runtime's pid check). So a forked child loads obstore's native module afresh
-    from a copy of its file (`_fresh_obstore`), whose runtime is its own; stores are made per process
-    (`_Store`), as one of the parent's obstore is refused by the child's."""
+    """The obstore this process can use. obstore runs every async request on one tokio runtime made once a
+    process, with no fork handling: in a forked child its threads are gone and a request is never polled (it
+    hangs for ever). So a forked child loads obstore's native module afresh (`_fresh_obstore`), with a runtime
+    of its own; stores are made per process (`_Store`), as the child's obstore refuses the parent's."""
     global _NATIVE
     with _NATIVE_LOCK:
         if _NATIVE is None:
@@ -765,15 +713,10 @@ def _native() -> _Obstore:
         return _NATIVE[1]
 
 
-class _NoObstore(UnsupportedError):
-    """obstore cannot make requests in this process (a forked child that could not load it afresh)."""
-
-
 def _fresh_obstore() -> Any:
-    """obstore's native module loaded again, from a copy of its file in a temporary folder (removed
-    once loaded: the loader maps it), so that its statics (the tokio runtime) are new; the modules it
-    registers in `sys.modules` are put back as they were (the caller's `import obstore` stays the one
-    it had). About 15 MB copied, once per forked child that makes a request."""
+    """obstore's native module loaded again from a copy of its file (removed once loaded: the loader maps it), so
+    that its statics (the tokio runtime) are new; `sys.modules` is put back as it was (the caller's `import
+    obstore` stays the one it had). About 15 MB copied, once per forked child that makes a request."""
     import importlib.util
     import shutil
     import sys
@@ -792,7 +735,7 @@ def _fresh_obstore() -> Any:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except (ImportError, OSError) as exc:
-        raise _NoObstore(
+        raise UnsupportedError(
             "this process was forked from one that made requests with obstore, whose runtime does not survive a "
             f"fork, and a fresh copy of obstore could not be loaded from {folder or tempfile.gettempdir()} ({exc}): "
             "start it with multiprocessing's 'spawn' or 'forkserver', or set TMPDIR to a folder that allows "
@@ -802,10 +745,8 @@ def _fresh_obstore() -> Any:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
         for name in [name for name in sys.modules if name.split(".")[0] == "obstore"]:
-            if name in before:
-                sys.modules[name] = before[name]
-            else:
-                del sys.modules[name]
+            del sys.modules[name]
+        sys.modules.update(before)
     return module
 
 
@@ -815,9 +756,8 @@ def _timeout() -> float:
 
 
 class _Store:
-    """The obstore store of one root, made in each process that uses it, at its first request there: one
-    made before a fork is its parent's obstore's, which the child's refuses (`_native`). Credentials it
-    cannot use (a key file that is absent or broken) are then an error naming the object asked for."""
+    """The obstore store of one root, made in each process at its first request there (`_native`); credentials
+    it cannot use (a key file absent or broken) are then an error naming the object asked for."""
 
     def __init__(self, root: str, authorization: str | None) -> None:
         self._root, self._authorization = root, authorization
@@ -832,7 +772,7 @@ class _Store:
             except Exception as exc:  # obstore's own, for credentials or options it cannot use
                 profile = PROFILES[self._root.split("://", 1)[0]]
                 raise SourceError(f"the {profile.cloud} client cannot be made from {profile.credentials or 'the URL'}: "
-                                  f"{_short(exc)}") from exc  # fmt: skip
+                                  f"{first_line(exc)}") from exc  # fmt: skip
         return self._made[1]
 
 
@@ -872,14 +812,6 @@ async def _get(
     return data, result.meta
 
 
-async def _list(store: _Store, prefix: str | None) -> Any:
-    return await _obstore().list_with_delimiter_async(store.get(), prefix=prefix)
-
-
-async def _head(store: _Store, key: str) -> Any:
-    return await _obstore().head_async(store.get(), key)
-
-
 def _identity(meta: Any) -> FileVersion:
     """The version a response names: its size, a strong ETag, else what the server gives (a weak ETag,
     Last-Modified); and the object's generation where the store keeps versions (GCS, versioned S3)."""
@@ -900,18 +832,19 @@ def _unvalidated(headers: tuple[FileHeader, ...]) -> list[PurePath]:
 def _refuse_or_warn(weak: list[PurePath]) -> None:
     """Refuse objects without a strong validator, or (allowed) say once what is and is not checked."""
     more = f" (and {len(weak) - 1} more)" if len(weak) > 1 else ""
-    if not _unvalidated_allowed():
+    allow = settings.ALLOW_UNVALIDATED
+    if not allow.get():
         raise UnsupportedError(
             f"{weak[0]}{more}: the server sends no strong ETag, so a change to the object while it loads "
             "cannot be told for sure (Last-Modified has one-second resolution and is kept by copies that keep "
-            f"times) and tensors could mix two versions; refused before reading. {ALLOW_UNVALIDATED}=1 loads it, "
+            f"times) and tensors could mix two versions; refused before reading. {allow.name}=1 loads it, "
             "checking each range's size and Last-Modified; with verify=True and a digest file (`streamload "
             "digest`) every tensor is also checked against its digests before it is handed out"
         )
     log.warning(
         "streamload: %s%s: the server sends no strong ETag (%s=1): each range is checked against the size and "
         "Last-Modified read with the header, but a change that keeps both is not seen (verify=True with a digest "
-        "file sees it)", weak[0], more, ALLOW_UNVALIDATED,
+        "file sees it)", weak[0], more, allow.name,
     )  # fmt: skip
 
 
@@ -924,22 +857,14 @@ def _closed(path: PurePath) -> str:
 _CONNECTION_REFUSED = ("error sending request", "connection refused", "connection reset")
 
 
-def _connection_refused(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return any(words in text for words in _CONNECTION_REFUSED)
-
-
 def _transient(exc: BaseException) -> bool:
     if isinstance(exc, (_Exiting, StreamloadError)):  # ours (the client could not be made, obstore not loaded)
         return False
     ox = _native().errors  # the exceptions of the obstore that raised it (a forked child's own)
     final = (ox.NotFoundError, ox.PreconditionError, ox.NotSupportedError, ox.PermissionDeniedError,
              ox.UnauthenticatedError, ox.InvalidPathError, FileNotFoundError)  # fmt: skip
-    if isinstance(exc, final):
-        return False
-    if _no_credentials(exc) or _wrong_range(exc):
-        return False
-    return not _FINAL_STATUS.search(str(exc))  # a listing's 403 comes as a generic error
+    # a listing's 403 comes as a generic error: its status is read from the text
+    return not (isinstance(exc, final) or _no_credentials(exc) or _wrong_range(exc) or _FINAL_STATUS.search(str(exc)))
 
 
 _FINAL_STATUS = re.compile(r"(status:|HTTP status|status code:) (400|401|403|404|412)\b")
@@ -985,7 +910,7 @@ def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> 
     if _no_credentials(exc) and profile.credentials:
         return ReadError(
             f"{path}: no {profile.cloud} credentials: set {profile.credentials}; on a cloud instance its role "
-            f"provides them, but the instance metadata service did not ({_short(exc)})"
+            f"provides them, but the instance metadata service did not ({first_line(exc)})"
         )
     if isinstance(exc, ox.PreconditionError):
         return ReadError(
@@ -997,8 +922,8 @@ def _named(exc: BaseException, path: PurePath, span: tuple[int, int] | None) -> 
     final = _FINAL_STATUS.search(str(exc))  # a listing's refusal comes as a generic error
     if isinstance(exc, (ox.PermissionDeniedError, ox.UnauthenticatedError)) or (final and final[2] in ("401", "403")):
         given = profile.credentials or "the URL's user info"
-        return ReadError(f"{path}: access denied: check the credentials ({given}): {_short(exc)}")
-    return ReadError(f"{path}: {_what(span)} failed: {_short(exc)}")
+        return ReadError(f"{path}: access denied: check the credentials ({given}): {first_line(exc)}")
+    return ReadError(f"{path}: {_what(span)} failed: {first_line(exc)}")
 
 
 def _what(span: tuple[int, int] | None) -> str:
@@ -1006,8 +931,3 @@ def _what(span: tuple[int, int] | None) -> str:
         return "the request"
     offset, n = span
     return f"reading bytes {offset}-{offset + n - 1}"
-
-
-def _short(exc: BaseException | None) -> str:
-    text = redacted(str(exc).split("\n\nDebug source:")[0].strip())
-    return text.splitlines()[0][:300] if text else type(exc).__name__

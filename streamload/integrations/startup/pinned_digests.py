@@ -1,15 +1,11 @@
 """What from a checkpoint's store may run here: only bytes whose digest the user pinned.
 
-A checkpoint's store is trusted with data, never with code: safetensors holds no code, and model
-inspections are JSON that vLLM parses as data. Compiled artifacts are code (vLLM and Inductor import
-generated Python and unpickle graphs from them), so an archive published beside the weights is
-installed only where the user named its SHA-256 (`streamload compile-cache publish` prints it), and
-checked before a byte of it is unpacked: whoever can write to the bucket cannot run code on the nodes
-that load from it.
-
-    {"compile_cache": "sha256:<hex>"}             # one archive (a node's key), or a list of them
-
-No torch here: the fetch started before vLLM's import checks its archives too.
+The store is trusted with data, never with code (safetensors and vLLM's model inspections are data).
+Compiled artifacts are code (vLLM and Inductor import generated Python and unpickle graphs from them),
+so an archive published beside the weights is installed only where the user named its SHA-256
+(`{"compile_cache": "sha256:<hex>"}`, or a list of them; `streamload compile-cache publish` prints it),
+and checked before a byte of it is unpacked: whoever can write to the bucket cannot run code on the
+nodes that load from it. No torch here: the fetch started before vLLM's import checks archives too.
 """
 
 from __future__ import annotations

@@ -4,18 +4,14 @@ storage into a cache directory. The load that follows then reads from memory or 
 
     python -m streamload.integrations.startup.prefetch SOURCE --done FILE [--cache-dir DIR] [--budget BYTES]
 
-A server's weights, fetched from the moment its process starts (`ahead`: one line before `from vllm
-import LLM`, or `streamload serve -- vllm serve ...`), are published in the environment (`ENV`) for
-the load format to adopt instead of starting a fetch of its own.
+A server's fetch, started with its process (`ahead`: before `from vllm import LLM`, or `streamload
+serve -- vllm serve ...`), is published in the environment (`ENV`) for the load format to adopt.
 
-The process reads local files into the page cache, the files a load reads (without torch: it
-starts in milliseconds; mapped, so pages cached already cost no copy), and object storage as a load
-does (`streamload.iter` on the CPU, handing nothing on: each file is written whole into `cache_dir`,
-`storage/cache.py`), so the load that follows finds exactly what it looks for. Memory is the page
-cache's: nothing is held. A checkpoint larger than `budget` (local: half the memory available;
-remote: the cache directory's free space) is not fetched. It ends by writing FILE (JSON:
-`{"ok": true, "bytes": n}`, or `"ok": false` with the reason), and it ends with the process that
-started it (`start`), so a server that fails or is stopped mid-start-up leaves no fetch running.
+No torch is imported (the process starts in milliseconds). It reads the files a load reads, as a load
+does (object storage into `cache_dir`, `storage/cache.py`), holding nothing but the page cache. A
+checkpoint larger than `budget` (local: half the memory available; remote: the cache directory's free
+space) is not fetched. It ends by writing FILE (JSON: `{"ok": true, "bytes": n}`, or `"ok": false` with
+the reason), and with the process that started it, so a server stopped mid-start-up leaves no fetch.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ import argparse
 import atexit
 import contextlib
 import json
+import logging
 import mmap
 import os
 import re
@@ -38,22 +35,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from streamload.base import atomic, settings
-from streamload.base import leftovers as owned
+from streamload.base import atomic, leftovers, settings
+from streamload.base.tuning import available_memory, reader_threads
 from streamload.storage.base import redacted
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from streamload.format.header import FileHeader
-
 ENV = settings.FETCH.name  # the fetch this process (or the one that started it) began: JSON, see `ahead`
+MODULE = "streamload.integrations.startup.prefetch"  # run as `python -m`, and found so in /proc (`_is_prefetch`)
+log = logging.getLogger("streamload")
 
 
 @dataclass
 class Prefetch:
-    """A prefetch under way, as the process that started it sees it: its process id, and `done`,
-    where it reports."""
+    """A prefetch under way: its process id, and `done`, where it reports."""
 
     pid: int
     done: Path
@@ -79,7 +75,6 @@ def start(
     source: str,
     done: Path,
     cache_dir: Path | None = None,
-    budget: int | None = None,
     model_infos: bool = False,
     compile_caches: Path | None = None,
     pinned: frozenset[str] = frozenset(),
@@ -87,25 +82,13 @@ def start(
     peers: Sequence[str] = (),
 ) -> Prefetch:
     """Start fetching `source` in a process of its own; it ends when this process does (or `stop`).
-    `work`: a directory this process made (`owned.make`) for the fetch to write in, which the fetch
-    removes when it sees this process ended (its exit handlers, which would remove it, did not run).
-
-    It is not this process's child (a child that ends before its parent stays a zombie until reaped,
-    and nothing here would reap it while a server runs): a short-lived child starts it and exits."""
-    argv = [
-        sys.executable,
-        "-m",
-        "streamload.integrations.startup.prefetch",
-        source,
-        "--done",
-        str(done),
-        "--watch",
-        str(os.getpid()),
-    ]
+    `work`: a directory this process made (`leftovers.make`) for the fetch, which the fetch removes
+    when it sees this process ended (its exit handlers, which would remove it, did not run). It is no
+    child of this process (one that ended would stay a zombie, nothing here reaping it while a server
+    runs): a short-lived child starts it and exits."""
+    argv = [sys.executable, "-m", MODULE, source, "--done", str(done), "--watch", str(os.getpid())]
     if cache_dir is not None:
         argv += ["--cache-dir", str(cache_dir)]
-    if budget is not None:
-        argv += ["--budget", str(budget)]
     if model_infos:
         argv += ["--model-infos"]
     if compile_caches is not None:
@@ -141,18 +124,18 @@ def ahead(
     >>> from vllm import LLM  # doctest: +SKIP
 
     Local files are read into the page cache; object storage is written into `cache_dir`, or without
-    one into a private staging directory on local disk, removed once the engine has loaded (or when
-    this process exits). The fetch ends with this process. Returns what the loader needs to find the
-    weights (also the value of `ENV`). `compile_cache`: the digests of the compiled-artifact archives
-    published beside the weights that this node trusts (`pinned_digests.py`), fetched before the weights; none
-    is fetched without. `peers`: nodes seeding the weights, read from first (storage/peers.py)."""
+    one into a private staging directory, removed once the engine has loaded (or when this process
+    exits, as the fetch does). Returns what the loader needs to find the weights (also `ENV`'s value).
+    `compile_cache`: the digests of the compiled-artifact archives published beside the weights that
+    this node trusts (`pinned_digests.py`), fetched first; none without. `peers`: nodes seeding the
+    weights, read from first (storage/peers.py)."""
     from streamload.integrations.startup.pinned_digests import pins
     from streamload.storage.peers import names
 
     pinned = pins(compile_cache)
     remote = "://" in source
-    owned.sweep(STAGING)  # what fetches ended without clean-up (SIGKILL, OOM) left: their owners are gone
-    work = owned.make(STAGING)
+    leftovers.sweep(STAGING)  # what fetches ended without clean-up (SIGKILL, OOM) left: their owners are gone
+    work = leftovers.make(STAGING)
     staging: Path | None = None
     try:
         if remote:
@@ -161,7 +144,7 @@ def ahead(
         compiled = work / "compiled" if remote and pinned else None  # a local archive is read where it lies
         fetching = start(source, work / "done.json", staging, model_infos=True, compile_caches=compiled, pinned=pinned,
                          work=work, peers=names(peers))  # fmt: skip
-        owned.share(work, fetching.pid)  # it writes there until it sees this process gone
+        leftovers.share(work, fetching.pid)  # it writes there until it sees this process gone
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -192,9 +175,8 @@ def adopt(source: str) -> dict[str, Any] | None:
         started = json.loads(settings.FETCH.get() or "")
     except ValueError:
         return None
-    if not isinstance(started, dict) or started.get("host") != socket.gethostname():
-        return None
-    if not _same_source(str(started.get("source", "")), source):
+    here = isinstance(started, dict) and started.get("host") == socket.gethostname()
+    if not here or not _same_source(str(started.get("source", "")), source):
         return None
     settings.FETCH.clear()
     return started
@@ -208,15 +190,12 @@ STAGED_INDEX = "ready.json"  # in the folder `stage_compile_caches` fills: writt
 
 def stage_compile_caches(source: str, into: Path, pinned: frozenset[str]) -> list[str]:
     """The compiled-artifact archives published beside `source` that may be this node's, fetched into
-    `into` before the weights (the worker installs one only after vLLM has built the model, when the
-    weights' download fills the link: a request then waits behind it). Which archive is this node's is
-    decided by the worker (its key needs torch); here the key's factors that need no torch (vLLM and
-    torch versions, Python, machine) pick the candidates, and only those of a `pinned` digest are kept
-    (`pinned_digests.py`: the worker checks again). `into/ready.json`, written last, lists what was published
-    and what was fetched; each archive is whole under its name (renamed into place)."""
+    `into` before the weights (fetched when the worker installs one, they would wait behind the
+    weights' download). The worker picks this node's (its key needs torch); here the key's factors that
+    need no torch pick candidates, and only those of a `pinned` digest are kept (the worker checks
+    again). `into/ready.json`, written last, lists what was published and what was fetched."""
     from streamload.integrations.startup.pinned_digests import digest
     from streamload.storage import is_hex, storage_for
-    from streamload.storage.cache import keep  # whole under its name: written under the writer's own, renamed
 
     storage = storage_for(source)
     raw = storage.sidecar(beside(source), f"{COMPILE_CACHE}/index.json")
@@ -229,9 +208,10 @@ def stage_compile_caches(source: str, into: Path, pinned: frozenset[str]) -> lis
             continue
         data = storage.sidecar(beside(source), f"{COMPILE_CACHE}/{name}.tar")
         if data is not None and digest(data) in pinned:
-            keep(into / f"{name}.tar", data)
-            fetched.append(name)
-    keep(into / STAGED_INDEX, json.dumps({"published": published, "fetched": fetched}).encode())
+            with contextlib.suppress(OSError):  # not staged (a full disk): the worker fetches it itself
+                atomic.write(into / f"{name}.tar", data)
+                fetched.append(name)
+    atomic.write(into / STAGED_INDEX, json.dumps({"published": published, "fetched": fetched}).encode())
     return fetched
 
 
@@ -260,7 +240,6 @@ def _node_without_torch() -> dict[str, str]:
 
 def _version_in(package: str, file: str) -> str:
     import importlib.util
-    import re
 
     try:
         spec = importlib.util.find_spec(package)  # a top-level package: found, not imported
@@ -273,21 +252,13 @@ def _version_in(package: str, file: str) -> str:
 
 def install_model_infos(source: str) -> int:
     """vLLM's cached inspections of model classes published beside `source`, put into its cache root
-    (`VLLM_CACHE_ROOT/modelinfos`) where absent (one there is never replaced), each whole; how many.
-    vLLM inspects a model's class in a subprocess before any load format runs (15 s here) unless its
-    cache holds the answer, which it checks against the model file's hash: so this runs in the fetch
-    started first. They are data, not code: vLLM reads one with `json.load` into its `_ModelInfo`
-    dataclass (`_LazyRegisteredModel._load_modelinfo_from_cache`). But the archive is not pinned, and
-    what is installed is trusted by every later engine on the node, for whatever model it serves: so
-    only inspections of this checkpoint's own classes install, each of the class it is named for
-    (`_own_inspection`): the classes its config.json names in `architectures`, read beside the weights
-    through the same storage as the archive (none without one). The archive is read member by member
-    as data, never unpacked (`_model_infos`): only files named `modelinfos/<module>-<Class>.json`,
-    small and of that plain shape (`_plain_model_info`), are written, by their name, into the folder
-    opened without following a link (`atomic.folder`); the rest is skipped with one warning, and an
-    archive that is not an uncompressed tar installs nothing (one warning), never failing the load."""
-    import logging
-
+    (`VLLM_CACHE_ROOT/modelinfos`) where absent, each whole; how many. vLLM inspects a model's class in
+    a subprocess before any load format runs (15 s here) unless its cache holds the answer: so this runs
+    in the fetch started first. They are data, but the archive is not pinned and what is installed is
+    trusted by every later engine on the node: so only inspections of the classes this checkpoint's
+    config.json names in `architectures` install (`_own_inspection`), read member by member as data,
+    never unpacked (`_model_infos`), into a folder opened without following a link. Anything else is
+    skipped with one warning; a bad archive installs nothing, never failing the load."""
     from streamload.storage import storage_for
 
     storage = storage_for(source)
@@ -303,7 +274,7 @@ def install_model_infos(source: str) -> int:
     try:
         folder = atomic.folder(root, "modelinfos")  # a link there (a shared cache's) is not written through
     except OSError as exc:
-        logging.getLogger("streamload").warning("streamload: %s not installed: %s: %s", what, root / "modelinfos", exc)
+        log.warning("streamload: %s not installed: %s: %s", what, root / "modelinfos", exc)
         return 0
     try:
         return sum(atomic.write(Path(name), raw, dir_fd=folder, replace=False) for name, raw in infos.items())
@@ -330,16 +301,12 @@ def _architectures(storage: Any, source: str) -> frozenset[str]:
 
 
 def _model_infos(data: bytes, what: str, classes: frozenset[str]) -> dict[str, bytes]:
-    """The model inspections in the tar archive `data` (named `what` in the warning) of the model
-    `classes`: file name -> bytes, for each regular file `modelinfos/<module>-<Class>.json` of the plain
-    shape, of a class in `classes` and inspecting that class, read as bytes (never extracted) within
-    the caps above; anything else skipped, with one warning saying how many. An archive that is not
-    an uncompressed tar (a compressed one: no gzip bomb is inflated) gives none."""
+    """File name -> bytes of each regular file `modelinfos/<module>-<Class>.json` in the tar `data` (`what`
+    in warnings) that `_own_inspection` accepts, read within the caps above; the rest skipped, with one
+    warning. An archive that is not an uncompressed tar gives none (no gzip bomb is inflated)."""
     import io
-    import logging
     import tarfile
 
-    log = logging.getLogger("streamload")
     infos: dict[str, bytes] = {}
     skipped = total = 0
     capped = False
@@ -355,7 +322,7 @@ def _model_infos(data: bytes, what: str, classes: frozenset[str]) -> dict[str, b
                 size = min(member.size, _MODEL_INFO_SIZE + 1)
                 raw = source.read(size) if source is not None and total + size <= _MODEL_INFOS_TOTAL else b""
                 total += len(raw)
-                if len(raw) <= _MODEL_INFO_SIZE and _plain_model_info(raw) and _own_inspection(name, raw, classes):
+                if len(raw) <= _MODEL_INFO_SIZE and _own_inspection(name, raw, classes):
                     infos[name] = raw
                 else:
                     skipped += 1
@@ -374,27 +341,22 @@ def _model_infos(data: bytes, what: str, classes: frozenset[str]) -> dict[str, b
 
 
 def _own_inspection(name: str, raw: bytes, classes: frozenset[str]) -> bool:
-    """Whether the inspection `raw`, in the file `name` (vLLM names it `<module>-<Class>.json`, the
-    module's dots as dashes: a class name holds neither), is of a class in `classes` and says it is of
-    that class: vLLM reads the file for that class, whatever it says inside."""
-    named = name.removesuffix(".json").rpartition("-")[2]
-    return named in classes and json.loads(raw)["modelinfo"].get("architecture") == named
-
-
-def _plain_model_info(raw: bytes) -> bool:
-    """Whether `raw` is shaped as vLLM writes a model inspection: `{"hash": str, "modelinfo": {name:
-    a JSON scalar or a list of strings}}`."""
+    """Whether `raw` is shaped as vLLM writes a model inspection (`{"hash": str, "modelinfo": {name: a
+    JSON scalar or a list of strings}}`), and, in the file `name` (vLLM names it `<module>-<Class>.json`,
+    the module's dots as dashes: a class name holds neither), is of a class in `classes` and says it is
+    of that class: vLLM reads the file for that class, whatever it says inside."""
     try:
         info = json.loads(raw)
     except ValueError:
         return False
     if not isinstance(info, dict) or set(info) != {"hash", "modelinfo"} or not isinstance(info["hash"], str):
         return False
-    fields = info["modelinfo"]
-    return isinstance(fields, dict) and all(
-        isinstance(v, (bool, int, float, str, type(None)))
-        or (isinstance(v, list) and all(isinstance(x, str) for x in v))
-        for v in fields.values()
+    fields, named = info["modelinfo"], name.removesuffix(".json").rpartition("-")[2]
+    if not isinstance(fields, dict) or named not in classes or fields.get("architecture") != named:
+        return False
+    plain = (bool, int, float, str, type(None))
+    return all(
+        isinstance(v, plain) or (isinstance(v, list) and all(isinstance(x, str) for x in v)) for v in fields.values()
     )
 
 
@@ -422,14 +384,11 @@ def wait(done: Path, pid: int, timeout: float | None = None) -> dict[str, object
     or `timeout` seconds pass (then `{"ok": False, ...}`)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
+        ended = not _alive(pid)  # before the report is read: one written just before the end is still read
         try:
             return dict(json.loads(done.read_text()))
         except (OSError, ValueError):
-            pass
-        if not _alive(pid):
-            try:  # it may have written its report just before it ended
-                return dict(json.loads(done.read_text()))
-            except (OSError, ValueError):
+            if ended:
                 return {"ok": False, "error": f"the prefetch (process {pid}) ended without a report"}
         if deadline is not None and time.monotonic() > deadline:
             return {"ok": False, "error": f"the prefetch did not finish within {timeout:g} s"}
@@ -438,7 +397,7 @@ def wait(done: Path, pid: int, timeout: float | None = None) -> dict[str, object
 
 def _is_prefetch(pid: int) -> bool:
     try:
-        return b"streamload.integrations.startup.prefetch" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -451,10 +410,10 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    return leftovers.started(pid) is not None or not os.path.isdir("/proc")  # without /proc: taken as running
+
+
+FETCH_BYTES = 8 << 20  # one read of an object's bytes (the store's pace cuts it into its own requests)
 
 
 def fetch(
@@ -465,40 +424,29 @@ def fetch(
     peers: str | Sequence[str] | None = None,
 ) -> dict[str, object]:
     """Read `source` once, keeping nothing (the page cache, or `cache_dir` for object storage, keeps
-    the bytes); the report `wait` returns. No torch is imported: the first request is out within
-    milliseconds of the process's start. `peers`: nodes seeding the objects, read from first
-    (storage/peers.py)."""
+    the bytes); the report `wait` returns. Objects are read file after file (each complete, and usable
+    by a load waiting for it, as early as it can be), by as many reads at once as a load makes.
+    `peers`: nodes seeding the objects, read from first."""
     if "://" not in source:
         return _fetch_local(Path(source), budget)
-    return _fetch_objects(source, cache_dir, budget, threads, peers)
-
-
-FETCH_BYTES = 8 << 20  # one read of an object's bytes (the store's pace cuts it into its own requests)
-
-
-def _fetch_objects(
-    source: str, cache_dir: Path | None, budget: int | None, threads: int | None, peers: str | Sequence[str] | None
-) -> dict[str, object]:
-    """Every file of `source` into `cache_dir`, file after file (each complete, and usable by a load
-    waiting for it, as early as it can be), by as many reads at once as a load makes."""
-    import shutil
     from concurrent.futures import ThreadPoolExecutor
 
-    from streamload.base.tuning import reader_threads
     from streamload.plan.checkpoint import open_checkpoint
+    from streamload.storage.cache import cache_path, kept
     from streamload.storage.peers import with_peers
 
     checkpoint = open_checkpoint(source, cache_dir)
+    headers = checkpoint.files
     if checkpoint.storage.local:  # every file is in the cache already
-        cached, size = [str(h.path) for h in checkpoint.files], sum(h.size for h in checkpoint.files)
+        cached, size = [str(h.path) for h in headers], sum(h.size for h in headers)
         return {"ok": True, "bytes": 0, "cached": cached, "cached_bytes": size, "not_cached": []}
     if budget is None and cache_dir is not None:
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
         budget = shutil.disk_usage(cache_dir).free
     if budget is not None and checkpoint.nbytes > budget:
         return _over(checkpoint.nbytes, budget)
-    files = with_peers(checkpoint.storage, peers).open({h.path: h for h in checkpoint.files})
-    reads = [(h.path, at, min(FETCH_BYTES, h.size - at)) for h in checkpoint.files
+    files = with_peers(checkpoint.storage, peers).open({h.path: h for h in headers})
+    reads = [(h.path, at, min(FETCH_BYTES, h.size - at)) for h in headers
              for at in range(h.data_start, h.size, FETCH_BYTES)]  # fmt: skip
     pool = ThreadPoolExecutor(threads or reader_threads(), thread_name_prefix="streamload-fetch")
     try:
@@ -510,28 +458,16 @@ def _fetch_objects(
         pool.shutdown(wait=True, cancel_futures=True)
         files.close()
     report: dict[str, object] = {"ok": True, "bytes": got}
-    if cache_dir is not None:
-        report.update(_in_cache(Path(cache_dir), checkpoint.files))
+    if cache_dir is not None:  # an object read but not kept was warned of (a full disk, a link, a writer still at it)
+        whole = {h.path for h in kept(Path(cache_dir), headers)}
+        report["cached"] = [str(cache_path(Path(cache_dir), h.path)) for h in headers if h.path in whole]
+        report["cached_bytes"] = sum(h.size for h in headers if h.path in whole)
+        report["not_cached"] = [str(h.path) for h in headers if h.path not in whole]
     return report
 
 
-def _in_cache(cache_dir: Path, headers: Sequence[FileHeader]) -> dict[str, object]:
-    """What the cache holds of the checkpoint, looked at once the fetch has ended: the complete copies
-    (`cached`, their bytes `cached_bytes`), and the objects it holds no complete copy of (`not_cached`:
-    read, but not kept, each warned of: a full disk, a link in the way, a writer still at it)."""
-    from streamload.storage.cache import cache_path, kept
-
-    whole = {h.path for h in kept(cache_dir, headers)}
-    return {
-        "cached": [str(cache_path(cache_dir, h.path)) for h in headers if h.path in whole],
-        "cached_bytes": sum(h.size for h in headers if h.path in whole),
-        "not_cached": [str(h.path) for h in headers if h.path not in whole],
-    }
-
-
 def _fetch_local(source: Path, budget: int | None) -> dict[str, object]:
-    """Local files into the page cache, file by file, without torch (a process that starts in
-    milliseconds): the files a load of `source` reads (its index's, else every *.safetensors)."""
+    """The files a load of `source` reads (its index's, else every *.safetensors) into the page cache."""
     from streamload.storage.base import INDEX_NAME, parse_index
 
     index = source / INDEX_NAME if source.is_dir() else source
@@ -542,7 +478,8 @@ def _fetch_local(source: Path, budget: int | None) -> dict[str, object]:
     else:
         files = [source]
     size = sum(f.stat().st_size for f in files)
-    budget = _available_memory() // 2 if budget is None else budget
+    if budget is None:
+        budget = (available_memory() or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) // 2
     if size > budget:
         return _over(size, budget)
     for file in files:
@@ -578,20 +515,8 @@ def _over(size: int, budget: int) -> dict[str, object]:
     return {"ok": False, "error": f"{size} bytes do not fit the prefetch's budget of {budget} bytes"}
 
 
-def _available_memory() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m streamload.integrations.startup.prefetch", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
     parser.add_argument("source")
     parser.add_argument("--done", type=Path, required=True, help="the report (JSON) written when it ends")
     parser.add_argument("--cache-dir", type=Path)
@@ -607,15 +532,14 @@ def main(argv: list[str] | None = None) -> int:
                         "name whose addresses are the nodes; repeat for several): read from first")  # fmt: skip
     parser.add_argument("--watch", type=int, help="end when the process of this id ends (`start`)")
     parser.add_argument("--work", type=Path, help="the folder the watched process made for this fetch "
-                        "(owned.make): removed when it ends")  # fmt: skip
+                        "(leftovers.make): removed when it ends")  # fmt: skip
     args = parser.parse_args(argv)
     if args.watch is not None:  # started by `start`: detach (the starter exits at once) and watch it
         child = os.fork()
         if child:
             print(child, flush=True)
             os._exit(0)
-        watcher = threading.Thread(target=_end_with, args=(args.watch, args.work), daemon=True)
-        watcher.start()
+        threading.Thread(target=_end_with, args=(args.watch, args.work), daemon=True).start()
     if args.model_infos:
         with contextlib.suppress(Exception):  # an optimisation only: vLLM inspects the model itself
             install_model_infos(args.source)
@@ -633,12 +557,12 @@ def main(argv: list[str] | None = None) -> int:
 def _end_with(pid: int, work: Path | None = None) -> None:
     """This process ends when process `pid` does: a server stopped mid-start-up leaves no fetch; nor
     `work`, the folder `pid` made for the fetch (`ahead`), had `pid` ended without its exit handlers
-    (SIGKILL, OOM): `owned.remove` removes it only where its record names `pid` as its maker. (A user's
-    `cache_dir` is not in it: what was fetched there is kept.)"""
+    (SIGKILL, OOM): `leftovers.remove` removes it only where its record names `pid` as its maker. (A
+    user's `cache_dir` is not in it: what was fetched there is kept.)"""
     while _alive(pid):
         time.sleep(0.2)
     if work is not None:
-        owned.remove(work, pid)
+        leftovers.remove(work, pid)
     os._exit(1)
 
 

@@ -2,39 +2,12 @@
 
 `pip install -e ".[vllm]"` registers the format through vLLM's `vllm.general_plugins` entry point
 (`register`, below), in every vLLM process; user code imports nothing. Options come as
-`model_loader_extra_config` (`OPTIONS`). The loader:
-
-1. resolves the checkpoint as vLLM's default loader does (a local directory, a hub id downloaded into
-   vLLM's download dir, the object-storage `model_weights` vLLM pulled configs for), or `source`;
-2. learns, by a dry run of the model's own `load_weights` on stand-ins (`placement/dryrun.py`), which
-   part of each tensor this tensor-parallel rank keeps and which parameter view it lands in (a layer
-   like one the dry run saw is not dry-run: it loads as that layer's twin, `placement/twins.py`);
-3. streams only those bytes, in layer order, straight into the parameters (`iter(shard=, into=)`);
-   tensors the dry run could not predict are read whole and go through `load_weights` as usual.
-
-`get_all_weights` streams whole tensors in layer order, which is what vLLM's in-place
-`reload_weights(weights_path=...)` asks a loader for.
-
-Where each job is done:
-
-- `options.py`: the `model_loader_extra_config` keys and their checks;
-- `config_hook.py`: the `create_load_config` patch (options checked, the fetch started, in the
-  process that starts the engine);
-- `loader.py`: the loader class vLLM calls (dispatch only); `state.py`: its state across loads (the
-  options, the files, what the last load read), which the loads and reloads below it share;
-- `files.py`: which files vLLM's default loader would read (the model path, `secondary_weights`);
-- `feed.py`: the stream of (name, tensor) handed to the model's `load_weights`;
-- `direct.py`: the first load: dry run, placement, reads straight into the parameters;
-- `reload.py`: in-place reloads (`get_all_weights`) and, where one fails, the weights put back;
-  `restore.py`: what a load read, for a failed reload to read again;
-- `ranks.py`: the engine's ranks and the collectives the integration makes over vLLM's groups;
-- `report.py`: what the last load did (`last_load`);
-- `seeding.py`: the node seeding its `cache_dir` copies to other nodes once loaded (`"seed"`);
-- `startup/`: work done while the engine starts: the fetch (`ahead.py`), compiling while the
-  weights arrive (`overlap.py`), installing the compiled artifacts published beside the weights
-  (`install_compiled.py`; the artifacts themselves: `startup/compiled.py`, unpacked by `unpack.py`);
-- `placement/`: the dry run (`dryrun.py` and its parts) and layers that load alike (`twins.py`);
-- `sync.py`: the "streamload" weight-transfer engine; `check.py`: `streamload vllm-check`.
+`model_loader_extra_config` (`OPTIONS`). The loader resolves the checkpoint as vLLM's default loader
+does (or takes `source`), learns by a dry run of the model's own `load_weights` on stand-ins which part
+of each tensor this tensor-parallel rank keeps and which parameter view it lands in, and streams only
+those bytes, in layer order, straight into the parameters; tensors the dry run could not predict are
+read whole and go through `load_weights` as usual. The modules and their jobs: docs/architecture.md
+(`loader.py` dispatches).
 
 `register` never raises, and importing this package imports no vLLM module (the names below are
 imported on first use, `__getattr__`): vLLM calls every installed plugin in every one of its
@@ -79,8 +52,7 @@ def __getattr__(name: str) -> Any:
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: registers the "streamload" load format where it is
-    tested, else one that refuses; never raises (idempotent: vLLM may call it more than once)."""
+    """The `vllm.general_plugins` entry point; idempotent: vLLM may call it more than once."""
     try:
         import vllm
 
@@ -94,7 +66,6 @@ def register() -> None:
 
 
 def _register_tested() -> None:
-    """The load format, the config hook, the weight-transfer engine and `vllm-check`'s hook."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
 
     from streamload.integrations.vllm import check, config_hook
@@ -121,7 +92,7 @@ def untested(version: str) -> str:
 
 
 def _register_refusal(version: str) -> None:
-    """A load format named "streamload" that refuses in one line (vLLM's public registration only)."""
+    """A load format that refuses in one line, registered through vLLM's public API only."""
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 

@@ -3,16 +3,9 @@
 The model is loaded twice by real vLLM engines, once with vLLM's default loader and once with
 streamload, and every parameter and buffer is compared byte for byte on every tensor-parallel rank
 right after `load_weights`, before vLLM post-processes the weights (on CPU its linear layers hand their
-weights to oneDNN and leave the parameters empty). Run it before trusting the format with a new or
-custom architecture:
-
-    >>> from streamload.integrations.vllm.check import check                       # doctest: +SKIP
-    >>> report = check("path/to/model", tp=2)                          # doctest: +SKIP
-    >>> print(report)                                                  # doctest: +SKIP
-    streamload and vLLM's default loader agree: 2 ranks, 389 tensors each, byte for byte
-
-How the tensors are seen: `STREAMLOAD_VLLM_CHECK=DIR` in a vLLM process makes streamload's plugin wrap
-vLLM's `process_weights_after_loading`, writing each rank's tensors' digests to DIR first.
+weights to oneDNN and leave the parameters empty). How the tensors are seen: `STREAMLOAD_VLLM_CHECK=DIR`
+in a vLLM process makes streamload's plugin wrap vLLM's `process_weights_after_loading`, writing each
+rank's tensors' digests to DIR first.
 """
 
 from __future__ import annotations
@@ -37,8 +30,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def install() -> None:
-    """Wrap vLLM's `process_weights_after_loading` (where `BaseModelLoader.load_model` calls it) so that
-    each rank writes its tensors' digests to `$STREAMLOAD_VLLM_CHECK` first; nothing when it is unset."""
+    """Wrap vLLM's `process_weights_after_loading` so that each rank writes its tensors' digests to
+    `$STREAMLOAD_VLLM_CHECK` first; nothing when it is unset."""
     if not settings.VLLM_CHECK.get():
         return
     from vllm.model_executor.model_loader import base_loader
@@ -48,8 +41,7 @@ def install() -> None:
         return
 
     def process_weights_after_loading(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        out = settings.VLLM_CHECK.get()  # unset again after a check: later loads in this process go on as usual
-        if out:
+        if out := settings.VLLM_CHECK.get():  # unset again after a check: later loads in this process go on as usual
             _write(model, Path(out))
         return original(model, *args, **kwargs)
 
@@ -68,15 +60,13 @@ def _describe(t: torch.Tensor) -> dict[str, Any]:
     """A tensor's digest, and enough of its values to say how two of them differ."""
     if t.is_meta:
         return {"shape": list(t.shape), "dtype": str(t.dtype), "sha256": "meta"}
-    data = t.detach().cpu().contiguous()
-    flat = data.reshape(-1)
-    digest = hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
-    values = (flat.abs() if data.dtype.is_complex else flat).double()
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    values = (flat.abs() if flat.dtype.is_complex else flat).double()
     return {
         "shape": list(t.shape),
         "dtype": str(t.dtype),
-        "sha256": digest,
-        "sum": float(values.sum()) if values.numel() else 0.0,
+        "sha256": hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest(),
+        "sum": float(values.sum()),
         "first": [float(v) for v in values[:4]],
     }
 
@@ -115,12 +105,7 @@ def check(model: str, tp: int = 1, **engine: Any) -> Report:
 
 def check_modes(model: str, modes: dict[str, dict[str, Any]], tp: int = 1, **engine: Any) -> dict[str, Report]:
     """`check` for several sets of streamload's options (`model_loader_extra_config`, by a name of
-    your choosing), against one load by vLLM's default loader:
-
-        >>> reports = check_modes("path/to/model", {"direct": {}, "whole": {"direct": False}})  # doctest: +SKIP
-        >>> all(r.ok for r in reports.values())                                      # doctest: +SKIP
-        True
-    """
+    your choosing), against one load by vLLM's default loader."""
     _exists(model)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process where one rank
     engine = {**_cpu_defaults(engine), **engine}
@@ -149,7 +134,7 @@ def _seen(
 
 
 def _exists(model: str) -> None:
-    """A local directory, or a Hugging Face model id: anything else is named in one line before vLLM
+    """A local directory, or a Hugging Face model id: anything else is refused in one line before vLLM
     is imported (it would answer a mistyped path with a traceback about repo ids)."""
     path = Path(model).expanduser()
     if path.is_dir():
@@ -170,8 +155,7 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def _cpu_defaults(engine: dict[str, Any]) -> dict[str, Any]:
-    """vllm.LLM arguments for a CPU-only machine where VLLM_CPU_KVCACHE_SPACE is unset and the
-    caller chose no KV cache size (a GPU's engines take none)."""
+    """vllm.LLM arguments for a CPU where VLLM_CPU_KVCACHE_SPACE is unset and no KV cache size is chosen."""
     chosen = ("kv_cache_memory_bytes", "gpu_memory_utilization")
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE") or any(k in engine for k in chosen):
         return {}

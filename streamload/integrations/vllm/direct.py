@@ -38,8 +38,8 @@ SMALL_MEAN_BYTES = 4 << 20
 
 
 def dry_run_worth_it(infos: Mapping[str, TensorInfo], watched: Collection[str]) -> bool:
-    """Whether a dry run (or a watched real call) given the tensors `watched` of the checkpoint's
-    `infos` is worth its per-tensor cost: few of them, or large ones on average."""
+    """Whether a dry run (or a watched real call) given the tensors `watched` is worth its per-tensor
+    cost: few of them, or large ones on average."""
     if len(watched) <= MANY_TENSORS:
         return True
     return sum(infos[n].nbytes for n in watched if n in infos) / len(watched) >= SMALL_MEAN_BYTES
@@ -47,14 +47,12 @@ def dry_run_worth_it(infos: Mapping[str, TensorInfo], watched: Collection[str]) 
 
 @dataclass
 class Prediction:
-    """What a first load's checked dry run learnt, kept for the model's reloads (see `PREDICTED`)."""
-
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
     parts: dict[str, Slice | None]  # taken by the model's loaders: this rank's part (None: all of it)
     unused: set[str]
 
     def learned(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Learned | None:
-        """The prediction for a checkpoint of these tensors, or None where they differ from the first's."""
+        """The prediction for a checkpoint of these tensors, or None where they differ."""
         if shapes != self.shapes:
             return None
         copies = {n: Copy(None, part) for n, part in self.parts.items()}  # type: ignore[arg-type]  # no dest
@@ -77,10 +75,9 @@ def load(
     cooperative: bool,
     start: float,
 ) -> Any:
-    """The model's weights from `parts` (their headers read since `start`), streamed with `options`
-    (iter's; each stream's stats appended to `stats`): placed where a dry run pays (`direct`: the
-    option, None: `dry_run_worth_it`) and the real call did what it predicted, else whole tensors
-    through `load_weights`. Returns what `load_weights` returned; `last_load` says what was done."""
+    """The model's weights from `parts` (their headers read since `start`): placed where a dry run pays
+    (`direct`: the option, None: `dry_run_worth_it`) and the real call did what it predicted, else whole
+    tensors through `load_weights`. Returns what `load_weights` returned."""
     shaped = shapes(parts)
     targets = [*model.parameters(), *model.buffers()]
     infos = {name: info for part in parts for name, info in part.names.items()}
@@ -174,21 +171,11 @@ def _learn(
             learned.unused.discard(name)
             learned.whole[name] = "a .pt/.bin file, read whole as vLLM reads it"
     for name, copy in list(learned.copies.items()):  # what the stream cannot write in place, the model does
-        why = _cannot_write(copy.dest, shaped[name][1], device)
-        if why:
+        why = why_not_into(shaped[name][1], copy.dest, device)  # as `iter(into=...)` would refuse it
+        if why or copy.dest.requires_grad:
             del learned.copies[name]
-            learned.whole[name] = why
+            learned.whole[name] = why or "its parameter requires grad"
     return learned
-
-
-def _cannot_write(dest: torch.Tensor, stored: torch.dtype, device: torch.device) -> str:
-    """Why the stream onto `device` cannot write `dest` in place: `iter(into=...)` would refuse it
-    (`plan.why_not_into`), or it is a leaf that requires grad; "" where it can."""
-    if why := why_not_into(stored, dest, device):
-        return why
-    if dest.requires_grad:
-        return "its parameter requires grad"
-    return ""
 
 
 def _quantized_while_loading(model: nn.Module) -> bool:

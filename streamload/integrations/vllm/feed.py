@@ -4,8 +4,9 @@ handed on as its stand-in, or (a reload) read in this rank's part only and hande
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Generator, Iterable, Iterator
-from contextlib import closing, contextmanager, nullcontext
+from collections import deque
+from collections.abc import Collection, Generator, Iterable, Iterator
+from contextlib import closing, nullcontext
 from typing import Any
 
 import torch
@@ -17,7 +18,6 @@ from streamload.format.dtypes import torch_shape
 from streamload.integrations.vllm.files import Part
 from streamload.integrations.vllm.placement.dryrun import Diverged, Learned, Replay
 from streamload.integrations.vllm.ranks import tp_rank_world
-from streamload.plan.checkpoint import Checkpoint
 from streamload.plan.shard import SKIP, ShardSpec, Slice
 
 
@@ -30,27 +30,29 @@ def feed(
     full_shaped: bool = False,
 ) -> Generator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every part in turn, as `load_weights` gets them; each stream's stats appended
-    to `stats` once it is read. With `learned` (a dry run's prediction, replayed as `run`), only each
-    rank's part of the placed tensors is read, straight into place, and they are handed on as their
-    stand-ins, as are the tensors the dry run left unused. `full_shaped` (a reload): each rank's part
-    is read and handed on in a tensor of the full shape."""
+    to `stats` once it is read. `learned`: a dry run's prediction, replayed as `run` (a first load), or
+    `full_shaped` (a reload)."""
     quiet = run.paused if run is not None else nullcontext
     for part in parts:
         if part.checkpoint is not None:
             placed: dict[str, Any] = {}
             if learned is not None:
-                rank, world = tp_rank_world()
-                placed["shard"] = ShardSpec(_rule(learned, part.prefix), rank, world, full_shape=full_shaped)
+                placed["shard"] = ShardSpec(_rule(learned, part.prefix), *tp_rank_world(), full_shape=full_shaped)
                 if not full_shaped:
                     placed["into"] = {
                         n[len(part.prefix) :]: learned.copies[n].dest for n in part.names if n in learned.copies
                     }
-            with _opened(part.checkpoint, {**options, **placed}, quiet) as stream:
+            with quiet():  # planned and closed unwatched: during a replay, the stream's work is not the loader's
+                stream = api.iter(part.checkpoint, **options, **placed)
+            try:
                 if full_shaped:
                     assert learned is not None
                     yield from _full_shaped(stream, part, learned)
                 else:
                     yield from _tensors(stream, part, learned, run)
+            finally:
+                with quiet():
+                    stream.close()
             stats.append(stream.stats)
         yield from part.others
 
@@ -63,25 +65,10 @@ def load_weights_from(model: nn.Module, weights: Generator[tuple[str, torch.Tens
         try:
             result = model.load_weights(weights)
         except Diverged:
-            for _ in weights:
-                pass
+            deque(weights, maxlen=0)  # read to its end
             raise
-        for _ in weights:
-            pass
+        deque(weights, maxlen=0)
         return result
-
-
-@contextmanager
-def _opened(checkpoint: Checkpoint, options: dict[str, Any], quiet: Callable[[], Any]) -> Iterator[Any]:
-    """`api.iter(checkpoint, **options)`, planned and closed within `quiet()` (during a replay: the
-    stream's work is not the loader's, and not watched)."""
-    with quiet():
-        stream = api.iter(checkpoint, **options)
-    try:
-        yield stream
-    finally:
-        with quiet():
-            stream.close()
 
 
 def _rule(learned: Learned, prefix: str) -> Any:
@@ -99,8 +86,8 @@ def _rule(learned: Learned, prefix: str) -> Any:
 def _tensors(
     stream: Any, part: Part, learned: Learned | None, run: Replay | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A part's stream as `load_weights` gets it: every name, prefixed; with a replay, placed and unused
-    tensors as their stand-ins (the unused ones, never read, where the dry run had them)."""
+    """A part's stream as `load_weights` gets it: with a replay, placed and unused tensors as their
+    stand-ins (the unused ones, never read, where the dry run had them)."""
     if learned is None or run is None:
         yield from ((part.prefix + name, t) for name, t in stream)
         return
@@ -122,9 +109,8 @@ def _paused(stream: Any, run: Replay, prefix: str, trusted: Collection[str]) -> 
 
 
 def _full_shaped(stream: Any, part: Part, learned: Learned) -> Iterator[tuple[str, torch.Tensor]]:
-    """A reload's stream as `load_weights` gets it: every name, prefixed; a tensor read in part is
-    full-shaped already (`ShardSpec(full_shape=True)`), one never looked at is handed on as an
-    uninitialised tensor (host memory commits only the pages written)."""
+    """A reload's stream as `load_weights` gets it: a tensor never looked at is handed on uninitialised
+    (host memory commits only the pages written)."""
     unused: list[str] = []  # made on the next tensor's device (after the last one: the host)
     for name, t in _in_order(part, stream, learned.unused):
         if t is None:

@@ -27,8 +27,7 @@ from streamload.storage import redacted
 
 class Part:
     """One place the model's weights come from (the model path, or one of its `secondary_weights`): its
-    safetensors files, streamed, and the tensors of its .pt/.bin files, read as vLLM reads them; every
-    name prefixed by `prefix`."""
+    safetensors files, streamed, and the tensors of its .pt/.bin files (`others`); names prefixed."""
 
     def __init__(self, prefix: str, checkpoint: Checkpoint | None, others: list[tuple[str, torch.Tensor]]) -> None:
         self.prefix, self.checkpoint, self.others = prefix, checkpoint, others
@@ -53,7 +52,7 @@ class Files:
         model = model_config.model
         if given:
             return str(given)
-        if getattr(model_config, "model_weights", ""):  # object storage: vLLM pulled the configs
+        if model_config.model_weights:  # object storage: vLLM pulled the configs
             return str(model_config.model_weights)
         if os.path.exists(model) or "://" in model:
             return model
@@ -70,8 +69,7 @@ class Files:
     @staticmethod
     def sources(where: str, model_config: ModelConfig, model: nn.Module) -> list[Any]:
         """Every place the model's weights come from, as vLLM's `DefaultModelLoader.get_all_weights`
-        finds them: `where` (the model's `allow_patterns_overrides`, `fall_back_to_pt_during_load` and
-        `is_unused_checkpoint_weight` applied) and then each of its `secondary_weights`."""
+        finds them: `where`, then each of its `secondary_weights`."""
         primary = DefaultModelLoader.Source(
             where,
             model_config.revision,
@@ -84,17 +82,13 @@ class Files:
     def part(self, source: Any, primary: bool, cache_dir: str | None) -> Part:
         """The files of one of `sources`, their headers read (a missing shard or a broken header fails here)."""
         where = redacted(source.model_or_path)  # no password of a URL in the message
-        if "://" in where:  # object storage: the files are what streamload lists there
-            if not primary or source.allow_patterns_overrides is not None:
-                what = (
-                    "secondary weights"
-                    if not primary
-                    else f"allow_patterns_overrides {source.allow_patterns_overrides}"
-                )
-                raise UnsupportedError(
-                    f"streamload: the model's {what} cannot be honoured for weights in object storage ({where}): "
-                    "give vLLM a local directory or hub id"
-                )
+        # object storage: the files are what streamload lists there, with no file selection to honour
+        if "://" in where and (not primary or source.allow_patterns_overrides is not None):
+            what = f"allow_patterns_overrides {source.allow_patterns_overrides}" if primary else "secondary weights"
+            raise UnsupportedError(
+                f"streamload: the model's {what} cannot be honoured for weights in object storage ({where}): "
+                "give vLLM a local directory or hub id"
+            )
         if "://" in where or (primary and os.path.isfile(where)):  # listed by streamload, or one file: no selection
             return Part("", open_checkpoint(where, cache_dir), [])
         # vLLM's own file selection (its "auto" format): the same files as its default loader reads.

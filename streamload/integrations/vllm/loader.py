@@ -33,27 +33,19 @@ class StreamloadModelLoader(BaseModelLoader):
 
     @property
     def options(self) -> dict[str, Any]:
-        """The checked `model_loader_extra_config`."""
         return self.state.options
 
     def download_model(self, model_config: ModelConfig) -> None:
         self.source(model_config, first=True)
 
     def source(self, model_config: ModelConfig, first: bool = False) -> str:
-        """Where the weights are, resolved the way vLLM's default loader resolves a model. The `source`
-        option applies to the `first` load only, not to a reload from a new path."""
         return self.state.source(model_config, first)
 
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
         """(name, tensor) in layer order: what vLLM's `reload_weights` feeds `load_weights`. Where the
-        model's first load ran as its dry run predicted and the new checkpoint has the same tensors
-        (names, shapes, dtypes), the reload reads what that load read: each tensor the model's loaders
-        took a part of is read in that part only and handed on full-shaped, the rest of it never
-        written (nor, as the dry run showed, read); tensors they never looked at are not read.
-        Otherwise whole tensors, as vLLM's default loader gives them.
-
-        A reload that fails on any rank, at any point, leaves every rank serving the weights it had
-        (reload.py): the error is raised once they are back."""
+        model's first load ran as its dry run predicted and the new checkpoint has the same tensors, each
+        rank reads only what that load read. A reload that fails on any rank leaves every rank serving
+        the weights it had (reload.py): the error is raised once they are back."""
         return reload.guarded(self.state, model_config, model)
 
     def load_model(self, vllm_config: Any, model_config: ModelConfig, prefix: str = "") -> nn.Module:
@@ -88,18 +80,15 @@ class StreamloadModelLoader(BaseModelLoader):
 
     def _staged(self, started: Any, load: Callable[..., None], *args: Any, after: Callable[[], None] | None = None
                 ) -> None:  # fmt: skip
-        """`load(*args)` from the files the fetch started with the engine stages (startup/ahead.py), if any;
-        then `after()`, once it has loaded."""
+        """`load(*args)` from the files the fetch started with the engine stages, then `after()`."""
         ahead.load_from_staging(self.state, started, load, *args)
         if after is not None:
             after()
 
     def _seed(self, model: nn.Module) -> None:
-        """The first load's copies complete: the node seeds them if the options ask (seeding.py)."""
         last_load.seeding = seeding.start(self.options, model)
 
     def _compile_cache(self, model_config: ModelConfig) -> concurrent.futures.Future[str] | None:
-        """Compiled artifacts published beside the weights, fetched and installed on a thread of its own."""
         return install_compiled.start(self.options, model_config)
 
     @collector_paused  # a many-tensor model's placement is tens of thousands of objects (placement/twins.py)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from streamload import options
-from streamload.integrations.startup import pinned_digests as pins
+from streamload.integrations.startup import pinned_digests
 from streamload.integrations.vllm.seeding import seed_options
 from streamload.storage.remote import is_url
 
@@ -45,8 +45,7 @@ def check_options(extra: Any) -> dict[str, Any]:
         raise ValueError(
             f"model_loader_extra_config for load format {FORMAT!r} must be a dict, not {type(extra).__name__}"
         )
-    unknown = sorted(set(extra) - set(OPTIONS))
-    if unknown:
+    if unknown := sorted(set(extra) - set(OPTIONS)):
         raise ValueError(
             f"unknown model_loader_extra_config keys for load format {FORMAT!r}: {', '.join(unknown)}; "
             f"known keys: {', '.join(OPTIONS)}"
@@ -62,7 +61,7 @@ def check_options(extra: Any) -> dict[str, Any]:
             if key in options.CONFIG:
                 checked[key] = options.check(key, value)
             elif key == "compile_cache":
-                pins.pins(value)
+                pinned_digests.pins(value)
             elif key == "seed":
                 checked[key] = seed_options(value)
         except (TypeError, ValueError) as exc:

@@ -1,16 +1,14 @@
-"""The engine's ranks, and the collectives the integration makes over vLLM's groups (`Ranks`): whether
-every rank's first load read alike, a failed reload's vote, and the barrier after the first load.
-
-Every collective here is made by every rank of its group at the same point, once: a rank that skipped
-one would leave the others waiting in it until the group's timeout.
+"""The engine's ranks, and the collectives the integration makes over vLLM's groups (`Ranks`). Every
+collective here is made by every rank of its group at the same point, once: a rank that skipped one
+would leave the others waiting in it until the group's timeout.
 
 The vote at the end of a reload (`Ranks.decide`, reload.py): a peer that never votes (its process
 died, or it hangs) fails the vote: gloo sees a dead peer's connections close at once (~30 ms
-measured), and gives up on a live one that does not answer after the group's timeout (vLLM's
-`cpu_distributed_timeout_seconds`; torch's default for gloo is 30 minutes). That timeout is the vote's
-bound: ranks legitimately reach the vote far apart (one still streaming its larger share), so no
-shorter bound is safe. A rank whose vote was lost asks its peers nothing more (a second collective on
-a broken group raises or waits as long again).
+measured), and gives up on a live one after the group's timeout (vLLM's
+`cpu_distributed_timeout_seconds`; torch's default for gloo is 30 minutes). Ranks legitimately reach
+the vote far apart (one still streaming its larger share), so no shorter bound is safe. A rank whose
+vote was lost asks its peers nothing more (a second collective on a broken group raises or waits as
+long again).
 
 With `cooperative`, a rank that fails while its peers still exchange batches with it votes while they
 wait in an exchange on the same group: they give up on it after the exchange's deadline and read its
@@ -27,9 +25,8 @@ import torch.distributed as dist
 
 
 class Ranks:
-    """Ranks of a torch.distributed group that decide together: every rank of the engine (vLLM's world
-    group: all pipeline stages, tensor, expert and data parallel ranks, `of_engine`) or the tensor-
-    parallel ranks that read one model's tensors (`of_tensor_parallel`)."""
+    """Ranks of a torch.distributed group that decide together: every rank of the engine (`of_engine`:
+    all pipeline stages, tensor, expert and data parallel ranks) or the tensor-parallel ones."""
 
     def __init__(self, group: Any | None) -> None:
         self._group = group  # a torch.distributed group of them all (CPU), or None: a rank alone
@@ -47,7 +44,6 @@ class Ranks:
 
     @staticmethod
     def of_tensor_parallel() -> Ranks:
-        """vLLM's group of the tensor-parallel ranks (its CPU group)."""
         from vllm.distributed import get_tp_group
 
         return Ranks(get_tp_group().cpu_group)
@@ -58,18 +54,14 @@ class Ranks:
         return self.rank == self.world - 1
 
     def barrier(self) -> None:
-        """Wait until every rank is here (a rank alone: nothing to wait for)."""
         if self._group is not None:
             dist.barrier(group=self._group)
 
     def all(self, ok: bool) -> bool:
-        """Whether `ok` holds on every rank: one collective."""
         return self.vote(ok, False)[0]
 
     def vote(self, ok: bool, touched: bool) -> tuple[bool, bool]:
-        """(ok on every rank, touched on any): one collective, which every rank makes once per reload,
-        at its end, whatever happened before. Raises where a peer never votes (the module's docstring:
-        bounded by the group's timeout)."""
+        """(ok on every rank, touched on any): one collective. Raises where a peer never votes."""
         if self.world == 1:
             return ok, touched
         flags = torch.tensor([0 if ok else 1, int(touched)])
@@ -77,8 +69,7 @@ class Ranks:
         return not flags[0].item(), bool(flags[1].item())
 
     def reasons(self, why: str) -> list[str]:
-        """Every rank's reason for a failed reload ("" where it had none), after a failed vote that
-        every rank made."""
+        """Every rank's reason for a failed reload ("" where it had none)."""
         if self.world == 1:
             return [why]
         every: list[Any] = [None] * self.world
@@ -104,8 +95,6 @@ class Ranks:
 
 
 class Decision(NamedTuple):
-    """What the engine's ranks decided at the end of a reload (`Ranks.decide`)."""
-
     ok: bool
     touched: bool  # new weights reached some layer on some rank (or may have: a lost vote)
     reasons: list[str]  # every rank's reason ("" where none); only this rank's where the vote was lost
@@ -119,7 +108,7 @@ def _short(exc: BaseException) -> str:
 
 
 def tp_rank_world() -> tuple[int, int]:
-    """This rank and the number of tensor-parallel ranks (a model built outside an engine: 0 and 1)."""
+    """This rank and the number of tensor-parallel ranks."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     try:
@@ -129,8 +118,7 @@ def tp_rank_world() -> tuple[int, int]:
 
 
 def tp_group(device: torch.device) -> Any:
-    """vLLM's group of the tensor-parallel ranks for a cooperative stream onto `device` (every rank is
-    in load_weights when it is used)."""
+    """vLLM's group of the tensor-parallel ranks for a cooperative stream onto `device`."""
     from vllm.distributed import get_tp_group
 
     from streamload.device import KINDS

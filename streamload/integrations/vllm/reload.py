@@ -1,35 +1,30 @@
 """In-place reloads (`StreamloadModelLoader.get_all_weights`): the stream vLLM's `reload_weights` feeds
 `load_weights`, and, where a reload fails on any rank, the weights served before put back on every one.
 
-vLLM's in-place reload (`reload_weights(weights_path=...)`, the weight-transfer engine's updates)
-empties each layer onto meta, and fills and processes it as its weights arrive, in place. A stream
-that fails mid-way (a damaged byte caught by `verify`, a shard gone or cut short, a store refusing)
-would leave the layers already filled with the new weights and the others on meta: a dead engine; so
-would a model whose `load_weights` raises mid-way (a weight loader refusing a tensor of another shape),
-its peers waiting in the vote until the group's timeout. So the reload's feed ends, on every rank and
-every way out of it (its end, its error, its close when its consumer raised), with a vote
-(`ranks.Ranks.decide`: one all-reduce on vLLM's CPU world group: every pipeline stage and every
-tensor, expert and data parallel rank, since a stage that kept new weights while another put old ones
-back would serve a mix); where any rank failed, every rank puts its layers back (vLLM's own
-finalisation), reads the weights it served before over them if anything had arrived (only from the
-very files read then: restore.py), and raises the error.
-Every parameter keeps its storage, so the engine serves the previous weights at the same addresses.
+vLLM's in-place reload empties each layer onto meta and fills and processes it as its weights arrive.
+A stream that fails mid-way (a damaged byte caught by `verify`, a shard gone or cut short, a store
+refusing), or a model whose `load_weights` raises mid-way, would leave some layers new and the others
+on meta: a dead engine. So the reload's feed ends, on every rank and every way out of it (its end, its
+error, its close when its consumer raised), with a vote (`ranks.Ranks.decide`) on vLLM's CPU world
+group: every pipeline stage and every tensor, expert and data parallel rank, since a stage that kept
+new weights while another put old ones back would serve a mix. Where any rank failed, every rank puts
+its layers back (vLLM's own finalisation), reads the weights it served before over them if anything
+had arrived (only from the very files read then: restore.py), and raises the error. Every parameter
+keeps its storage, so the engine serves the previous weights at the same addresses.
 
 The stream's error is raised by the engine's last rank only, naming every rank's reason (the others
 log it and return, their weights restored): vLLM's executor reads the workers' replies to a call in
 rank order and stops at the first failure, leaving the later replies queued as the answers to the next
-call (vLLM 0.32, `MultiprocExecutor.collective_rpc`), so a failure raised by every rank, or by a
-rank before the last, would make the engine's next call fail with a stale error. A rank whose vote
-was lost (a peer died or hung: ranks.py) asks its peers nothing more: it puts its layers back, reads
-the previous weights over them, and raises (every such rank: the engine has lost a worker, so the
-rank-order reasoning above no longer holds).
+call (vLLM 0.32, `MultiprocExecutor.collective_rpc`), so a failure raised by a rank before the last
+would make the engine's next call fail with a stale error. A rank whose vote was lost (a peer died or
+hung: ranks.py) asks its peers nothing more: it restores and raises (every such rank: the engine has
+lost a worker, so the rank-order reasoning no longer holds).
 
-A rank whose model raised learns it only when the stream is closed: vLLM's `reload_weights` lets go
-of it with the error (a worker, once it has sent the error back and before it takes the next call;
-the weight-transfer engine closes it itself: sync.py). That rank votes "failed" from the close, every
-rank restores, and the model's own error is the one raised, by that rank, once: no rank raises
-streamload's over it (the others log what happened). Where that rank is not the last, vLLM's executor
-stops at its reply and leaves the later ranks' replies queued (above): nothing a loader can change.
+A rank whose model raised learns it only when the stream is closed (vLLM's `reload_weights` lets go of
+it with the error; the weight-transfer engine closes it itself: sync.py). That rank votes "failed" from
+the close, every rank restores, and the model's own error is the one raised, by that rank, once: no
+rank raises streamload's over it. Where that rank is not the last, vLLM's executor stops at its reply
+and leaves the later ranks' replies queued (above): nothing a loader can change.
 """
 
 from __future__ import annotations
@@ -60,15 +55,12 @@ STOPPED = "its model's load_weights raised (its own error, raised by that rank) 
 
 
 def guarded(state: LoadState, model_config: ModelConfig, model: nn.Module) -> Generator[tuple[str, torch.Tensor]]:
-    """The reload's stream (`stream`), then the vote of every rank, on every way out: the stream's end,
-    its error, or the stream closed early (its consumer, the model's `load_weights`, raised: vLLM's
-    `reload_weights` lets go of the stream with the error, which closes it). Where any rank failed,
-    this rank's previous weights are put back and the error raised (module docstring: by which rank)."""
-    world = tp_rank_world()[1]
+    """The reload's stream (`stream`), then the vote of every rank, on every way out (module docstring);
+    where any rank failed, this rank's previous weights are put back and the error raised."""
     failure: Exception | None = None
     stopped = False
     touched = False
-    weights = stream(state, model_config, model, world, bool(state.options.get("cooperative")))
+    weights = stream(state, model_config, model, bool(state.options.get("cooperative")))
     try:  # vLLM's reload has emptied the layers: from here every rank votes, whatever happens
         for pair in weights:
             touched = True
@@ -78,30 +70,11 @@ def guarded(state: LoadState, model_config: ModelConfig, model: nn.Module) -> Ge
     except GeneratorExit:  # closed early: nothing more is yielded, but this rank still votes and restores
         stopped = True
     finally:
-        failure = _closed(weights, failure)
-    _decide(state, model_config, model, failure, stopped, touched)
-
-
-def _closed(weights: Generator[tuple[str, torch.Tensor]], failure: Exception | None) -> Exception | None:
-    """The stream closed (its threads and slots let go of before anything reads again); `failure`, or
-    the close's own error where there was none (it must not skip the vote)."""
-    try:
-        weights.close()
-    except Exception as exc:
-        return failure or exc
-    return failure
-
-
-def _decide(
-    state: LoadState,
-    model_config: ModelConfig,
-    model: nn.Module,
-    failure: Exception | None,
-    stopped: bool,
-    touched: bool,
-) -> None:
-    """The vote (one collective, on every rank), and where any rank failed, this rank's previous weights
-    put back and the error raised or logged. Never yields: it may run in the stream's close."""
+        try:  # its threads and slots let go of before anything reads again
+            weights.close()
+        except Exception as exc:  # the close's own error, where there was none: it must not skip the vote
+            failure = failure or exc
+    # The vote (one collective, on every rank); nothing is yielded from here: this may run in the close.
     ranks = Ranks.of_engine()
     why_mine = STOPPED if stopped else None if failure is None else str(failure)
     decided = ranks.decide(why_mine, touched)  # never raises
@@ -125,25 +98,22 @@ def stream(
     state: LoadState,
     model_config: ModelConfig,
     model: nn.Module,
-    world: int,
     cooperative: bool,
     parts: list[Part] | None = None,
 ) -> Generator[tuple[str, torch.Tensor]]:
-    """(name, tensor) in layer order, as vLLM's `reload_weights` feeds `load_weights`: where the first
-    load's prediction (`direct.PREDICTED`) holds for these tensors, each rank's part only, full-shaped;
-    otherwise whole tensors."""
+    """(name, tensor) in layer order: where the first load's prediction (`direct.PREDICTED`) holds for
+    these tensors, each rank's part only, full-shaped; otherwise whole tensors."""
     parts = parts if parts is not None else state.parts(model_config, model, first=False)
     state.reloaded, state.stats = parts, []
     options = state.stream_options(model)
+    world = tp_rank_world()[1]
     predicted = PREDICTED.get(model)
     learned = predicted.learned(shapes(parts)) if predicted is not None else None
     if cooperative and world > 1:
         if not Ranks.of_tensor_parallel().all(learned is not None):
             learned = None
         options["cooperative"] = tp_group(options["device"])
-    weights = (
-        feed(parts, options, state.stats, learned, full_shaped=True) if learned else feed(parts, options, state.stats)
-    )
+    weights = feed(parts, options, state.stats, learned, full_shaped=learned is not None)
     try:
         yield from weights
     finally:
@@ -160,7 +130,7 @@ def _restore(
     failed: str,
 ) -> None:
     """This rank's layers put back and, where new weights reached any (or may have), the previous
-    weights read over them; `failed`: what the error says went wrong before."""
+    weights read over them; `failed`: what went wrong before, for the error."""
     try:
         restore.put_back_layers(model, model_config)
         if touched:  # new weights reached some layer on some rank: the previous ones are read again
@@ -178,22 +148,19 @@ def _restore(
 
 
 def _read_again(state: LoadState, previous: restore.Served, model_config: ModelConfig, model: nn.Module) -> None:
-    """The weights `previous` names, read over the model in place (each rank alone, unchecked: they
-    were checked when they were first read), from the very files read then: where any changed since
-    (restore.py: `Loaded`), nothing is read and the error names each file and what changed."""
-    again = state.again()
+    """The weights `previous` names, read over the model in place from the very files read then (each
+    rank alone, unchecked: they were checked when first read); where any changed since, nothing is read
+    and the error names each file and what changed."""
+    again = LoadState(state.load_config, {k: v for k, v in state.options.items() if k not in ("cooperative", "verify")})
     config = shallow_copy(model_config)
-    config.model, config.revision = previous.where, None
-    if hasattr(config, "model_weights"):
-        config.model_weights = ""
+    config.model, config.model_weights, config.revision = previous.where, "", None
     parts = again.parts(config, model, first=False)  # headers only: no tensor byte read yet
-    changed = previous.changes(checkpoints(parts))
-    if changed:
+    if changed := previous.changes(checkpoints(parts)):
         raise StreamloadError(
             f"the weights served before cannot be restored: {len(changed)} of the files they were loaded "
             f"from changed since ({'; '.join(changed)})"
         )
-    weights = stream(again, config, model, tp_rank_world()[1], cooperative=False, parts=parts)
+    weights = stream(again, config, model, cooperative=False, parts=parts)
     try:
         restore.reload_over(model, model_config, weights)
     finally:
@@ -202,7 +169,7 @@ def _read_again(state: LoadState, previous: restore.Served, model_config: ModelC
 
 def _because(ranks: Ranks, decided: Decision, why: Exception) -> str:
     """A failed reload's reasons: this rank's alone, or every rank's that had one (and why the ranks
-    could not decide together, if they could not)."""
+    could not decide together)."""
     if ranks.world == 1:
         return str(why)
     said = [f"rank {r}: {t}" for r, t in enumerate(decided.reasons) if t]

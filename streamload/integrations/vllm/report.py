@@ -5,16 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from streamload.integrations.vllm.placement.learned import Learned
+
 if TYPE_CHECKING:
     from streamload.base.stats import Stats
     from streamload.integrations.vllm.files import Part
-    from streamload.integrations.vllm.placement.dryrun import Learned
 
 
 @dataclass
 class Report:
-    """What the last load in this process did (`last_load`): for logs, tests and benchmarks."""
-
     seconds: float = 0.0
     plan_seconds: float = 0.0  # of which: headers and the dry run, before the first byte is read
     bytes_read: int = 0
@@ -37,17 +36,20 @@ last_load = Report()
 
 def record(parts: list[Part], stats: list[Stats], learned: Learned | None, world: int) -> None:
     """`last_load`, from the streams' stats of this load (a load that diverged and was redone: both)."""
+    learned = learned or Learned()  # nothing placed: every tensor read whole
     last_load.bytes_read = sum(s.bytes_read for s in stats)
     last_load.reader = ", ".join(dict.fromkeys(s.reader for s in stats))
     last_load.bytes_total = sum(part.checkpoint.nbytes for part in parts if part.checkpoint is not None)
     every = [name for part in parts for name in (*part.names, *(n for n, _ in part.others))]
-    last_load.direct = len(learned.copies) if learned else 0
-    last_load.unused = len(learned.unused) if learned else 0
-    last_load.by_twin = len(learned.trusted - learned.unused) if learned else 0
+    last_load.direct = len(learned.copies)
+    last_load.unused = len(learned.unused)
+    last_load.by_twin = len(learned.trusted - learned.unused)
     last_load.through_model = len(every) - last_load.direct - last_load.unused
-    split = {n for n, c in learned.copies.items() if c.part is not None} if learned else set()
-    unused = learned.unused if learned else set()
+    split = {n for n, c in learned.copies.items() if c.part is not None}
     last_load.bytes_fair = sum(
-        t.nbytes // world if n in split else t.nbytes for p in parts for n, t in p.names.items() if n not in unused
+        t.nbytes // world if n in split else t.nbytes
+        for p in parts
+        for n, t in p.names.items()
+        if n not in learned.unused
     )
-    last_load.why_whole = dict(list(learned.whole.items())[:3]) if learned else {}
+    last_load.why_whole = dict(list(learned.whole.items())[:3])

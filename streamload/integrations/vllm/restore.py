@@ -1,11 +1,10 @@
-"""What a failed reload puts back: the weights served before, read again from the very files a load
-read, and vLLM's own end of a layerwise reload (reload.py decides when, on every rank).
+"""What a failed reload puts back (reload.py decides when): the weights served before, read again from
+the very files a load read, and vLLM's own end of a layerwise reload.
 
-Each load records every file's identity (size, and inode and mtime for a local file, ETag or
-Last-Modified for an object) and, where `verify` checked it, its digests (`Loaded`, `Served`); a
-restore finds the files again, reads their headers only and refuses, naming each file and what
-changed, before reading a byte of tensor data. (The storage checks every later read against the
-identity its header was read with, so a file changed after that check fails the read, not the weights.)
+Each load records every file's identity (size, inode and mtime, or an object's ETag, ...) and, where
+`verify` checked it, its digests (`Loaded`, `Served`); a restore reads the files' headers again and
+refuses, naming each file and what changed, before reading a byte of tensor data. (The storage checks
+every later read against the identity its header was read with: a later change fails the read.)
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ class Loaded:
     digest: str = ""  # what `verify` checked it against (see `_fingerprint`); "" where it checked nothing
 
     def change(self, now: Loaded | None) -> str:
-        """What differs in `now` (this file as found to read it again; None: not found), or ""."""
+        """What differs in `now` (this file found again; None: not found), or ""."""
         if now is None:
             return f"{self.path}: no longer among the checkpoint's files"
         what = []
@@ -72,8 +71,8 @@ def _when(ns: object) -> str:
 
 
 def loaded_files(checkpoints: Iterable[Checkpoint], verify: Any = False) -> tuple[Loaded, ...]:
-    """Every file of `checkpoints` as read (their headers' identities), with the digests a load with
-    `verify=` checks them against (only headers and digest files are read, no tensor data)."""
+    """Every file of `checkpoints` as read, with the digests a load with `verify=` checks them against
+    (only headers and digest files are read)."""
     out: list[Loaded] = []
     for checkpoint in checkpoints:
         digests = _digests(checkpoint, verify)
@@ -108,7 +107,7 @@ def _fingerprint(known: Known) -> str:
 @dataclass(frozen=True)
 class Served:
     """Where a model's current weights came from (`where`, resolved), its config's fields then, and the
-    files read (`files`: what a restore refuses to read again if any changed)."""
+    files read."""
 
     where: str
     model: str
@@ -120,13 +119,10 @@ class Served:
     @staticmethod
     def of(where: str, model_config: Any, checkpoints: Iterable[Checkpoint] = (), verify: Any = False) -> Served:
         files = loaded_files(checkpoints, verify)
-        return Served(
-            where, model_config.model, getattr(model_config, "model_weights", ""), model_config.revision, files, verify
-        )
+        return Served(where, model_config.model, model_config.model_weights, model_config.revision, files, verify)
 
     def changes(self, checkpoints: Iterable[Checkpoint]) -> list[str]:
-        """Each file of `checkpoints` (the same source, found again) that is not as it was loaded, and
-        what changed; each file loaded then that is gone."""
+        """Each file of `checkpoints` (the same source, found again) not as it was loaded, and how."""
         now = {f.path: f for f in loaded_files(checkpoints, self.verify)}
         out = [c for f in self.files if (c := f.change(now.get(f.path)))]
         then = {f.path for f in self.files}
@@ -134,9 +130,8 @@ class Served:
 
     def put_back(self, model_config: Any) -> None:
         """The config's fields as they were (vLLM's reload pointed them at the failed path)."""
-        model_config.model, model_config.revision = self.model, self.revision
-        if hasattr(model_config, "model_weights"):
-            model_config.model_weights = self.model_weights
+        for name in ("model", "model_weights", "revision"):
+            setattr(model_config, name, getattr(self, name))
 
 
 SERVED: WeakKeyDictionary[nn.Module, Served] = WeakKeyDictionary()

@@ -1,8 +1,6 @@
 """Seeding while the engine serves (`"seed"` in `model_loader_extra_config`): once the engine's first load
 has its copies complete in `cache_dir`, the node serves them to other nodes' loads with `peers=`
-(servers/seed.py: HTTP ranges of the copies the cache's records vouch for, read-only, to peers that prove
-with each request that they read the object from its origin; `token_file` adds the peers' token to that
-proof, `cert` and `key` serve TLS).
+(servers/seed.py).
 
 It runs in the process that loaded (vLLM's worker), on a daemon thread: it stops with that process, or
 when the model is freed (an engine closed in a process that goes on). One seeder a host: the first rank
@@ -16,7 +14,7 @@ import logging
 import weakref
 from typing import Any
 
-from streamload.base import argument_checks as arguments
+from streamload.base import argument_checks
 
 log = logging.getLogger("vllm.streamload")
 
@@ -39,8 +37,7 @@ def seed_options(value: Any) -> dict[str, Any] | None:
         return {"host": host, "port": port}
     if not isinstance(value, dict):
         raise ValueError(f"seed must be true, '[HOST:]PORT' or a dict of {', '.join(KEYS)}, not {value!r}")
-    unknown = sorted(set(value) - set(KEYS))
-    if unknown:
+    if unknown := sorted(set(value) - set(KEYS)):
         raise ValueError(f"seed: unknown keys {', '.join(unknown)}; known keys: {', '.join(KEYS)}")
     out = dict(value)
     if "host" in out and not isinstance(out["host"], str):
@@ -49,9 +46,9 @@ def seed_options(value: Any) -> dict[str, Any] | None:
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ValueError(f"seed['port'] must be a port number (0: any free one), not {port!r}")
     if "rate" in out:
-        out["rate"] = arguments.size(out["rate"], "seed['rate']")
+        out["rate"] = argument_checks.size(out["rate"], "seed['rate']")
     if "connections" in out:
-        out["connections"] = arguments.count(out["connections"], "seed['connections']")
+        out["connections"] = argument_checks.count(out["connections"], "seed['connections']")
     for name in FILES:
         if name in out and not (isinstance(out[name], str) and out[name]):
             raise ValueError(f"seed[{name!r}] must be a file's path (a str), not {out[name]!r}")
@@ -59,8 +56,8 @@ def seed_options(value: Any) -> dict[str, Any] | None:
 
 
 def start(options: dict[str, Any], model: Any) -> str:
-    """After the first load: seed `options["cache_dir"]` if the options ask (`seed`) and this is the first
-    rank on its host; the URL it serves at ("" where it does not seed)."""
+    """After the first load: seed `options["cache_dir"]` if the options ask and this is the first rank on
+    its host; the URL it serves at ("" where it does not seed)."""
     spec = seed_options(options.get("seed"))
     if spec is None or _local_rank() != 0:
         return ""

@@ -1,7 +1,5 @@
-"""A loader's state across its model's loads (`LoadState`), and what every kind of load asks of it:
-the first load (loader.py, direct.py), a load after compiling (startup/overlap.py), a load from the
-files fetched ahead (startup/ahead.py) and reloads (reload.py) all work on it; the loader only
-dispatches."""
+"""A loader's state across its model's loads (`LoadState`), which the first load, a load after
+compiling, a load from the files fetched ahead and reloads all work on."""
 
 from __future__ import annotations
 
@@ -21,10 +19,9 @@ from streamload.integrations.vllm.options import STREAM
 
 
 class LoadState:
-    """One loader's: its checked `options` (`model_loader_extra_config`), the `files` vLLM's default
-    loader would read, the last load's streams' `stats` (not the streams: they hold the parameters),
-    `where` the weights last came from (what a failed reload restores from) and the parts the last
-    reload read (`reloaded`)."""
+    """One loader's checked `options`, the `files` vLLM's default loader would read, the last load's
+    streams' `stats` (not the streams: they hold the parameters), `where` the weights last came from
+    and the parts the last reload read (`reloaded`)."""
 
     def __init__(self, load_config: LoadConfig, options: dict[str, Any]) -> None:
         self.load_config = load_config
@@ -34,19 +31,13 @@ class LoadState:
         self.where = ""
         self.reloaded: list[Part] = []
 
-    def again(self) -> LoadState:
-        """A state of its own for reading the weights served before over a model (reload.py): these
-        options, each rank alone and unchecked (they were checked when they were first read)."""
-        options = {k: v for k, v in self.options.items() if k not in ("cooperative", "verify")}
-        return LoadState(self.load_config, options)
-
     def source(self, model_config: ModelConfig, first: bool = False) -> str:
         """Where the weights are, resolved the way vLLM's default loader resolves a model. The `source`
         option applies to the `first` load only, not to a reload from a new path."""
         return self.files.resolve(model_config, self.options.get("source") if first else None)
 
     def parts(self, model_config: ModelConfig, model: nn.Module, first: bool) -> list[Part]:
-        """Every place the model's weights come from (files.py), their headers read."""
+        """Every place the model's weights come from, their headers read."""
         sources = self.files.sources(self.source(model_config, first), model_config, model)
         self.where = str(sources[0].model_or_path)
         cache_dir = self.options.get("cache_dir")
@@ -54,12 +45,10 @@ class LoadState:
 
     def stream_options(self, model: nn.Module) -> dict[str, Any]:
         """`iter`'s options for a stream into `model`: the streaming ones given, on the model's device."""
-        options: dict[str, Any] = {k: self.options[k] for k in STREAM if k in self.options}
-        return {"device": _device_of(model), **options}
+        return {"device": _device_of(model), **{k: self.options[k] for k in STREAM if k in self.options}}
 
     def served(self, model_config: ModelConfig, parts: list[Part]) -> restore.Served:
-        """What a load read (every file's identity and checked digests), for a failed reload to
-        restore from (restore.py)."""
+        """What a load read, for a failed reload to restore from (restore.py)."""
         return restore.Served.of(self.where, model_config, checkpoints(parts), self.options.get("verify", False))
 
     @staticmethod

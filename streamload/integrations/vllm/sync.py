@@ -15,14 +15,12 @@ the streamload load format (threads, cooperative, ...):
 Never half-applied: an update whose checkpoint is corrupt or goes missing mid-read (`verify` checks
 the digest file that `publish` writes; a vanished shard is a read error) fails naming the file and
 tensor, once every rank serves the step it served before (or the model it started with) again, not
-a mix: the loader's reload restores them (reload.py), as for `reload_weights`. The engine is
-registered by the plugin.
+a mix: the loader's reload restores them (reload.py), as for `reload_weights`.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,9 +33,6 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
 from streamload.device import KINDS
-
-log = logging.getLogger("streamload")
-BACKEND = "streamload"
 
 
 @dataclass
@@ -57,8 +52,6 @@ class StreamloadUpdateInfo(WeightTransferUpdateInfo):
 
 
 class StreamloadWeightTransferEngine(WeightTransferEngine[StreamloadInitInfo, StreamloadUpdateInfo]):
-    """Each update reloads the model in place from a checkpoint (see the module's docstring)."""
-
     init_info_cls = StreamloadInitInfo
     update_info_cls = StreamloadUpdateInfo
 
@@ -85,16 +78,13 @@ class StreamloadWeightTransferEngine(WeightTransferEngine[StreamloadInitInfo, St
     def receive_weights(self, update_info: StreamloadUpdateInfo) -> None:
         """The step's weights, in place; a failed update raises once every rank serves its previous
         weights again (the loader's reload restores them: reload.py)."""
-        self._reload(update_info.path, update_info.verify)
-
-    def _reload(self, path: str, verify: bool | dict[str, str]) -> None:
         from streamload.integrations.vllm.loader import StreamloadModelLoader
         from streamload.integrations.vllm.options import FORMAT
 
-        options = {**self.options, **({"verify": verify} if verify else {})}
+        options = {**self.options, **({"verify": update_info.verify} if update_info.verify else {})}
         loader = StreamloadModelLoader(LoadConfig(load_format=FORMAT, model_loader_extra_config=options))
         model_config = copy.copy(self.model_config)  # a step's path, not the model's: configs stay
-        model_config.model, model_config.model_weights, model_config.revision = path, "", None
+        model_config.model, model_config.model_weights, model_config.revision = update_info.path, "", None
         weights = loader.get_all_weights(model_config, self.model)
         try:
             reload_weights(self.vllm_config, self.model, weights, None, is_checkpoint_format=True)

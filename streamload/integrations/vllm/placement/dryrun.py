@@ -1,24 +1,17 @@
 """A dry run of a weight-loading function: which part of each checkpoint tensor it copies where, and a
 watched replay of the real call that proves the prediction held.
 
-Servers fill their parameters through loader functions that narrow each checkpoint tensor to the
-rank's part and `copy_` it into (a view of) a parameter, e.g. vLLM's `model.load_weights`. Calling
-such a function with stand-ins — meta tensors of the checkpoint's shapes that record the `narrow`s
-applied to them and the `copy_` that consumes them, copying nothing — tells which bytes of each
-tensor this rank keeps and where they go, before any byte is read. A load can then read only those
-bytes and write them straight into place (`streamload.iter(shard=..., into=...)`).
+Loaders such as vLLM's `model.load_weights` narrow each checkpoint tensor to the rank's part and
+`copy_` it into (a view of) a parameter. Called with stand-ins (meta tensors that record the `narrow`s
+applied to them and the `copy_` that consumes them), such a function tells which bytes of each tensor
+this rank keeps and where they go before any byte is read; the load then reads only those bytes,
+straight into place. Anything else done to a stand-in makes its tensor unpredictable: it is read whole
+and given to the real function.
 
-Anything else done to a stand-in (a transpose, a concatenation, a second copy, a copy into a tensor
-that is not a parameter, a parameter rebound or written again, a parameter handed to numpy) makes its
-tensor unpredictable: it is then read whole and given to the real function, which does what it does.
-
-The real call then runs under the same watch (`replay`): it is given every name the dry run was
-given, in the same order — the placed tensors as the same stand-ins, whose predicted `copy_` is
-skipped (the bytes are there already) — so a loader that looks at the names it receives acts alike
-in both runs. Whatever the real call does differently (a stand-in copied elsewhere or used another
-way, a write into a placed region, a parameter rebound) raises `Diverged` naming the tensors, and the
-caller loads them again the ordinary way: never a parameter left different from what the loader
-would make of the whole tensors.
+The real call is given every name the dry run was given, in the same order (the placed tensors as the
+same stand-ins, their predicted `copy_` skipped), so a loader that looks at the names acts alike in both
+runs. Whatever it does differently raises `Diverged`, and the caller loads those tensors again the
+ordinary way: never a parameter left different from what the loader would make of the whole tensors.
 """
 
 from __future__ import annotations
@@ -38,19 +31,8 @@ T = TypeVar("T")
 
 def dry_run(load: Callable[[Pairs], T], tensors: Shapes, params: Iterable[torch.Tensor]) -> tuple[Learned, T]:
     """Call `load` with a stand-in for every checkpoint tensor ({name: (shape, dtype)}, in the order
-    the real call will get them) and learn where each goes; copies may land in `params` (a model's
-    parameters and buffers) only. Raises `Unpredictable` when `load` needs values; anything else
-    `load` raises is its own (a name it does not know, a shape it does not expect) and propagates.
-
-    >>> import torch
-    >>> dest = torch.zeros(2, 3)
-    >>> def load(pairs):
-    ...     for name, t in pairs:
-    ...         dest.copy_(t.narrow(0, 2, 2))
-    >>> learned, _ = dry_run(load, {"w": ((4, 3), torch.float32)}, [dest])
-    >>> learned.copies["w"].part
-    Slice(dim=0, start=2, length=2)
-    """
+    the real call will get them) and learn where each goes; copies may land in `params` only. What
+    `load` raises is its own (a name it does not know, a shape it does not expect) and propagates."""
     rec = Recorder(params)
     with watching(rec):
         result = load((name, stand_in(name, shape, dtype)) for name, (shape, dtype) in tensors.items())
@@ -78,7 +60,7 @@ def dry_run(load: Callable[[Pairs], T], tensors: Shapes, params: Iterable[torch.
 
 class Replay:
     """The real call, watched (`replay`): `stand_in(name)` is what to give it for a placed or unused
-    tensor; `paused()` around the stream's own work in this thread."""
+    tensor."""
 
     def __init__(self, tensors: Shapes) -> None:
         self._tensors = tensors
@@ -97,25 +79,9 @@ class Replay:
 @contextmanager
 def replay(learned: Learned, tensors: Shapes, params: Iterable[torch.Tensor]) -> Iterator[Replay]:
     """Run the real call of a dry-run `learned` under the same watch. Feed it every name of `tensors`
-    but `learned.trusted`, in the dry run's order: `Replay.stand_in(name)` for each name in `learned.copies` (its bytes
-    already in place) and `learned.unused`, the real tensor for the others. On leaving, raises
-    `Diverged` if the call did anything the dry run did not predict: a placed tensor not copied
-    exactly once to its predicted view, used otherwise, an unused one copied or used for values, a placed region
-    written or handed to numpy, its parameter rebound.
-
-    >>> import torch
-    >>> dest = torch.zeros(3)
-    >>> def load(pairs):
-    ...     for name, t in pairs:
-    ...         dest.copy_(t)
-    >>> learned, _ = dry_run(load, {"w": ((3,), torch.float32)}, [dest])
-    >>> dest.fill_(7.0)  # the stream put the bytes in place
-    tensor([7., 7., 7.])
-    >>> with replay(learned, {"w": ((3,), torch.float32)}, [dest]) as run:
-    ...     load([("w", run.stand_in("w"))])
-    >>> dest
-    tensor([7., 7., 7.])
-    """
+    but `learned.trusted`, in the dry run's order: `Replay.stand_in(name)` for the placed and unused
+    ones, the real tensor for the others. On leaving, raises `Diverged` if the call did anything the
+    dry run did not predict."""
     rec = Recorder(params, expected=learned)
     with watching(rec):
         yield Replay(tensors)

@@ -1,6 +1,6 @@
 """What a run does, recorded (`Recorder`): the stand-ins' copies into real tensors, other writes into
-parameters, parameters rebound or handed to numpy; and, for a dry run's copy, whether the stream can
-make it (`Recorder.verdict`, `copy_of`), or, in a replay, where the real call did otherwise."""
+parameters, parameters rebound or handed to numpy; whether the stream can make a dry run's copy
+(`Recorder.verdict`, `copy_of`), or where a replay's real call did otherwise."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ class Recorder:
         self.saved = [p.data for p in self.params]
         self.storages = {k[0] for k in self.bindings}
         self.copies: dict[str, list[tuple[torch.Tensor, StandIn]]] = {}
-        self.touched: set[str] = set()
         self.tainted: dict[str, str] = {}  # name -> the first call that made it unpredictable
         self.events = 0  # orders landings and writes
         self.landed: dict[int, list[tuple[str, int, int, int]]] = {}  # storage -> (name, first, end, when)

@@ -1,8 +1,7 @@
 """Stand-ins (`StandIn`): meta tensors of a checkpoint tensor's shape that record the `narrow`s and
-reshapes applied to them and the `copy_` that consumes them (to the run's `Recorder`), copying
-nothing; and the watch (`WriteWatch`) that sees every other torch call of a run, to catch writes into
-the regions copies land in. `watching` installs both for one run. Both report to a `Watcher`
-(recorder.py's `Recorder` is the one)."""
+reshapes applied to them and the `copy_` that consumes them, copying nothing; and the watch
+(`WriteWatch`) that sees every other torch call of a run, to catch writes into the regions copies land
+in. Both report to a `Watcher` (recorder.py's `Recorder`: a protocol here, since it imports `StandIn`)."""
 
 from __future__ import annotations
 
@@ -16,10 +15,7 @@ from streamload.integrations.vllm.placement.learned import Diverged, Learned, Un
 
 
 class Watcher(Protocol):
-    """What a run's stand-ins and write watch report to (recorder.py's `Recorder`)."""
-
     expected: Learned | None  # None in a dry run; in a replay, the dry run's prediction
-    touched: set[str]  # the checkpoint tensors the run's calls touched
     tainted: dict[str, str]  # name -> the first call that made it unpredictable
 
     def copied(self, name: str, dest: torch.Tensor, src: StandIn) -> None: ...
@@ -33,21 +29,7 @@ class Watcher(Protocol):
 _SAME = ("to", "contiguous", "detach", "clone", "data")  # same values: the stand-in goes on as it is
 _RESHAPE = ("reshape", "view", "flatten", "squeeze", "unsqueeze", "view_as", "reshape_as")
 _VALUES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__array__")
-_OPERATORS = (
-    "add",
-    "sub",
-    "mul",
-    "truediv",
-    "floordiv",
-    "mod",
-    "pow",
-    "and",
-    "or",
-    "xor",
-    "lshift",
-    "rshift",
-    "matmul",
-)
+_OPERATORS = "add sub mul truediv floordiv mod pow and or xor lshift rshift matmul".split()
 _IN_PLACE_OPERATORS = {f"__i{op}__" for op in _OPERATORS} | {"__setitem__"}
 
 
@@ -129,7 +111,6 @@ class StandIn(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         ins = [a for a in flat(args, kwargs) if isinstance(a, StandIn)]
-        rec.touched.update(a.root for a in ins)
         name = getattr(func, "__name__", "")
         if name == "__get__":  # a property: `.data` is the same values; `.T`, `.mT`, `.real`, ... are not
             name = "data" if getattr(getattr(func, "__self__", None), "__name__", "") == "data" else "property"
@@ -216,9 +197,9 @@ def flat(args: Any, kwargs: dict[str, Any]) -> Iterator[Any]:
 
 
 def _has_tensor(out: Any) -> bool:
-    if isinstance(out, torch.Tensor):
-        return True
-    return isinstance(out, (list, tuple)) and any(isinstance(o, torch.Tensor) for o in out)
+    return isinstance(out, torch.Tensor) or (
+        isinstance(out, (list, tuple)) and any(isinstance(o, torch.Tensor) for o in out)
+    )
 
 
 def _taint(out: Any, ins: list[StandIn]) -> Any:
@@ -236,8 +217,7 @@ def stand_in(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> StandIn:
 
 @contextmanager
 def watching(rec: Watcher) -> Iterator[WriteWatch]:
-    """One run (a dry run or a replay) recorded by `rec`: the stand-ins report to it, and the write
-    watch sees every other torch call. Runs do not nest."""
+    """One run (a dry run or a replay) recorded by `rec`. Runs do not nest."""
     global _recorder
     if _recorder is not None:
         raise RuntimeError("dry runs and replays do not nest")

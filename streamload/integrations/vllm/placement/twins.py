@@ -1,24 +1,18 @@
 """Layers that load alike: one layer's dry run places the tensors of its twins.
 
-A mixture of experts has tens of thousands of tensors, and a dry run of the model's loaders costs
-~0.3 ms for each (vLLM's per-expert loaders, watched). But a model's layers of one kind are built by
-the same code from the same configuration, and its loaders treat them alike. So the dry run sees the
-tensors outside the layers and one layer of each kind only (`sample`); a later layer whose checkpoint
-tensors (names after the layer's, shapes, dtypes) and whose model layer (its modules, their settings,
-its parameters' shapes, strides and loaders: everything but the layer's own name and index) are
-those of a dry-run layer is its twin (`spread`): its tensors go where that layer's went, moved to its
-own parameters, at the same offsets and parts. Twins are neither dry-run nor given to the real
-`load_weights`; tensors the dry run could not place are given to it in every layer, as they were.
-
-A layer unlike every dry-run one (another kind, a layer whose model side differs: pipeline parallel's
-missing layers, a per-layer expert placement) is not a twin: its tensors go whole through
-`load_weights`, as vLLM's own loader gives them.
+A mixture of experts has tens of thousands of tensors, and a dry run costs ~0.3 ms for each (vLLM's
+per-expert loaders, watched); but a model's layers of one kind are built by the same code and loaded
+alike. So the dry run sees the tensors outside the layers and one layer of each kind only (`sample`);
+a later layer whose checkpoint tensors (names after the layer's, shapes, dtypes) and model layer
+(everything but its own name and index) are a dry-run layer's is its twin (`spread`): its tensors go
+where that layer's went, at its own parameters. Twins are neither dry-run nor given to the real
+`load_weights`; a layer unlike every dry-run one (pipeline parallel's missing layers, a per-layer
+expert placement) goes whole through `load_weights`.
 
 Alike modules do not prove alike loading: `load_weights` may treat a layer by its index (odd layers
-narrowed otherwise, the last one special). So the rule is checked (`_checked`): the first and the last
-twin of each dry-run layer get a dry run of their own, which must place each tensor exactly as the
-rule places it (same parameter view, same part; unused where unused). Where one does not, no layer
-of that kind is a twin: they go whole through `load_weights`, and the log says which tensor differed.
+narrowed otherwise, the last one special). So the first and the last twin of each dry-run layer get a
+dry run of their own (`_checked`), which must place each tensor exactly as the rule does; where one
+does not, no layer of that kind is a twin.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ import torch
 from torch import nn
 
 from streamload.integrations.vllm.placement.dryrun import Copy, Learned, Shapes, dry_run
-from streamload.integrations.vllm.placement.recorder import view_key
+from streamload.integrations.vllm.placement.recorder import span, view_key
 from streamload.plan.layer_keys import layer_of
 
 log = logging.getLogger("vllm.streamload")
@@ -56,15 +50,7 @@ class Layers:
 
 def sample(shapes: Shapes) -> Layers:
     """The tensors to dry-run: all outside the layers, and every layer whose tensors are unlike an
-    earlier layer's; the others are that layer's candidate twins.
-
-    >>> import torch
-    >>> w = ((4, 4), torch.bfloat16)
-    >>> shapes = {"embed.weight": w, **{f"model.layers.{i}.mlp.weight": w for i in range(3)}}
-    >>> layers = sample(shapes)
-    >>> layers.sample, layers.members
-    (['embed.weight', 'model.layers.0.mlp.weight'], {0: [1, 2]})
-    """
+    earlier layer's; the others are that layer's candidate twins."""
     layers = Layers([], shapes=shapes)
     for name in shapes:
         layer = layer_of(name)
@@ -146,8 +132,7 @@ def _checked(
     learned: Learned, layers: Layers, model: nn.Module, twins: Mapping[int, dict[str, Copy] | None]
 ) -> dict[int, str]:
     """The dry-run layers whose twins are not to be trusted, and why: the first and the last twin of
-    each (a layer loaded by its index's parity differs at the first, a special last one at the last)
-    are dry-run, all in one call, and each of their tensors must land where the rule puts it."""
+    each are dry-run, all in one call, and each of their tensors must land where the rule puts it."""
     checks: dict[int, list[int]] = {}
     for dry, members in layers.members.items():
         alike = [i for i in members if twins[i] is not None]  # (the others load whole anyway)
@@ -156,8 +141,9 @@ def _checked(
     wanted = {n for indices in checks.values() for i in indices for n in layers.names[i]}
     if not wanted:
         return {}
-    try:  # in the order the real call would give them
-        seen, _ = dry_run(model.load_weights, {n: s for n, s in layers.shapes.items() if n in wanted}, _targets(model))
+    wanted_shapes = {n: s for n, s in layers.shapes.items() if n in wanted}  # in the real call's order
+    try:
+        seen, _ = dry_run(model.load_weights, wanted_shapes, [*model.parameters(), *model.buffers()])
     except Exception as exc:  # no dry run to check against: nothing is trusted
         why = f"the dry run of layers {sorted({i for v in checks.values() for i in v})} failed ({exc})"
         log.warning("streamload: %s; their kinds' layers load whole through load_weights", why)
@@ -194,16 +180,9 @@ def _unlike(learned: Learned, seen: Learned, layers: Layers, dry: int, index: in
 
 
 def _told(copy: Copy) -> str:
-    part = (
-        "all of it"
-        if copy.part is None
-        else f"[{copy.part.start}:{copy.part.start + copy.part.length}] of dim {copy.part.dim}"
-    )
-    return f"{part} into element {copy.dest.storage_offset()} of {tuple(copy.dest.shape)}"
-
-
-def _targets(model: nn.Module) -> list[torch.Tensor]:
-    return [*model.parameters(), *model.buffers()]
+    part = copy.part
+    told = "all of it" if part is None else f"[{part.start}:{part.start + part.length}] of dim {part.dim}"
+    return f"{told} into element {copy.dest.storage_offset()} of {tuple(copy.dest.shape)}"
 
 
 @dataclass
@@ -270,10 +249,8 @@ def _within(view: torch.Tensor, param: torch.Tensor) -> bool:
     strides at a twin's parameter of the same shape land inside that one)."""
     if view.dtype != param.dtype or view.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
         return False
-    first = view.storage_offset() - param.storage_offset()
-    reach = sum((n - 1) * st for n, st in zip(view.shape, view.stride(), strict=True)) if view.numel() else 0
-    extent = sum((n - 1) * st for n, st in zip(param.shape, param.stride(), strict=True)) + 1
-    return first >= 0 and first + reach < extent
+    (first, end), (param_first, param_end) = span(view), span(param)
+    return param_first <= first and end <= param_end
 
 
 def _renamed(name: str, twin_prefix: str, index: int) -> str:
@@ -355,7 +332,7 @@ def _alike_objects(a: Any, b: Any, own: _Own, seen: dict[tuple[int, int], bool],
         except Exception:
             return False
     if isinstance(a, nn.Module):  # hooks are the process's, not the layer's settings
-        state_a, state_b = _settings(state_a), _settings(state_b)
+        state_a, state_b = ({k: v for k, v in state.items() if "hook" not in k} for state in (state_a, state_b))
     return _alike(state_a, state_b, own, seen, depth + 1)
 
 
@@ -369,7 +346,3 @@ def _own_index(key: object, a: object, b: object, own: _Own) -> bool:
         and type(b) is int
         and (a, b) == own.indices
     )
-
-
-def _settings(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in state.items() if "hook" not in k}

@@ -1,23 +1,21 @@
 """The weights on their way while the engine starts: fetching begins where vLLM builds the engine's
 load config (in the process that starts the engine), seconds before the loader is called.
 
-vLLM calls a loader only after it has imported itself, spawned its engine and worker processes and built the model;
-fetching from then on makes a server's start-up the sum of the two. So the `create_load_config` hook
-(config_hook.py) adopts the fetch the process began before importing vLLM
-(`streamload.integrations.startup.prefetch.ahead`, `streamload serve`), else starts
-`streamload.integrations.startup.prefetch` in a child process: local files are read into the page cache; weights in
-object storage (`source` or an object-storage model) are written into `cache_dir`, or, without one, into a private
-staging directory on local disk, file after file. The loader, in each worker, reads each file as soon as the fetch
-has completed it (so no byte is downloaded twice, and the tail after the last byte is one file's read); it does not
-wait for the page cache. A private staging directory is removed once every rank has loaded, and with the process
-that made it; the prefetch ends with that process.
+vLLM calls a loader only after it has imported itself, spawned its engine and worker processes and
+built the model; fetching from then on makes a server's start-up the sum of the two. So the
+`create_load_config` hook (config_hook.py) adopts the fetch the process began before importing vLLM
+(`prefetch.ahead`, `streamload serve`), else starts `streamload.integrations.startup.prefetch` in a
+child process: local files are read into the page cache; weights in object storage are written into
+`cache_dir`, or, without one, into a private staging directory on local disk, file after file. The
+loader, in each worker, reads each file as soon as the fetch has completed it (no byte is downloaded
+twice, and the tail after the last byte is one file's read).
 
 Host memory: none held (the page cache's, and only where the checkpoint fits half the memory
 available); disk: the checkpoint's size in the staging directory until the load ends. The private
-staging directory is made in the system's temporary directory: where that is a tmpfs, the staged
-checkpoint is memory; give `cache_dir` on a disk there. It is removed by the engine's first rank on
-its host; other hosts' staging (several nodes, each starting its own engine process) goes when that
-process exits.
+staging directory is made in the system's temporary directory (where that is a tmpfs, the staged
+checkpoint is memory: give `cache_dir` on a disk there). It is removed by the engine's first rank on
+its host once every rank has loaded; other hosts' staging (several nodes, each starting its own engine
+process) and the prefetch end with the process that made them.
 """
 
 from __future__ import annotations
@@ -43,11 +41,9 @@ log = logging.getLogger("vllm.streamload")
 
 
 def start_fetch(model: str, options: dict[str, Any]) -> dict[str, Any] | None:
-    """The fetch of the weights of `model` (or `options["source"]`) under way: the one the process
-    started before vLLM was imported (`prefetch.ahead`, `streamload serve`), else one started now;
+    """The fetch of the weights of `model` (or `options["source"]`) under way, adopted or started now:
     what the loader needs to find them (a plain dict: vLLM sends the load config to its workers), or
-    None where there is nothing to fetch ahead (a hub id, which vLLM downloads in a worker;
-    `prefetch: false`)."""
+    None where there is nothing to fetch ahead (a hub id, which vLLM downloads in a worker)."""
     source = str(options.get("source") or model)
     remote = "://" in source
     if options.get("prefetch") is False or not (remote or os.path.exists(source)):
@@ -66,11 +62,10 @@ def start_fetch(model: str, options: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
 
-def staging_dir_for_load(ahead: dict[str, Any]) -> str | None:
+def _staging_dir(ahead: dict[str, Any]) -> str | None:
     """In a worker, before the first load: the cache directory to load from, or None (fetched into the
-    page cache, or not here: the load reads the source). The load does not wait for the whole
-    download: it takes each file as soon as the fetch has completed it (the cache's writer, waited
-    for file by file), and reads a file itself if the fetch ends without it."""
+    page cache, or not here). The load waits for each file's writer in the cache, and reads a file
+    itself if the fetch ends without it."""
     if ahead.get("cache_dir") is None or ahead.get("host") != socket.gethostname():
         return None
     try:  # ended already without the weights (over its budget, say): only a cache of the user's is used
@@ -84,23 +79,12 @@ def staging_dir_for_load(ahead: dict[str, Any]) -> str | None:
     return str(ahead["cache_dir"])
 
 
-def remove_staging_after_load(ahead: dict[str, Any] | None, rank: int, everyone: Callable[[], None]) -> None:
-    """After the first load (also a failed one), on every rank of the engine (`everyone()`: a barrier
-    of them all): a private staging directory is removed once no rank reads it. Every rank joins the
-    barrier, with a fetch or without: on several nodes each node's engine process starts its own
-    fetch, and one whose fetch could not start must not leave the others waiting for it."""
-    everyone()
-    if ahead and ahead.get("owned") and rank == 0 and ahead.get("host") == socket.gethostname():
-        shutil.rmtree(ahead["cache_dir"], ignore_errors=True)
-
-
 def load_from_staging(state: LoadState, started: Any, load: Callable[..., None], *args: Any) -> None:
     """`load(*args)` (the loader's first load) from the files the fetch `started` with the engine stages
-    (the load config's "prefetch": a dict where one started), if any; then every rank of the engine
-    joins `remove_staging_after_load` (also after a failed load, and where no fetch started here:
-    another node's engine process may have started one)."""
+    (the load config's "prefetch": a dict where one started), if any; then a private staging directory
+    is removed once no rank of the engine reads it."""
     fetched = started if isinstance(started, dict) else None
-    staged = staging_dir_for_load(fetched) if fetched is not None else None
+    staged = _staging_dir(fetched) if fetched is not None else None
     options = state.options
     last_load.staged = staged or ""
     if staged is not None:
@@ -109,8 +93,13 @@ def load_from_staging(state: LoadState, started: Any, load: Callable[..., None],
         load(*args)
     finally:
         state.options = options
+        # Every rank joins the barrier, after a failed load too and with a fetch or without: on several
+        # nodes each node's engine process starts its own fetch, and one whose fetch could not start
+        # must not leave the others waiting for it.
         ranks = Ranks.of_engine()
-        remove_staging_after_load(fetched, ranks.rank, ranks.barrier)
+        ranks.barrier()
+        if fetched and fetched.get("owned") and ranks.rank == 0 and fetched.get("host") == socket.gethostname():
+            shutil.rmtree(fetched["cache_dir"], ignore_errors=True)
 
 
 def starts_engine(engine_args: Any) -> bool:

@@ -1,23 +1,18 @@
 """vLLM's compiled artifacts travel with the weights: published next to a checkpoint by a node that
 compiled, installed by a starting node whose cache lacks them, before vLLM compiles.
 
-vLLM keeps what torch.compile made under its cache root (`VLLM_CACHE_ROOT`, `~/.cache/vllm`):
-`torch_compile_cache/<hash>/...` (and, with AOT compilation, `torch_compile_cache/torch_aot_compile/
-<hash>/`, Inductor's own cache inside), each `<hash>` vLLM's key for a model, its configuration and
-the environment it compiles in. `publish` packs that folder into `streamload-compile-cache/<key>.tar`
-beside the checkpoint, `<key>` naming what makes the artifacts valid on another machine and which
-vLLM's own hash leaves out: vLLM, torch and Python versions, the CPU architecture and the ISA torch
-compiles for (or the GPU's compute capability). `install` fetches the archive for this node's key
-(local, S3, HTTP: as the weights are read) and puts every `<hash>` folder the local cache lacks in
-place, each whole by a rename; a folder the node has is never replaced, and vLLM uses an installed
-one only where its own hash matches. An archive for another key is never fetched; the keys published
-and how they differ are logged instead.
+vLLM keeps what torch.compile made under its cache root: `torch_compile_cache/<hash>/` (with AOT
+compilation, `torch_compile_cache/torch_aot_compile/<hash>/`), `<hash>` its key for a model, its
+configuration and environment. `publish` packs those folders into `streamload-compile-cache/<key>.tar`
+beside the checkpoint, `<key>` naming what the artifacts need of a machine and vLLM's hash leaves out
+(`node_key`). `install` fetches the archive for this node's key only (else it logs the keys published
+and how they differ) and puts every `<hash>` folder the local cache lacks in place, each whole by a
+rename; a folder the node has is never replaced, and vLLM uses an installed one only where its own
+hash matches.
 
 Installed artifacts run as code (vLLM imports generated Python and unpickles graphs), so nothing is
-installed unless the user pinned the archive's digest, which `publish` prints; an archive whose bytes
-have another digest is refused before any of it is unpacked (`pinned_digests.py`). A pinned archive
-is still written member by member, never `extractall`-ed: one holding anything but files and folders
-under plain names (a link, a device, `..`) is refused whole (`unpack.py`).
+installed unless the user pinned the archive's digest, which `publish` prints (`pinned_digests.py`);
+a pinned archive is still written member by member, never `extractall`-ed (`unpack.py`).
 
     streamload compile-cache publish path/to/model      # on a node that has compiled the model
     LLM(..., load_format="streamload", model_loader_extra_config={"compile_cache": "sha256:<hex>"})
@@ -34,14 +29,13 @@ import sys
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from streamload.base import atomic
-from streamload.integrations.startup import pinned_digests as pins
+from streamload.integrations.startup import pinned_digests
 from streamload.integrations.startup.prefetch import COMPILE_CACHE, MODEL_INFOS, STAGED_INDEX, beside
-from streamload.integrations.vllm.startup.recorded import recorded
+from streamload.integrations.vllm.startup.recorded import CACHE, cache_root, recorded
 from streamload.integrations.vllm.startup.unpack import unpack
-from streamload.integrations.vllm.startup.vllm_cache import CACHE, cache_root
 from streamload.storage import redacted
 
 log = logging.getLogger("vllm.streamload")
@@ -104,23 +98,18 @@ def _written(target: Path, data: bytes | Callable[[BinaryIO], object], sync: boo
 
 
 def install(
-    source: str,
-    pinned: frozenset[str],
-    root: str | os.PathLike[str] | None = None,
-    storage: Any = None,
-    staged: Path | None = None,
+    source: str, pinned: frozenset[str], root: str | os.PathLike[str] | None = None, staged: Path | None = None
 ) -> str:
     """Fetch the archive published beside `source` for this node's key and, if its digest is one of
-    `pinned` (`pins.pins`), install each of its compiled folders that `root` (default: vLLM's cache
-    root) lacks. Returns what happened, in words (also logged): installed, nothing published for this
-    node (and what was), or nothing to add; an archive of another digest raises `pins.Refused`.
-    `staged`: where the fetch started with the process put the candidate archives before the weights
-    (`prefetch.stage_compile_caches`); what it decided is taken from there, without a request."""
+    `pinned`, install each of its compiled folders that `root` (default: vLLM's cache root) lacks.
+    Returns what happened, in words (also logged); an archive of another digest raises
+    `pinned_digests.Refused`. `staged`: where the fetch started with the process put the candidate
+    archives before the weights (`prefetch.stage_compile_caches`): what it decided is taken from there."""
     if not pinned:
-        raise ValueError(f"compiled artifacts beside {redacted(source)}: nothing pinned; {pins.HOW}")
+        raise ValueError(f"compiled artifacts beside {redacted(source)}: nothing pinned; {pinned_digests.HOW}")
     from streamload.storage import storage_for
 
-    storage = storage or storage_for(source)
+    storage = storage_for(source)
     near = beside(source)
     key = node_key()
     name = key_name(key)
@@ -145,7 +134,7 @@ def install(
         log.info("streamload: %s", said)
         return said
     where = f"{FOLDER}/{name}.tar beside {redacted(source)}"
-    pins.check(data, pinned, f"compiled artifacts {where}")  # before a byte is unpacked
+    pinned_digests.check(data, pinned, f"compiled artifacts {where}")  # before a byte is unpacked
     added = _unpack(data, Path(root) if root is not None else cache_root(), where)
     said = f"installed {len(added)} compiled folder(s) published beside the checkpoint ({name})" if added else (
         "the compiled artifacts published beside the checkpoint are here already")  # fmt: skip
@@ -154,20 +143,15 @@ def install(
 
 
 def packed(root: str | os.PathLike[str] | None = None, checkpoint: str | os.PathLike[str] | None = None) -> list[str]:
-    """The compiled folders `publish` packs from `root` (default: vLLM's cache root), by name: those its
-    engines recorded for `checkpoint` (recorded.py), else every one there, since vLLM names them by
-    hashes that do not say which model they compiled."""
+    """The compiled folders `publish` packs from `root`, by name: those its engines recorded for
+    `checkpoint` (recorded.py), else every one there (vLLM's names do not say which model they are)."""
     root = Path(root) if root is not None else cache_root()
     mine = recorded(checkpoint, root) if checkpoint is not None else []
     return mine or sorted(str(folder.relative_to(root / CACHE)) for folder in _compiled_folders(root / CACHE))
 
 
 def _unpack(data: bytes, root: Path, what: str = "compiled artifacts") -> list[Path]:
-    """Each compiled folder of the archive (`torch_compile_cache/<hash>`, and `.../torch_aot_compile/
-    <hash>`) that `root` lacks, unpacked beside it and renamed into place whole; the rest dropped.
-    Written member by member, never `extractall`: an archive holding anything but files and folders
-    under plain names (a link, a device, `..`, an absolute name) is refused whole, a ValueError naming
-    `what` and the member, before a byte of it is written (unpack.py): `publish` packs none."""
+    """Each compiled folder of the archive that `root` lacks, put in place whole (unpack.py)."""
     return unpack(data, root, lambda staging: _compiled_folders(staging / CACHE), what)
 
 
@@ -195,15 +179,13 @@ def _architectures(checkpoint: Path) -> list[str]:
 def _pack_model_infos(folder: Path, target: Path, architectures: list[str]) -> None:
     """vLLM's inspections of this checkpoint's model classes only (`...-<Architecture>.json`), not
     those of every model the node ever ran."""
-    ours = [i for i in sorted(folder.glob("*.json")) if i.stem.rpartition("-")[2] in architectures]
-    if ours:
+    if ours := [i for i in sorted(folder.glob("*.json")) if i.stem.rpartition("-")[2] in architectures]:
         _written(target, lambda f: _tar(f, [(info, f"modelinfos/{info.name}") for info in ours]))
 
 
 def _tar(into: BinaryIO, members: list[tuple[Path, str]]) -> None:
-    """A tar archive of each (path, name in the archive), written into `into`: readable by every user
-    of the node that installs it (files 0644, folders 0755, owned by no one in particular), whatever
-    the modes and owner they have here."""
+    """A tar archive of each (path, name in the archive): readable by every user of the node that
+    installs it (files 0644, folders 0755, owned by no one in particular), whatever they are here."""
 
     def shared(info: tarfile.TarInfo) -> tarfile.TarInfo:
         info.mode = 0o755 if info.isdir() or info.mode & 0o100 else 0o644

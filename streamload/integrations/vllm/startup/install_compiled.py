@@ -9,8 +9,7 @@ import logging
 import os
 from typing import Any
 
-from streamload.integrations.startup import pinned_digests as pins
-from streamload.integrations.startup import prefetch
+from streamload.integrations.startup import pinned_digests, prefetch
 
 log = logging.getLogger("vllm.streamload")
 
@@ -18,7 +17,7 @@ log = logging.getLogger("vllm.streamload")
 def start(options: dict[str, Any], model_config: Any) -> concurrent.futures.Future[str] | None:
     """The install under way (its result: what it did, in words), or None where nothing is pinned or
     nothing of ours can be published beside the model (a hub id)."""
-    pinned = pins.pins(options.get("compile_cache"))
+    pinned = pinned_digests.pins(options.get("compile_cache"))
     if not pinned:  # off unless the user trusts an archive by its digest: it runs as code
         return None
     from streamload.integrations.vllm.startup import compiled
@@ -33,7 +32,7 @@ def start(options: dict[str, Any], model_config: Any) -> concurrent.futures.Futu
         try:
             staged = prefetch.staged_compile_caches(started) if isinstance(started, dict) else None
             return compiled.install(source, pinned, staged=staged)
-        except pins.Refused as exc:  # nothing of it unpacked: vLLM compiles as it would have
+        except pinned_digests.Refused as exc:  # nothing of it unpacked: vLLM compiles as it would have
             log.error("streamload: %s", exc)
             return str(exc)
         except Exception as exc:  # an optimisation only: vLLM compiles as it would have

@@ -1,25 +1,18 @@
 """Compile and warm up while the weights arrive (`model_loader_extra_config={"overlap": True}`).
 
-vLLM compiles (traces, runs Inductor, warms up, captures graphs) only after `load_weights` returns,
-and `load_weights` returns after the last byte: a node pays the download and the compilation one after
-the other. Compilation does not depend on the weights' values (vLLM's CPU and GPU compilation freeze
-none; its compile cache is keyed on configuration and code), so in this mode the first load returns at
-once and the fetch started with the engine (`ahead.py`) goes on while the worker profiles, compiles
-and warms up on parameters whose values are not in yet. At the end of the worker's
-`compile_or_warm_up_model` (before it reports ready, so no request sees them) the weights are loaded
-through vLLM's own in-place layerwise reload: each layer is built anew on its real bytes, processed
-(`process_weights_after_loading`: the CPU's packed linears and experts, transposes) and its results
-copied into the storage the compiled code and graphs hold, and whatever a layer keeps outside its
-parameters (the CPU's packed GEMM closures) is the one that processing made. The engine's tokens and
-parameters are those of vLLM's own loader (tests/test_vllm.py, eager and compiled, one and two ranks).
+vLLM compiles only after `load_weights` returns, after the last byte: a node pays the download and the
+compilation one after the other. Compilation does not depend on the weights' values (vLLM freezes none;
+its compile cache is keyed on configuration and code), so in this mode the first load returns at once
+and the fetch started with the engine goes on while the worker profiles, compiles and warms up. At the
+end of the worker's `compile_or_warm_up_model` (before it reports ready, so no request sees them) the
+weights are loaded through vLLM's own in-place layerwise reload: each layer is built anew on its real
+bytes, processed, and its results copied into the storage the compiled code and graphs hold (what a
+layer keeps outside its parameters, the CPU's packed GEMM closures, is the one that processing made).
 
 What it costs: the parameters' values are unset during the profile run (its numbers are discarded);
 their pages are touched first so that a CPU worker's RSS-based sizing counts them; the final pass reads
-the staged files (local disk or page cache) once more than a plain load would. Refused, with a reason,
-where exactness is not checked: another vLLM version, a worker that is not vLLM's CPU or GPU `Worker`,
-quantized models, sleep mode, speculative decoding (its drafter is built beside the model before
-the weights are in), and mixtures of experts on the CPU (vLLM's own in-place reload
-of those is wrong: see `refusal`).
+the staged files once more than a plain load would. Refused, with a reason (`refusal`), where exactness
+is not checked.
 """
 
 from __future__ import annotations
@@ -53,7 +46,7 @@ CHECKED_VLLM = ("0.32.0",)  # the versions whose worker order and layerwise relo
 
 
 def refusal(model: nn.Module, model_config: Any, worker: Any) -> str:
-    """Why this mode cannot be exact here, or ""."""
+    """Why this mode cannot be exact here, or "" where it is."""
     import vllm
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
@@ -77,11 +70,10 @@ def refusal(model: nn.Module, model_config: Any, worker: Any) -> str:
 
 
 def defer(model: nn.Module, model_config: Any, finish: Callable[[], None]) -> None:
-    """Leave `model`'s weights for later: `finish()` runs at the end of this worker's
-    `compile_or_warm_up_model` (the hook is the worker's own attribute, removed when it has run)."""
+    """`finish()` (the weights' load) run at the end of this worker's `compile_or_warm_up_model` (the
+    hook is the worker's own attribute, removed when it has run)."""
     worker = worker_loading()
-    why = refusal(model, model_config, worker)
-    if why:
+    if why := refusal(model, model_config, worker):
         raise UnsupportedError(f"streamload: model_loader_extra_config 'overlap' cannot be used: {why}")
     touch(model)
     warm_up = getattr(worker, METHOD)
@@ -113,9 +105,8 @@ def touch(model: nn.Module) -> None:
 
 @collector_paused
 def load_in_place(state: LoadState, model: nn.Module, model_config: ModelConfig, parts: list[Part] | None) -> None:
-    """The first load's weights, after compilation (`defer`'s `finish`): through vLLM's in-place
-    layerwise reload, whole tensors through the model's loaders, each layer processed as it completes
-    and its results copied into the storage the compiled code holds."""
+    """The first load's weights, after compilation (`defer`'s `finish`): whole tensors through vLLM's
+    in-place layerwise reload."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     start = time.perf_counter()

@@ -1,14 +1,11 @@
 """Which compiled folder a model's engine used, recorded in vLLM's cache root once its worker compiled.
 
-vLLM names its compiled folders by hashes of its whole configuration, and nothing in a folder says
-which model it compiled; the folder a run used is known only inside the worker, once it has compiled
-(`compilation_config.local_cache_dir`, and with ahead-of-time compilation the folder vLLM points
-Inductor's cache into). So the first load of an engine through streamload leaves a
-one-shot hook on its worker's `compile_or_warm_up_model` (the worker's own attribute, removed when it
-has run, as overlap.py's) that writes `<cache root>/streamload-compiled/<folder's digest>.json`:
-{"model": the checkpoint, "folder": the folder under `torch_compile_cache`}. `compile-cache publish`
-then packs that checkpoint's folders alone. Ranks of one engine write the same record (atomically); a
-record whose folder is gone is skipped.
+vLLM names its compiled folders by hashes of its whole configuration, and the folder a run used is
+known only inside the worker, once it has compiled. So the first load of an engine leaves a one-shot
+hook on its worker's `compile_or_warm_up_model` that writes `<cache root>/streamload-compiled/<folder's
+digest>.json`: {"model": the checkpoint, "folder": the folder under `torch_compile_cache`}, for
+`compile-cache publish` to pack that checkpoint's folders alone. Ranks of one engine write the same
+record (atomically); a record whose folder is gone is skipped.
 """
 
 from __future__ import annotations
@@ -21,18 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from streamload.base import atomic
-from streamload.integrations.vllm.startup.vllm_cache import CACHE, cache_root
 from streamload.integrations.vllm.startup.worker import METHOD, worker_loading
 
 log = logging.getLogger("vllm.streamload")
 
+CACHE = "torch_compile_cache"  # what torch.compile made, in vLLM's cache root
 RECORDS = "streamload-compiled"
 _INDUCTOR = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def after_compiling(model: str) -> None:
-    """Record, once the worker loading now has compiled, the folder it compiled `model` into (nothing
-    where no worker is loading, or it compiles nothing)."""
+    """Record, once the worker loading now has compiled, the folder it compiled `model` into."""
     worker = worker_loading()
     if worker is None:
         return
@@ -61,11 +57,7 @@ def after_compiling(model: str) -> None:
 
 def record(model: str, local_cache_dir: str, root: str | Path | None = None) -> Path:
     """Write the record that `model` compiled into `local_cache_dir` (a folder of `root`'s compile cache,
-    default: vLLM's cache root).
-
-    Raises:
-        ValueError: the folder is not inside the compile cache.
-    """
+    default: vLLM's cache root; else ValueError)."""
     root = Path(root) if root is not None else cache_root()
     inside = Path(local_cache_dir).resolve().relative_to((root / CACHE).resolve()).parts
     if not inside or (inside[:1] == ("torch_aot_compile",) and len(inside) < 2):
@@ -90,6 +82,12 @@ def recorded(checkpoint: str | Path, root: str | Path | None = None) -> list[str
         if model == wanted and isinstance(folder, str) and _within(root / CACHE, folder):
             out.add(folder)
     return sorted(out)
+
+
+def cache_root() -> Path:
+    import vllm.envs as envs
+
+    return Path(envs.VLLM_CACHE_ROOT)
 
 
 def _within(cache: Path, folder: str) -> bool:

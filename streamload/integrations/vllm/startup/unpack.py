@@ -12,29 +12,26 @@ import tarfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from streamload.base import atomic
-from streamload.base import leftovers as owned
+from streamload.base import atomic, leftovers
 
 INSTALLING = ".streamload-installing-"  # an archive being unpacked into a root (base/leftovers.py)
 
 
 def unpack(data: bytes, root: Path, pick: Callable[[Path], Iterable[Path]], what: str = "an archive") -> list[Path]:
-    """Write the tar archive `data` (uncompressed), member by member, into a folder of this process's
-    own inside `root` (what an unpack killed midway left is removed first), then rename each path
-    `pick` names in that folder (it is given the folder) to the same place in `root`, where `root`
-    lacks it: each whole, or not at all (another process may have put it there first). The paths put
-    in place; the rest is removed. Only files (mode 0644, or 0755 where executable) and folders (0755)
-    are written, never through a link; an archive (`what`, in the error) holding anything else (a link,
-    a device, a FIFO), a name that is absolute, holds `..` or an empty part, or names a path twice, is
-    refused whole (ValueError) before a byte of it is written: it is not what `publish` packs."""
+    """Write the tar archive `data` (uncompressed) into a folder of this process's own inside `root`
+    (what an unpack killed midway left is removed first), then rename each path `pick` names in that
+    folder to the same place in `root`, where `root` lacks it, each whole; the paths put in place. Only
+    files (0644, or 0755 where executable) and folders (0755) are written; an archive (`what`, in the
+    error) holding anything else, or a name that is not plain, is refused whole (ValueError) before a
+    byte of it is written: it is not what `publish` packs."""
     try:
         tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:")  # uncompressed only: no gzip bomb
         members = _checked(tar.getmembers(), what)
     except tarfile.TarError as exc:
         raise ValueError(f"{what}: not an uncompressed tar archive ({exc}); nothing of it was installed") from None
     root.mkdir(parents=True, exist_ok=True)
-    owned.sweep(INSTALLING, root)
-    staging = owned.make(INSTALLING, root)
+    leftovers.sweep(INSTALLING, root)
+    staging = leftovers.make(INSTALLING, root)
     added: list[Path] = []
     try:
         with tar:
@@ -48,27 +45,23 @@ def unpack(data: bytes, root: Path, pick: Callable[[Path], Iterable[Path]], what
 
 
 def _moved(staged: Path, root: Path, parts: tuple[str, ...]) -> bool:
-    """`staged` renamed to `root/<parts...>` where that is absent (the root's own is never replaced),
-    each folder on the way opened without following a link (`atomic.folder`): a link planted there by another
-    user of a shared root makes nothing move. Whether it moved."""
+    """Whether `staged` moved to `root/<parts...>`, where that was absent, each folder on the way opened
+    without following a link: a link planted there by another user of a shared root makes nothing move."""
     try:
         into = atomic.folder(root, *parts[:-1])
     except (OSError, ValueError):
         return False
     try:
-        os.stat(parts[-1], dir_fd=into, follow_symlinks=False)
-        return False  # there already
-    except FileNotFoundError:
-        pass
-    except OSError:
-        return False
-    try:
-        os.rename(staged, parts[-1], dst_dir_fd=into)
-    except OSError:  # another process put it there first
+        try:
+            os.stat(parts[-1], dir_fd=into, follow_symlinks=False)
+            return False  # there already
+        except FileNotFoundError:
+            os.rename(staged, parts[-1], dst_dir_fd=into)
+            return True
+    except OSError:  # unreadable, or another process put it there first
         return False
     finally:
         os.close(into)
-    return True
 
 
 def _checked(members: list[tarfile.TarInfo], what: str) -> list[tuple[tarfile.TarInfo, tuple[str, ...]]]:
@@ -79,8 +72,7 @@ def _checked(members: list[tarfile.TarInfo], what: str) -> list[tuple[tarfile.Ta
     folders: set[tuple[str, ...]] = set()
     for member in members:
         parts = _parts(member.name)
-        refused = _refusal(member, parts, files, folders)
-        if refused:
+        if refused := _refusal(member, parts, files, folders):
             raise ValueError(
                 f"{what}: member {member.name!r} {refused}: only files and folders are unpacked; "
                 "nothing of it was installed"
@@ -116,15 +108,11 @@ def _parts(name: str) -> tuple[str, ...] | None:
 
 
 def _kind(member: tarfile.TarInfo) -> str:
-    if member.issym():
-        return f"a symbolic link (to {member.linkname!r})"
-    if member.islnk():
-        return f"a hard link (to {member.linkname!r})"
+    if member.issym() or member.islnk():
+        return f"a {'symbolic' if member.issym() else 'hard'} link (to {member.linkname!r})"
     if member.ischr() or member.isblk():
         return "a device"
-    if member.isfifo():
-        return "a FIFO"
-    return f"of tar type {member.type!r}"
+    return "a FIFO" if member.isfifo() else f"of tar type {member.type!r}"
 
 
 def _write_members(tar: tarfile.TarFile, members: list[tuple[tarfile.TarInfo, tuple[str, ...]]], into: Path) -> None:
