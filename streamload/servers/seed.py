@@ -1,5 +1,5 @@
-"""Seeding: the complete copies a cache directory holds, served to peers over HTTP ranges (`streamload seed`;
-docs/peers.md tells users).
+"""Seeding: the complete copies a cache directory holds, and what a load of this process has verified of the
+copies it is still writing there, served to peers over HTTP ranges (`streamload seed`; docs/peers.md tells users).
 
 `GET /v1/<scheme>/<host>/<key>` (and HEAD) answers with the copy of `scheme://host/key` that
 `DIR/<scheme>/<host>/<key>` holds (the cache's layout, storage/cache.py), with `Range: bytes=a-b` (206; 416 past
@@ -11,7 +11,12 @@ Only what the cache vouches for is served: this user's regular file with one lin
 link to a file elsewhere is 404), opened without blocking and read-only, whose record names its inode,
 modification time and size (a partial file, a record, a lock, anything else: 404). Each folder is opened from
 the one above it without following a link, the copy and its record with `O_NOFOLLOW` (storage/cache.py): a
-planted link, or a path that leaves the cache (`..`, an encoded `/`), is 404. Nothing is ever written.
+planted link, or a path that leaves the cache (`..`, an encoded `/`), is 404. Nothing is ever written. Where
+there is no complete copy but a load of this process writes one at that place (storage/verified.py, found by
+the folder and name, never by a path), the writer's own file is served, only within the ranges that load
+verified: a range not yet verified is waited for (at most the request's `X-Streamload-Wait`, and half the
+headers' timeout), then 404. Every answer names the node (`X-Streamload-Node`); a copy's, whether it is
+complete or loading (`X-Streamload-Copy`).
 
 Who may read: every request carries `X-Streamload-Proof` (storage/peer_proof.py), keyed by the copy's header
 bytes, its version tag and the peers' token. Without one, with one made with another key (a co-tenant who
@@ -44,16 +49,19 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from http import HTTPStatus
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import unquote, urlsplit
 
 import h11
 
 from streamload.base.atomic import PARTIAL
 from streamload.format.header import HEADER_LIMIT
-from streamload.storage.cache import LOCK, RECORD, Folders, Place, open_copy, own, record_of
+from streamload.storage import verified
+from streamload.storage.cache import LOCK, RECORD, Folders, Place, open_copy, own, record_of, single, version_of
 from streamload.storage.local import pread_full
 from streamload.storage.peer_proof import HEADER, Proofs, read_key, token
 from streamload.storage.peers import DEFAULT_PORT, PREFIX, version_tag
+from streamload.storage.verified import COPY, NODE, WAIT, Verified
 
 log = logging.getLogger("streamload")
 CONNECTIONS = 32  # connections served at once (default)
@@ -72,6 +80,7 @@ _KEYS = 256  # read keys remembered (by file and version: a header is read once,
 _DIGITS = 19  # digits of a Range number read as they are; a longer one is past any end
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 _PROOF = HEADER.lower().encode()
+_WAIT = WAIT.lower().encode()
 
 
 class _Conn:
@@ -101,8 +110,9 @@ class _Conn:
 
 
 class Seeder:
-    """Serves the complete copies in `cache_dir` (see the module's docstring). `start` serves on a daemon
-    thread; `close` stops. `url`: where it serves (the port chosen where `port=0`; https:// with `cert`).
+    """Serves the complete copies in `cache_dir`, and what this process's loads verified of the copies they
+    write there (see the module's docstring). `start` serves on a daemon thread; `close` stops. `url`: where
+    it serves (the port chosen where `port=0`; https:// with `cert`); `node`: the id its answers name.
     `token_file`: the peers' token (default: the environment's, peer_proof.token); `cert`, `key`: PEM files
     to serve TLS with. Raises ValueError naming a cache directory it could serve nothing from (missing, a
     file, one this user cannot list or enter), a port out of range, or a token, certificate or key file that
@@ -143,6 +153,7 @@ class Seeder:
         self.sent = 0  # body bytes sent
         self.requests: list[tuple[str, str, int]] = []  # (method, path, status)
         self._secret = token(token_file)
+        self.node = verified.node_id(self.cache_dir)  # named in every answer: a load finds itself among its peers
         self._tls = _tls(cert, key)
         self._proofs = Proofs()
         self._keys: OrderedDict[tuple[object, ...], bytes] = OrderedDict()
@@ -312,33 +323,48 @@ class Seeder:
         if not _ended(http) or len(fields.get(b"range", ())) > 1:
             return await self._canned(writer, 400, method, target)  # a body, or two ranges: no peer sends either
         proofs, span = fields.get(_PROOF, []), (fields.get(b"range") or [""])[0]
-        found = await self._found(target)
+        match = (fields.get(b"if-match") or ["*"])[0]  # checked before the proof: it is made for one version
+        tags = [] if match.strip() == "*" else [m.strip() for m in match.split(",")]
+        found = await self._found(target, tags)
         if found is None:
             return await self._respond(writer, http, method, target, 404)
-        fd, size, tag, key = found
         try:
-            match = (fields.get(b"if-match") or ["*"])[0]  # checked before the proof: it is made for one version
-            if match.strip() != "*" and tag not in [m.strip() for m in match.split(",")]:
+            if tags and found.tag not in tags:
                 return await self._respond(writer, http, method, target, 412)  # (its tag not said)
             value = proofs[0] if len(proofs) == 1 else None  # none, or two: no proof
-            why = self._proofs.check(key, value, method, target, span)
+            why = self._proofs.check(found.key, value, method, target, span)
             if why is not None:  # said to the log; to the peer, no more than 403
                 log.info("streamload seed: %s: 403 for %s %s: %s", peer, method, target, why)
                 return await self._canned(writer, 403, method, target)
-            asked = _span(span, size)
-            if asked == "unsatisfiable":
-                unsatisfiable = {"Content-Range": f"bytes */{size}", "ETag": tag}
-                return await self._respond(writer, http, method, target, 416, unsatisfiable)
-            headers = {"ETag": tag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
-            start, end, status = 0, size, 200
-            if isinstance(asked, tuple):
-                (start, end), status = asked, 206
-                headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
-            conn.arm(self.send_margin + (end - start) / self.send_floor)  # the response's whole send
-            body = (fd, start, end) if method == "GET" else None
-            return await self._respond(writer, http, method, target, status, headers, end - start, body)
+            return await self._answer(conn, writer, http, method, target, found, span, fields.get(_WAIT, ["0"])[0])
         finally:
-            os.close(fd)
+            os.close(found.fd)
+
+    async def _answer(
+        self, conn: _Conn, writer: asyncio.StreamWriter, http: h11.Connection, method: str, target: str, found: _Found,
+        span: str, wait: str,
+    ) -> bool:  # fmt: skip
+        """The answer to a request whose proof was accepted: its range of the copy. From a copy in progress,
+        only bytes its load verified: a range not yet verified is waited for (at most the `X-Streamload-Wait`
+        the request gives, and half the time its headers may take), else 404."""
+        size, tag = found.size, found.tag
+        asked = _span(span, size)
+        if asked == "unsatisfiable":
+            unsatisfiable = {"Content-Range": f"bytes */{size}", "ETag": tag}
+            return await self._respond(writer, http, method, target, 416, unsatisfiable)
+        headers = {"ETag": tag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        loading = found.loading
+        headers[COPY] = "complete" if loading is None else f"loading; since={loading.since:.3f}"
+        start, end, status = 0, size, 200
+        if isinstance(asked, tuple):
+            (start, end), status = asked, 206
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        if loading is not None and method == "GET":
+            if not await _verified(loading, start, end, min(_seconds(wait), self.header_timeout / 2)):
+                return await self._respond(writer, http, method, target, 404)  # never a byte not verified
+        conn.arm(self.send_margin + (end - start) / self.send_floor)  # the response's whole send
+        body = (found.fd, start, end) if method == "GET" else None
+        return await self._respond(writer, http, method, target, status, headers, end - start, body)
 
     async def _request(
         self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, http: h11.Connection
@@ -364,54 +390,92 @@ class Seeder:
                 return event
             return None  # ConnectionClosed
 
-    async def _found(self, target: str) -> tuple[int, int, str, bytes] | None:
+    async def _found(self, target: str, tags: list[str]) -> _Found | None:
         """The copy `target` names, open, with its size, version tag and read key (on the I/O threads: a
         slow disk holds them, not the server); its descriptor closed where this request is gone by then."""
         assert self._pool is not None
-        future = self._pool.submit(self._look_up, target)
+        future = self._pool.submit(self._look_up, target, tags)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             future.add_done_callback(_close_found)
             raise
 
-    def _look_up(self, url_path: str) -> tuple[int, int, str, bytes] | None:
-        """The open copy (descriptor, size, version tag, read key) that a request's path names, if the cache
-        vouches for it; else None. Never through a link, never outside the cache, never a partial file, never
-        anything but a regular file with one link (a FIFO never blocks: `cache.open_copy`), never one without
-        a safetensors header (no copy a peer could have asked for)."""
+    def _look_up(self, url_path: str, tags: list[str]) -> _Found | None:
+        """The open copy that a request's path names, if the cache vouches for it, or else the copy a load of
+        this process writes there (of the version `tags` name, where they name one); else None. Never through
+        a link, never outside the cache, never another's partial file, never anything but a regular file with
+        one link (a FIFO never blocks: `cache.open_copy`), never one without a safetensors header (no copy a
+        peer could have asked for)."""
         names = _names(url_path)
         if names is None:
             return None
         folders = Folders(self.cache_dir, create=False)
-        fd = key = None
         try:  # the record is read through the folder's descriptor too: closed only after
-            place = Place(folders.folder(tuple(names[:-1])), names[-1], self.cache_dir.joinpath(*names))
+            folder = folders.folder(tuple(names[:-1]))
+            found = self._complete(Place(folder, names[-1], self.cache_dir.joinpath(*names)))
+            if found is None or (tags and found.tag not in tags):
+                loading = self._loading(folder, names[-1])
+                if loading is not None and (found is None or loading.tag in tags):
+                    if found is not None:
+                        os.close(found.fd)
+                    found = loading
+            return found
+        except (OSError, KeyError, TypeError, ValueError):
+            return None
+        finally:
+            folders.close()
+
+    def _complete(self, place: Place) -> _Found | None:
+        """The complete copy at `place`, open, if its record vouches for it and it is this user's."""
+        fd = key = None
+        try:
             fd = open_copy(place)  # (the copy and its record are opened without following a link)
             st = os.fstat(fd)
             record = record_of(place, st)
             if record is not None and own(place, st):  # another user's copy was never checked by our loads
                 tag = version_tag(record)
-                key = self._read_key(fd, st, tag)
+                key = self._read_key((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, tag), fd, st.st_size, tag)
         except (OSError, KeyError, TypeError, ValueError):
             key = None
-        finally:
-            folders.close()
         if key is None:
             if fd is not None:
                 os.close(fd)
             return None
-        return fd, st.st_size, tag, key
+        return _Found(fd, st.st_size, tag, key, None)
 
-    def _read_key(self, fd: int, st: os.stat_result, tag: str) -> bytes | None:
-        """The key proofs for this copy's version are made with (peer_proof.read_key), remembered by file."""
-        known = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, tag)
+    def _loading(self, folder: int, name: str) -> _Found | None:
+        """The copy a load of this process writes as `name` in `folder`, open (its writer's own file: this
+        user's, one link), with the key of the version whose header that load read from the origin."""
+        loading = verified.loading(folder, name)
+        fd = None if loading is None else loading.open()
+        if loading is None or fd is None:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not single(st) or st.st_uid != os.geteuid():  # a link made to it since: no longer its own file
+                raise OSError(errno.EINVAL, "not a regular file with one link")
+            tag = version_tag(version_of(loading.header))
+            key = self._read_key(("loading", st.st_dev, st.st_ino, tag), fd, st.st_size, tag, loading.header.prefix)
+        except BaseException:
+            os.close(fd)
+            raise
+        if key is None:
+            os.close(fd)
+            return None
+        return _Found(fd, loading.header.size, tag, key, loading)
+
+    def _read_key(
+        self, known: tuple[object, ...], fd: int, size: int, tag: str, prefix: bytes | None = None
+    ) -> bytes | None:
+        """The key proofs for this copy's version are made with (peer_proof.read_key), remembered by file
+        (`known`); made from `prefix` (the header bytes a load read from the origin), else the copy's own."""
         with self._keys_lock:
             key = self._keys.get(known)
             if key is not None:
                 self._keys.move_to_end(known)
                 return key
-        prefix = _header_prefix(fd, st.st_size)
+        prefix = prefix if prefix is not None else _header_prefix(fd, size)
         if prefix is None:
             return None
         key = read_key(prefix, tag, self._secret)
@@ -459,7 +523,7 @@ class Seeder:
         """A response of `length` bytes, its body (a GET's) bytes [start, end) of the copy `body` names (fd, start,
         end); whether the connection may carry another request."""
         self._record(method, target, status)
-        fields = [*(headers or {}).items(), ("Content-Length", str(length))]
+        fields = [*(headers or {}).items(), (NODE, self.node), ("Content-Length", str(length))]
         writer.write(http.send(h11.Response(status_code=status, headers=fields, reason=HTTPStatus(status).phrase)))
         if body is not None and length:
             # h11 counts the body's length (a range stands for it); `_body` sends its bytes
@@ -476,7 +540,7 @@ class Seeder:
         """A response without a body, then the connection closed (written whatever state h11 is in)."""
         if method:
             self._record(method, target, status)
-        more = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        more = "".join(f"{k}: {v}\r\n" for k, v in {**(headers or {}), NODE: self.node}.items())
         writer.write(f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n{more}Connection: close\r\n"
                      "Content-Length: 0\r\n\r\n".encode())  # fmt: skip
         await writer.drain()
@@ -487,10 +551,60 @@ class Seeder:
         del self.requests[:-1000]
 
 
-def _close_found(future: Future[tuple[int, int, str, bytes] | None]) -> None:
+class _Found(NamedTuple):
+    """A copy a request names, open: its size, version tag, read key, and what its load verified of it
+    (None: a complete copy)."""
+
+    fd: int
+    size: int
+    tag: str
+    key: bytes
+    loading: Verified | None
+
+
+def _close_found(future: Future[_Found | None]) -> None:
     """The descriptor a lookup opened for a request that went while it ran, closed."""
     if not future.cancelled() and future.exception() is None and (found := future.result()) is not None:
-        os.close(found[0])
+        os.close(found.fd)
+
+
+async def _verified(loading: Verified, start: int, end: int, wait: float) -> bool:
+    """Whether bytes [start, end) of a copy in progress are verified, waiting for them at most `wait` s (told
+    of each change by its load; the node's fetcher told that a peer waits for them)."""
+    if loading.covers(start, end):
+        return True
+    if wait <= 0:
+        return False
+    loop = asyncio.get_running_loop()
+    changed = asyncio.Event()
+
+    def tell() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has ended (the seeder closed)
+            loop.call_soon_threadsafe(changed.set)
+
+    deadline = loop.time() + wait
+    loading.listen(tell)
+    loading.want(start, end)
+    try:
+        while not loading.covers(start, end) and not loading.ended:
+            changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), deadline - loop.time())
+            if loop.time() >= deadline:
+                break
+        return loading.covers(start, end)
+    finally:
+        loading.want(start, end, add=False)
+        loading.listen(tell, add=False)
+
+
+def _seconds(text: str) -> float:
+    """A request's `X-Streamload-Wait` in seconds (0 where it is not a number)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return 0.0
+    return value if 0 < value < 3600 else 0.0
 
 
 def _ended(http: h11.Connection) -> bool:

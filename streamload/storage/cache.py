@@ -54,6 +54,7 @@ from pathlib import Path, PurePath
 from streamload.base import atomic
 from streamload.base.atomic import FOLDER, NEW, PARTIAL, writer_tag
 from streamload.format.header import FileHeader
+from streamload.storage.verified import Verified, covered, merged, register, unregister
 
 RECORD = ".streamload.json"
 _RECORD_MAX = 1 << 16  # bytes of a record read at most (one is ~120)
@@ -501,7 +502,9 @@ def _reserve(fd: int, size: int) -> None:
 class CacheWriter:
     """Writes one object's bytes to a file of its own as they arrive, and completes the copy when all
     have. Holds the file's claim until it completes or is closed. An OSError (a full disk) is raised
-    with nothing of the copy left: the caller goes on without it."""
+    with nothing of the copy left: the caller goes on without it. What of it passed the integrity layer is
+    marked as it is written (`write`'s `checked`) for this process's seeder, which serves those ranges while
+    the copy is in progress (storage/verified.py); they are read back (`read_verified`) until it is closed."""
 
     def __init__(self, claim: Claim, header: FileHeader) -> None:
         self.header = header
@@ -515,25 +518,43 @@ class CacheWriter:
         self._lock = threading.Lock()
         self._written: list[tuple[int, int]] = []  # merged [start, end) ranges
         self._fd: int | None = None
+        self._done = False  # complete: renamed into place (its descriptor still read until `close`)
+        self.verified: Verified | None = None
         try:
-            self._fd = place.open(self._partial, NEW)
+            self._fd = place.open(self._partial, (NEW & ~os.O_WRONLY) | os.O_RDWR)  # read back: `read_verified`
             _reserve(self._fd, header.size)
             self.write(0, memoryview(header.prefix))  # the length word and header, as read
+            self.verified = Verified(header, self._fd)
+            register(place.folder, place.name, self.verified)
         except BaseException:
             self.close()
             raise
 
-    def write(self, offset: int, data: memoryview) -> None:
+    def write(self, offset: int, data: memoryview, checked: bool = False) -> None:
+        """Bytes at `offset`; `checked`: they passed the integrity layer (marked so once on disk, before the copy
+        can complete). Bytes on disk already are not written again, nor marked: what was written unchecked
+        stays so."""
         with self._lock:
             fd = self._fd
-            if fd is None:
-                return
+            if fd is None or self._done or covered(self._written, offset, offset + len(data)):
+                return  # (bytes on disk already: a segment this load verified, read back from here)
             done = 0
             while done < len(data):
                 done += os.pwrite(fd, data[done:], offset + done)
-            self._written = _merged([*self._written, (offset, offset + len(data))])
+            self._written = merged([*self._written, (offset, offset + len(data))])
+            if checked and self.verified is not None:
+                self.verified.mark(offset, offset + len(data))
             if self._written == [(0, self.header.size)]:
                 self._complete(fd)
+
+    def read_verified(self, start: int, end: int) -> memoryview | None:
+        """Bytes [start, end) as written, where they were verified; else None."""
+        with self._lock:
+            if self._fd is None or self.verified is None or not self.verified.covers(start, end):
+                return None
+            data = bytearray(end - start)
+            got = os.preadv(self._fd, [data], start)
+        return memoryview(data) if got == len(data) else None
 
     def _complete(self, fd: int) -> None:
         """Record, then rename; where either fails, `close` drops the partial file (the record then
@@ -546,17 +567,24 @@ class CacheWriter:
         name, folder = self._place.name, self._place.folder
         atomic.write(Path(name + RECORD), record, temporary=Path(f"{name}{self._partial}.record"), dir_fd=folder)
         self._place.rename(self._partial, "")
-        self._fd = None
-        os.close(fd)
+        self._done = True  # a seeder serves the complete copy from now on
+        self._unregister()
         self._claim.release()
+
+    def _unregister(self) -> None:
+        if self.verified is not None:
+            self.verified.end()
+            unregister(self._place.folder, self._place.name, self.verified)
 
     def close(self) -> None:
         """Drop an incomplete copy (a complete one was renamed already) and the claim."""
         with self._lock:
+            self._unregister()  # before its descriptor goes: no seeder dups a closed one
             fd, self._fd = self._fd, None
             if fd is not None:
                 os.close(fd)
-                self._place.unlink(self._partial)
+                if not self._done:
+                    self._place.unlink(self._partial)
             self._claim.release()
 
 
@@ -657,15 +685,34 @@ class Copies:
             return False
         return True
 
-    def write(self, path: PurePath, offset: int, data: memoryview) -> None:
+    def write(self, path: PurePath, offset: int, data: memoryview, checked: bool = False) -> None:
+        """Bytes of `path` at `offset` into its copy; `checked`: they passed the integrity layer (a seeder of
+        this process may serve them while the copy is in progress: storage/verified.py)."""
         writer = self._writers.get(path)
         if writer is None:
             return
         try:
-            writer.write(offset, data)
+            writer.write(offset, data, checked)
         except OSError as exc:  # a full disk, a quota: the bytes arrived, the load goes on without the copy
             writer.close()
             self._not_kept(writer.final, exc)
+
+    def writes(self, path: PurePath) -> bool:
+        """Whether this load writes the copy of `path` (and can mark what of it it verified)."""
+        return path in self._writers
+
+    def read_verified(self, path: PurePath, start: int, end: int) -> memoryview | None:
+        """Bytes [start, end) of `path` as this load wrote them, where it verified them; else None."""
+        writer = self._writers.get(path)
+        try:
+            return None if writer is None else writer.read_verified(start, end)
+        except OSError:  # a disk that fails reads: the bytes are fetched again
+            return None
+
+    def verified(self, path: PurePath) -> Verified | None:
+        """What this load verified of the copy of `path` it writes (None where it writes none)."""
+        writer = self._writers.get(path)
+        return None if writer is None else writer.verified
 
     def drop(self, path: PurePath) -> None:
         """Write no copy of `path` (its partial file removed): bytes of it were not checked."""
@@ -753,13 +800,3 @@ def _file(st: os.stat_result) -> dict[str, int]:
     """Which file a record vouches for: its inode and modification time (a file put in its place, even
     one that reuses the inode number, has another)."""
     return {"inode": st.st_ino, "mtime_ns": st.st_mtime_ns}
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(ranges):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out

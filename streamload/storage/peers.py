@@ -1,12 +1,14 @@
 """Peers: a remote checkpoint's bytes from nodes that hold complete copies of its files (`streamload seed`,
-servers/seed.py), over plain HTTP ranges, each block checked against the source's digests before use; the
-source (the object store) serves what no peer has, and everything a peer fails at. docs/peers.md tells users.
+servers/seed.py), or load them at the same time (a wave: wave.py), over plain HTTP ranges, each block checked
+against the source's digests before use; the source (the object store) serves what no peer has, and
+everything a peer fails at. docs/peers.md tells users.
 
 Protocol: the file the source URL `scheme://host/key` names is `GET /v1/<scheme>/<host>/<key>` on a peer (the
 cache's own layout, storage/cache.py), with `Range: bytes=a-b`, `If-Match: <tag>` (`version_tag`: the version
 the source's header named) and `X-Streamload-Proof` (storage/peer_proof.py). A peer holding a complete copy of
 that version answers 206 with that ETag; another version 412; no copy 404; a proof it refuses 403; 503 at its
-connection cap.
+connection cap. A node loading the file (`X-Streamload-Copy: loading`) serves what it verified, and has a
+request that names `X-Streamload-Wait` wait for the rest that long (storage/verified.py).
 
 A load (`PeerFiles`) reads each range from the peer with the fewest requests in flight (at most `REQUESTS`),
 whole digest blocks at a time, so that every block passes the integrity layer (integrity/blocks.py) against the
@@ -51,6 +53,8 @@ from streamload.integrity.digests import DIGEST_FILE, version_of
 from streamload.storage import cache, peer_proof
 from streamload.storage.base import Copied, Digest, Listing, Partly, Source, redacted
 from streamload.storage.remote import ObjectFiles, ObjectPath, ObjectStorage, origin_digests
+from streamload.storage.verified import COPY, NODE, WAIT, node_of
+from streamload.storage.wave import REPROBE, REPROBE_MOST, Ahead, Known, Segment, Segments, Slots, owner
 
 log = logging.getLogger("streamload")
 
@@ -92,6 +96,11 @@ def timeout() -> float:
 
 def unverified_allowed() -> bool:
     return settings.PEERS_UNVERIFIED.get()
+
+
+def wave_wait() -> float:
+    """Seconds a request to a node loading the file may wait there for the bytes to be verified (a long poll)."""
+    return 2 * timeout()
 
 
 # -- who the peers are ---------------------------------------------------------------------------------
@@ -235,7 +244,7 @@ class PeerStorage:
             return self.inner.open(headers, partly)
 
         def files(storage: ObjectStorage, headers: dict[PurePath, FileHeader], partly: Partly) -> ObjectFiles:
-            return PeerFiles(storage, headers, partly, Swarm(peers, headers), units)
+            return PeerFiles(storage, headers, partly, Swarm(peers, headers, node_of(self.cache_dir)), units)
 
         return self.inner.open(headers, partly, files)
 
@@ -278,7 +287,12 @@ class PeerStorage:
 class PeerFiles(ObjectFiles):
     """The objects of one load, their ranges read from peers where they hold them (`Swarm`), checked unit
     by unit; the rest, and what a peer failed at, from the store (`ObjectFiles.fetch`). What comes back
-    is written into the cache as the store's bytes would be (`ObjectFiles.read`)."""
+    is written into the cache as the store's bytes would be (`ObjectFiles.read`).
+
+    A file that nodes load together (`Swarm.in_wave`) is read segment by segment (wave.py): from a complete
+    copy where a peer has one, else from the segment's owner, which reads it from the source; this node's own
+    segments are read ahead of the pipeline (`Ahead`). What this node verified of a file it writes into the
+    cache is marked there, and its seeder serves it to the others (storage/verified.py)."""
 
     def __init__(
         self,
@@ -293,12 +307,26 @@ class PeerFiles(ObjectFiles):
         self._counts_lock = threading.Lock()
         self.from_peers = self.from_source = 0  # bytes handed out from each
         super().__init__(storage, headers, partly)
+        checked = {p: u for p, u in units.items() if u.units and all(x.digest is not None for x in u.units)}
+        self._segments = {p: Segments(u) for p, u in checked.items()}  # the files a wave may split
+        self._slots = Slots()
+        copies, files = self._copies, []
+        for path, segments in self._segments.items():
+            verified = None if copies is None or swarm.node is None else copies.verified(path)
+            if verified is not None:
+                files.append((path, segments, verified))
+        self._ahead = Ahead(files, swarm.mine, self._read_ahead, swarm.generation) if files else None
 
     def fetch(self, path: ObjectPath, offset: int, length: int) -> list[memoryview]:
         units = self._units.get(path)
         if units is None or not self._swarm.any_alive():
             return self._source(path, offset, length)
         end, out = offset + length, []
+        if path in self._segments and self._swarm.in_wave(path):
+            for start, stop, i, j in self._segments[path].over(offset, end):
+                lo, hi = max(start, offset), min(stop, end)
+                out += self._source(path, lo, hi - lo) if i == j else [self._segment(path, (start, stop, i, j), lo, hi)]
+            return out
         for start, stop, i, j in units.segments(offset, end):
             lo, hi = max(start, offset), min(stop, end)
             if i == j:
@@ -318,34 +346,108 @@ class PeerFiles(ObjectFiles):
         while (peer := self._swarm.choose(path, tried)) is not None:
             tried.add(peer)
             data = self._swarm.get(peer, path, start, stop, self._source_rate)
-            if data is None:
-                continue
-            refetched: list[tuple[int, int]] = []  # units settle read from the source: not the peer's bytes
+            if data is not None:
+                self._settle(path, peer, units_of, units, data, (lo, hi))
+                return [memoryview(data)[lo - start : hi - start]]
+        return self._source(path, lo, hi - lo)
 
-            def from_source(at: int, n: int, refetched: list[tuple[int, int]] = refetched) -> bytes:
-                refetched.append((at, at + n))
-                return b"".join(self._source(path, at, n))
+    def _settle(
+        self, path: ObjectPath, peer: Peer | None, units_of: Units, units: list[Unit], data: bytearray,
+        counted: tuple[int, int],
+    ) -> bool:  # fmt: skip
+        """Check `data` (the bytes of `units`, from `peer`, or the source's where None), unit by unit (a unit
+        that fails replaced by the source's, checked too); whether every unit is verified now. The peer's bytes
+        within `counted` are counted as the peers'."""
+        start = units[0].start
+        refetched: list[tuple[int, int]] = []  # units settle read from the source: not the peer's bytes
 
-            outcome, failed = units_of.settle(units, memoryview(data), start, from_source)
-            if outcome is Outcome.FORGED and failed is not None:
-                self._swarm.drop(peer, f"sent bytes of {path.name} ({failed.what}) that do not match the "
-                                       "source's digests")  # fmt: skip
-            elif outcome is Outcome.STALE and failed is not None:
-                # the source's bytes fail too: the digests do not describe its version (the peer is not blamed),
-                # and the peer's other blocks matched nothing that proves them
-                memoryview(data)[:] = b"".join(self._source(path, start, stop - start))
-                refetched.append((lo, hi))
-                if self._units.pop(path, None) is not None:  # said once; peers not used for the file again
-                    log.warning("streamload: %s does not describe %s as the source holds it now (%s fails it from "
-                                "the source too): it is stale; peers are not used for this file (write it anew "
-                                "with `streamload digest`)", units_of.where, path.name, failed.what)  # fmt: skip
-                self.unkept(path)  # blocks of it taken from peers earlier were checked against those digests
-            elif outcome is Outcome.UNCHECKED:
-                self.unkept(path)  # unchecked bytes never become a copy a later load would trust
+        def from_source(at: int, n: int) -> bytes:
+            refetched.append((at, at + n))
+            return b"".join(self._source(path, at, n))
+
+        outcome, failed = units_of.settle(units, memoryview(data), start, from_source)
+        if outcome is Outcome.FORGED and failed is not None and peer is not None:
+            self._swarm.drop(peer, f"sent bytes of {path.name} ({failed.what}) that do not match the source's digests")
+        elif outcome is Outcome.STALE and failed is not None:
+            # the source's bytes fail too: the digests do not describe its version (the peer is not blamed),
+            # and the peer's other blocks matched nothing that proves them
+            if peer is not None:
+                memoryview(data)[:] = b"".join(self._source(path, start, len(data)))
+                refetched.append(counted)
+            if self._units.pop(path, None) is not None:  # said once; peers not used for the file again
+                log.warning("streamload: %s does not describe %s as the source holds it now (%s fails it from "
+                            "the source too): it is stale; peers are not used for this file (write it anew "
+                            "with `streamload digest`)", units_of.where, path.name, failed.what)  # fmt: skip
+            self.unkept(path)  # blocks of it taken from peers earlier were checked against those digests
+        elif outcome is Outcome.UNCHECKED:
+            self.unkept(path)  # unchecked bytes never become a copy a later load would trust
+        if peer is not None:
+            lo, hi = counted
             with self._counts_lock:
                 self.from_peers += hi - lo - sum(max(0, min(b, hi) - max(a, lo)) for a, b in refetched)
-            return [memoryview(data)[lo - start : hi - start]]
-        return self._source(path, lo, hi - lo)
+        return outcome in (Outcome.MATCHED, Outcome.FORGED)
+
+    # -- waves --------------------------------------------------------------------------------------------
+    def _segment(self, path: ObjectPath, segment: Segment, lo: int, hi: int) -> memoryview:
+        """Bytes [lo, hi) of the file, within one segment of its wave: as this load verified them (kept in its
+        cache copy), else the whole segment fetched (`_obtain`) by this thread, or by the one reading it."""
+        copies = self._copies if self._copies is not None and self._copies.writes(path) else None
+        start = segment[0]
+        while True:
+            kept = None if copies is None else copies.read_verified(path, lo, hi)
+            if kept is not None:
+                return kept
+            busy = None if copies is None else self._slots.take(path, start)
+            if busy is not None:
+                busy.wait()  # its reader ends it (its requests have deadlines)
+                continue
+            try:
+                data = self._obtain(path, segment)
+            finally:
+                if copies is not None:
+                    self._slots.done(path, start)
+            return memoryview(data)[lo - start : hi - start]
+
+    def _read_ahead(self, path: PurePath, segment: Segment) -> None:
+        """One segment this node owns, fetched ahead of the pipeline (`Ahead`): where no thread reads it yet."""
+        assert isinstance(path, ObjectPath)
+        busy = self._slots.take(path, segment[0])
+        if busy is not None:
+            busy.wait()
+            return
+        try:
+            self._obtain(path, segment)
+        finally:
+            self._slots.done(path, segment[0])
+
+    def _obtain(self, path: ObjectPath, segment: Segment) -> bytearray:
+        """The bytes of one segment, checked, and kept in the cache copy as verified where they are: from a peer
+        that holds a complete copy, else from the segment's owner (a long poll while it verifies them), else
+        (this node owns it, or the owners failed) from the source."""
+        start, end, i, j = segment
+        units_of = self._units.get(path)
+        if units_of is None:  # found stale meanwhile
+            return _joined(self._source(path, start, end - start))
+        units = units_of.units[i:j]
+        tried: set[Peer] = set()
+        while (peer := self._swarm.choose(path, tried)) or (peer := self._swarm.owner(path, start, tried)):
+            tried.add(peer)
+            wait = 0.0 if peer in self._swarm.holders(path) else wave_wait()
+            data = self._swarm.get(peer, path, start, end, self._source_rate, wait)
+            if data is not None:
+                if self._settle(path, peer, units_of, units, data, (start, end)):
+                    self._keep(path, start, data)
+                return data
+        data = _joined(self._source(path, start, end - start))
+        writes = self._copies is not None and self._copies.writes(path)
+        if writes and self._settle(path, None, units_of, units, data, (start, start)):
+            self._keep(path, start, data)  # checked: the wave's other nodes may ask for it (and other reads here)
+        return data
+
+    def _keep(self, path: PurePath, start: int, data: bytearray) -> None:
+        """Verified bytes into the cache copy, marked so (after they are written: a seeder serves them)."""
+        if self._copies is not None:
+            self._copies.write(path, start, memoryview(data), checked=True)
 
     def _source(self, path: ObjectPath, offset: int, length: int) -> list[memoryview]:
         began = time.monotonic()
@@ -368,6 +470,9 @@ class PeerFiles(ObjectFiles):
         super().cancel()
 
     def close(self) -> None:
+        self.cancel()  # requests in flight end, the fetcher's too
+        if self._ahead is not None:
+            self._ahead.close()
         self._swarm.close()
         super().close()
         total = self.from_peers + self.from_source
@@ -375,6 +480,16 @@ class PeerFiles(ObjectFiles):
         if total:
             log.info("streamload: peers served %d of %d bytes (%.0f%%), the source %d%s", self.from_peers, total,
                      100 * self.from_peers / total, self.from_source, self._swarm.summary())  # fmt: skip
+
+
+def _joined(views: list[memoryview]) -> bytearray:
+    """`views` one after the other, in one buffer of their own (copied once)."""
+    out = bytearray(sum(len(v) for v in views))
+    at = 0
+    for view in views:
+        out[at : at + len(view)] = view
+        at += len(view)
+    return out
 
 
 def _line(text: object) -> str:
@@ -387,9 +502,19 @@ class _Failed(Exception):
     """A peer's request failed; `drop`: the peer is not asked again this load (else: not for this file);
     `refused`: it answered 403 (our proof of reading was not accepted)."""
 
-    def __init__(self, why: str, drop: bool = True, refused: bool = False, late: bool = False) -> None:
+    def __init__(self, why: str, drop: bool = True, refused: bool = False, late: bool = False, node: str = "") -> None:
         super().__init__(why)
         self.drop, self.refused, self.late = drop, refused, late  # late: its deadline cut it
+        self.node = node  # a 404's: the node a seeder that lacks the file serves for
+
+
+class _Answer(NamedTuple):
+    """What a peer's HEAD said of a file: "complete", "loading" (since: when its copy began, by its clock) or
+    "idle" (a seeder without it); the node it serves for, where it named one."""
+
+    kind: str
+    node: str | None
+    since: float
 
 
 class _Busy(_Failed):
@@ -433,6 +558,13 @@ class _Connection(http.client.HTTPConnection):
         super().__init__(peer.host, peer.port, timeout=timeout)
         self._tls, self._server_name = (tls if peer.tls else None), peer.server_name
         self.expired = False  # the watchdog cut it (its request ran past its deadline)
+        self._between = timeout  # seconds a receive may wait, but for a long poll's answer
+
+    def allow(self, wait: float) -> None:
+        """The next request's answer may take `wait` seconds more to start (a long poll; 0: none)."""
+        self.timeout = self._between + wait
+        if self.sock is not None:
+            self.sock.settimeout(self.timeout)
 
     def connect(self) -> None:
         super().connect()  # TCP, at most `timeout` seconds
@@ -519,11 +651,13 @@ class _State:
 
 
 class Swarm:
-    """The peers of one load: which hold each file (asked once a file), which are alive, and their
-    connections (kept open between requests, at most `REQUESTS` in flight a peer). Raises SourceError (a
-    ValueError) naming the file where the peers' token file (`peer_proof.token`) or CA file cannot be read."""
+    """The peers of one load: which hold each file (asked once a file), which load it with this node (its
+    wave), which are alive, and their connections (kept open between requests, at most `REQUESTS` in flight a
+    peer). `node`: this node's id, where a seeder of this process serves the load's cache (its answers name
+    it). Raises SourceError (a ValueError) naming the file where the peers' token file (`peer_proof.token`)
+    or CA file cannot be read."""
 
-    def __init__(self, peers: list[Peer], headers: Mapping[PurePath, FileHeader]) -> None:
+    def __init__(self, peers: list[Peer], headers: Mapping[PurePath, FileHeader], node: str | None = None) -> None:
         try:  # once a load: a file that cannot be read fails it here, before a request (one line: a SourceError)
             secret = peer_proof.token()
             self._tls, self._trusts = _tls_context() if any(p.tls for p in peers) else (None, "")
@@ -534,8 +668,10 @@ class Swarm:
         self._tags = {path: version_tag(cache.version_of(h)) for path, h in headers.items()}  # as a cache records it
         self._keys = {path: peer_proof.read_key(h.prefix, self._tags[path], secret) for path, h in headers.items()}
         self._sizes = {path: h.size for path, h in headers.items()}
-        self._holders: dict[PurePath, list[Peer]] = {}
+        self.node = node
+        self._known: dict[PurePath, Known[Peer]] = {}
         self._asking: dict[PurePath, threading.Lock] = {}
+        self._generation = 0
         self._lock = threading.Condition()
         self._busy: set[_Connection] = set()  # connections a request is on (shut by `stop`)
         self._stopped = False
@@ -576,38 +712,167 @@ class Swarm:
         return None
 
     def holders(self, path: PurePath) -> list[Peer]:
-        """The peers holding the file at `path` at the source's version: asked once (HEAD, all at once)."""
-        known = self._holders.get(path)
-        if known is not None:
-            return known
-        with self._lock:
-            asking = self._asking.setdefault(path, threading.Lock())
-        with asking:
-            if path not in self._holders:
-                live = [p for p in self._peers if self._state[p].alive]
-                has = list(self._pool.map(lambda p: self._has(p, path), live))
-                self._holders[path] = [p for p, yes in zip(live, has, strict=True) if yes]
-            return self._holders[path]
+        """The peers holding a complete copy of the file at `path` at the source's version."""
+        return self.known(path).holders
 
-    def _has(self, peer: Peer, path: PurePath) -> bool:
-        """Whether `peer` holds `path`; one that is busy (503) is taken at its word that it may: its first
-        range request says (a 404 or 412 then leaves it out for the file)."""
+    def known(self, path: PurePath) -> Known[Peer]:
+        """What the peers said of the file at `path`: asked once (HEAD, all at once); the seeders that lack it
+        asked again while nodes may still join this node's wave for it (`wave.TOGETHER`)."""
+        known = self._known.get(path)
+        if known is None:
+            with self._lock:
+                asking = self._asking.setdefault(path, threading.Lock())
+            with asking:
+                if path not in self._known:
+                    live = [p for p in self._peers if self._state[p].alive]
+                    answers = list(self._pool.map(lambda p: self._has(p, path), live))
+                    self._known[path] = self._learnt(path, live, answers)
+                known = self._known[path]
+        if known.idle:
+            self._ask_again(path, known)
+        return known
+
+    def _learnt(self, path: PurePath, peers: list[Peer], answers: list[_Answer | None]) -> Known[Peer]:
+        """What `answers` (HEADs' to `peers`) tell of the file at `path`."""
+        known: Known[Peer] = Known(asked=time.monotonic())
+        idle = []
+        for peer, answer in zip(peers, answers, strict=True):
+            if answer is None:
+                continue
+            if answer.node is not None and answer.node == self.node:  # this node's own seeder
+                known.since = answer.since if answer.kind == "loading" else known.since
+            elif answer.kind == "complete":
+                known.holders.append(peer)
+            elif answer.kind == "loading" and answer.node:
+                known.members.setdefault(answer.node, (peer, answer.since))
+            elif answer.kind == "idle":
+                idle.append((peer, answer.node or ""))
+        for peer, node in idle:  # a seeder without the file: it may be about to load it too, where this node does
+            if known.since is not None:
+                known.idle[peer] = node
+            else:
+                self._failed(peer, path, _Failed(f"does not hold {path.name} (404)", drop=False))
+        return known
+
+    def _ask_again(self, path: PurePath, known: Known[Peer]) -> None:
+        """The seeders that lacked the file asked again, by one thread at a time (the others read on with what
+        is known), soon at first and then less often (`Known.every`), while nodes may join the wave; past that,
+        forgotten: what they would have owned is read here."""
+        now = time.monotonic()
+        with self._lock:
+            if not known.idle or known.asking or now - known.asked < known.every or self._stopped:
+                return
+            if not known.joining(time.time()):
+                known.idle = {}
+                self._generation += 1
+                return
+            known.asking, idle = True, list(known.idle)
         try:
-            self._request(peer, "HEAD", path)
+            answers = list(self._pool.map(lambda p: self._has(p, path), idle))
+        finally:
+            with self._lock:
+                known.asking, known.asked, known.every = False, time.monotonic(), min(REPROBE_MOST, 2 * known.every)
+        with self._lock:
+            for peer, answer in zip(idle, answers, strict=True):
+                if answer is not None and answer.kind == "idle":
+                    continue
+                known.idle = {p: n for p, n in known.idle.items() if p != peer}  # (new: others read them unlocked)
+                if answer is not None and answer.kind == "loading" and answer.node:
+                    known.members = {answer.node: (peer, answer.since), **known.members}
+                    continue
+                self._generation += 1  # it will not join: what it would have owned is the others'
+                if answer is not None and answer.kind == "complete":
+                    known.holders = [*known.holders, peer]
+
+    def _has(self, peer: Peer, path: PurePath) -> _Answer | None:
+        """What `peer` holds of `path` (None: nothing, said); one that is busy (503) is taken at its word that it
+        may hold it: its first range request says (a 404 or 412 then leaves it out for the file)."""
+        try:
+            node, copy = self._request(peer, "HEAD", path)
         except _Busy as exc:
-            return self._on_busy(peer, path, exc, wait=False)
+            return _Answer("complete", None, 0.0) if self._on_busy(peer, path, exc, wait=False) else None
         except _Failed as exc:
+            if exc.node:
+                return _Answer("idle", exc.node, 0.0)  # a seeder's: whether that says it lacks it, `_learnt` says
             self._failed(peer, path, exc)
-            return False
+            return None
         with self._lock:
             self._state[peer].busy_since = None  # it answered as asked
-        return True
+        kind, _, since = (copy or "complete").partition("; since=")
+        if kind != "loading":
+            return _Answer("complete", node, 0.0)
+        try:
+            return _Answer("loading", node, float(since)) if node else None
+        except ValueError:
+            return None  # a copy in progress that says neither its node nor its start: of no use to a wave
+
+    # -- waves ------------------------------------------------------------------------------------------
+    def in_wave(self, path: PurePath) -> bool:
+        """Whether the file at `path` is split among nodes loading it (this one among them, or not)."""
+        return bool(self._wave(path, False))
+
+    def generation(self) -> int:
+        """Counts the times a wave lost a node (its segments then owned by the others)."""
+        return self._generation
+
+    def _wave(self, path: PurePath, surely: bool) -> dict[str, Peer | None]:
+        """The live nodes of the file's wave; `surely`: with the seeders that may still join it."""
+        known = self.known(path)
+        with self._lock:
+            nodes = known.wave(self.node, lambda p: self._state[p].alive)
+            if surely and known.joining(time.time()):
+                nodes.update({n: p for p, n in known.idle.items() if n and self._state[p].alive})
+        return nodes
+
+    def mine(self, path: PurePath, start: int, surely: bool) -> bool:
+        """Whether this node owns the segment at `start` of `path` (`surely`: would own it were every seeder
+        that may still join the wave to join)."""
+        nodes = self._wave(path, surely)
+        return self.node in nodes and owner(nodes, self._tags[path], start) == self.node
+
+    def owner(self, path: PurePath, start: int, tried: Collection[Peer]) -> Peer | None:
+        """The peer that owns the segment at `start` of `path` (not in `tried`: the rest own what it did),
+        counted in once it has a request free; None where this node owns it, none does, or the owner had no
+        request free within the timeout and a long poll (the segment is read here)."""
+        while True:
+            nodes = {n: p for n, p in self._wave(path, True).items() if p not in tried}
+            name = owner(nodes, self._tags[path], start) or ""
+            peer = nodes.get(name)
+            if peer is not None and name not in self.known(path).members:
+                # a seeder that may still join the wave would own it: read here, it would be read twice from the
+                # source; so wait for its word (asked again meanwhile), at most until the wave's window closes
+                if self._stopped:
+                    return None
+                time.sleep(REPROBE)
+                continue
+            if peer is None or self._take(peer):
+                return peer
+            if self._stopped or self._state[peer].alive:
+                return None
+            tried = [*tried, peer]  # dropped while this request waited: its segments are the others'
+
+    def _take(self, peer: Peer) -> bool:
+        """A request to `peer` counted in, once it has one free; False where it was dropped, the load
+        stopped, or none came free within the timeout and a long poll."""
+        deadline = time.monotonic() + self.timeout + wave_wait()
+        with self._lock:
+            state = self._state[peer]
+            while state.alive and not self._stopped:
+                now = time.monotonic()
+                if state.inflight < REQUESTS and state.busy_until <= now:
+                    state.inflight += 1
+                    return True
+                if now >= deadline:
+                    return False
+                self._lock.wait(min(deadline, max(state.busy_until, now + 0.05)) - now)
+        return False
 
     # -- requests ---------------------------------------------------------------------------------------
-    def get(self, peer: Peer, path: PurePath, start: int, stop: int, source_rate: Callable[[], float | None]
-            ) -> bytearray | None:  # fmt: skip
-        """Bytes [start, stop) of `path` from `peer` (counted in by `choose`); None where it failed (or is
-        busy while another peer is free)."""
+    def get(self, peer: Peer, path: PurePath, start: int, stop: int, source_rate: Callable[[], float | None],
+            wait: float = 0.0) -> bytearray | None:  # fmt: skip
+        """Bytes [start, stop) of `path` from `peer` (counted in by `choose` or `owner`); None where it failed
+        (or is busy while another peer is free). `wait`: seconds a peer loading the file may wait for them to
+        be verified (a long poll; such a request is given that much longer, and tells nothing of its rate)."""
         data = bytearray(stop - start)
         view = memoryview(data)
 
@@ -623,18 +888,18 @@ class Swarm:
                 got += len(chunk)
 
         source = source_rate() or SOURCE_RATE
-        sooner = SOONER + len(data) / source  # past it, the source would have sent the range: the peer is slower
+        sooner = SOONER + len(data) / source + wait  # past it, the source would have sent the range: it is slower
         try:
             while True:
                 began = time.monotonic()
                 try:
-                    self._request(peer, "GET", path, (start, stop), body, sooner)
+                    self._request(peer, "GET", path, (start, stop), body, sooner, wait)
                     break
                 except _Busy as exc:
                     if not self._on_busy(peer, path, exc, wait=True):
                         return None
                 except _Failed as exc:
-                    if exc.late and sooner < self.timeout + len(data) / FLOOR_RATE:
+                    if exc.late and not wait and sooner < self.timeout + len(data) / FLOOR_RATE:
                         exc = _Failed(f"is slower than the source ({exc}; the source sends {len(data)} bytes in "
                                       f"about {len(data) / source:.2g} s)")  # fmt: skip
                     self._failed(peer, path, exc)
@@ -648,7 +913,7 @@ class Swarm:
         with self._lock:
             state.busy_since = None  # it answered as asked
             state.sent += len(data)
-            if len(data) >= MEASURED and took > 0:
+            if len(data) >= MEASURED and took > 0 and not wait:
                 state.rates = [*state.rates[-7:], len(data) / took]
             rates = list(state.rates)
         theirs = source_rate() if len(rates) >= SLOW_AFTER else None
@@ -665,21 +930,26 @@ class Swarm:
         span: tuple[int, int] | None = None,
         body: Callable[[http.client.HTTPResponse, Callable[[], str | None]], None] | None = None,
         sooner: float | None = None,
-    ) -> None:
+        wait: float = 0.0,
+    ) -> tuple[str | None, str | None]:
         """One request to `peer`, its answer checked to be the version and range asked for, then its body read
         by `body` (told how long the request was given, where its deadline cut it); raises _Failed for whatever
         went wrong (said in a line: whatever a peer makes a request raise drops it, never fails the load). The
         whole request, from the connect to the body's last byte, ends by its deadline: the timeout and a second
-        per MB asked for, or `sooner` seconds where less. A kept connection the peer closed meanwhile (its idle
-        timeout) is replaced once, at no cost."""
+        per MB asked for (and `wait`, the long poll it allows), or `sooner` seconds where less. A kept connection
+        the peer closed meanwhile (its idle timeout) is replaced once, at no cost. Returns the node the answer
+        names and what it said of its copy (`storage/verified.py`: NODE, COPY)."""
         target = peer.base + url_path(path)
         headers = {"If-Match": self._tags[path]}
         if span is not None:
             headers["Range"] = f"bytes={span[0]}-{span[1] - 1}"
-        limit = self.timeout + (span[1] - span[0] if span is not None else 0) / FLOOR_RATE
+        if wait:
+            headers[WAIT] = f"{wait:.3g}"
+        limit = self.timeout + (span[1] - span[0] if span is not None else 0) / FLOOR_RATE + wait
         limit = limit if sooner is None else min(limit, sooner)
         for fresh in (False, True):
             connection, reused = self._connection(peer, fresh)
+            connection.allow(wait)
             keep: Peer | None = None
             # a fresh nonce each time: a seeder refuses a proof it has seen (a replay)
             headers[peer_proof.HEADER] = peer_proof.proof(self._keys[path], method, target, headers.get("Range", ""))
@@ -692,13 +962,13 @@ class Swarm:
                     if reused and not connection.expired:
                         continue  # closed by the peer while kept: once more, on a new connection
                     raise
-                self._answer(method, path, span, response)
+                self._answer(method, path, span, response, wait)
                 if body is not None:
                     body(response, partial(_late, connection, limit))
                 if response.length == 0:
                     response.read()  # nothing is left (read to its end): its connection can take the next request
                 keep = peer if response.isclosed() and not response.will_close else None
-                return
+                return response.getheader(NODE), response.getheader(COPY)
             except _Failed:
                 raise
             except Exception as exc:  # MemoryError, ValueError, http.client's, ssl's...: the peer's doing
@@ -708,14 +978,18 @@ class Swarm:
                 self._let_go(connection, None if connection.expired else keep)
 
     def _answer(
-        self, method: str, path: PurePath, span: tuple[int, int] | None, response: http.client.HTTPResponse
-    ) -> None:
+        self, method: str, path: PurePath, span: tuple[int, int] | None, response: http.client.HTTPResponse,
+        wait: float = 0.0,
+    ) -> None:  # fmt: skip
         """Check that `response` is the version and range asked for (else raise _Failed). Any other answer's
         body is never read (its connection is closed): a peer cannot stall a load with one."""
         tag, size, status, reason = self._tags[path], self._sizes[path], response.status, _line(response.reason)
-        if status in (404, 412):
-            raise _Failed(f"does not hold {path.name} (404)" if status == 404 else
-                          f"holds another version of {path.name} than the source's (412)", drop=False)  # fmt: skip
+        if status == 404 and wait and span is not None:  # a node loading the file had not verified these bytes
+            raise _Failed(f"had not verified bytes {span[0]}..{span[1]} of {path.name} in time (404)", drop=False)
+        if status == 404:
+            raise _Failed(f"does not hold {path.name} (404)", drop=False, node=_line(response.getheader(NODE) or ""))
+        if status == 412:
+            raise _Failed(f"holds another version of {path.name} than the source's (412)", drop=False)
         if status == 403:
             raise _Failed(f"refused us ({status} {reason}) when asked for {path.name}", drop=False, refused=True)
         if status == 503:
@@ -783,7 +1057,8 @@ class Swarm:
         if not wait:
             return True
         with self._lock:
-            others = [p for p in self._holders.get(path, ()) if p != peer and self._state[p].alive
+            known = self._known.get(path)
+            others = [p for p in (known.holders if known else ()) if p != peer and self._state[p].alive
                       and self._state[p].inflight < REQUESTS and self._state[p].busy_until <= now]  # fmt: skip
             while not others and not self._stopped and state.alive and state.busy_until > time.monotonic():
                 self._lock.wait(state.busy_until - time.monotonic())
@@ -796,8 +1071,12 @@ class Swarm:
             self.drop(peer, f"{exc} (asked for {path.name})")
             return
         with self._lock:
-            if peer in self._holders.get(path, ()):  # a new list: `holders` handed the old one out
-                self._holders[path] = [p for p in self._holders[path] if p != peer]
+            known = self._known.get(path)
+            if known is not None:  # new lists: `holders` handed the old ones out
+                known.holders = [p for p in known.holders if p != peer]
+                known.members = {n: m for n, m in known.members.items() if m[0] != peer}
+                known.idle = {p: n for p, n in known.idle.items() if p != peer}
+                self._generation += 1
             kind = "refused" if exc.refused else "lacks"
             first = kind not in self._state[peer].warned
             self._state[peer].warned.add(kind)
@@ -816,6 +1095,7 @@ class Swarm:
                 return
             state.alive = False
             idle, state.idle = state.idle, []
+            self._generation += 1
             self._lock.notify_all()
         for connection in idle:
             connection.close()

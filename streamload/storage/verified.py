@@ -1,0 +1,163 @@
+"""What this process has verified of the copies it is still writing, and which node it is: what lets its
+seeder (servers/seed.py) serve a copy while the load writing it runs (docs/peers.md#nodes-that-start-together).
+
+A load's cache writer (storage/cache.py) registers each copy it writes here (`Verified`, by the copy's folder
+and name, as the seeder finds them walking the cache) and marks the ranges that passed the integrity layer
+(integrity/blocks.py): a peer's blocks once settled, the origin's once checked against the same digests. Only
+those ranges are ever served from a copy in progress; a range not yet verified is waited for, a bounded time.
+A seeder names its node in every answer (`node_id`: one id a process and cache directory), so that a load
+that finds its own seeder among its peers knows itself in the wave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from streamload.format.header import FileHeader
+
+NODE = "X-Streamload-Node"  # every answer of a seeder: the node it serves for
+COPY = "X-Streamload-Copy"  # a HEAD's answer: "complete", or "loading; since=<unix seconds>"
+WAIT = "X-Streamload-Wait"  # a GET's: seconds it may wait for bytes its node is still verifying
+
+
+def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def covered(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether merged `ranges` hold all of [start, end)."""
+    return start >= end or any(a <= start and end <= b for a, b in ranges)
+
+
+class Verified:
+    """The ranges of one copy in progress that this process verified, and the descriptor they can be read
+    through (the writer's own file). Thread-safe; `listen` tells a waiter (a seeder's request, the load's
+    fetcher) of every change: a range verified, one wanted by a peer, the copy ended."""
+
+    def __init__(self, header: FileHeader, fd: int) -> None:
+        self.header = header
+        self.since = time.time()  # when this node began the copy: nodes that began together split it
+        self._fd: int | None = fd
+        self._ranges: list[tuple[int, int]] = []
+        self._wanted: dict[tuple[int, int], int] = {}  # ranges peers wait for: how many wait for each
+        self._listeners: set[Callable[[], None]] = set()
+        self._lock = threading.Lock()
+
+    def mark(self, start: int, end: int) -> None:
+        with self._lock:
+            self._ranges = merged([*self._ranges, (start, end)])
+        self._tell()
+
+    def covers(self, start: int, end: int) -> bool:
+        with self._lock:
+            return covered(self._ranges, start, end)
+
+    def open(self) -> int | None:
+        """A descriptor of the copy (a duplicate, the caller's to close); None once the writer ended it."""
+        with self._lock:
+            return None if self._fd is None else os.dup(self._fd)
+
+    def end(self) -> None:
+        """The writer is done with its file (completed, or dropped): no new descriptor of it is handed out."""
+        with self._lock:
+            self._fd = None
+        self._tell()
+
+    @property
+    def ended(self) -> bool:
+        return self._fd is None
+
+    def want(self, start: int, end: int, add: bool = True) -> None:
+        """A peer waits for [start, end) (or, `add` False, no longer does)."""
+        with self._lock:
+            n = self._wanted.get((start, end), 0) + (1 if add else -1)
+            if n > 0:
+                self._wanted[(start, end)] = n
+            else:
+                self._wanted.pop((start, end), None)
+        if add:
+            self._tell()
+
+    def wanted(self) -> list[tuple[int, int]]:
+        with self._lock:
+            return list(self._wanted)
+
+    def listen(self, listener: Callable[[], None], add: bool = True) -> None:
+        with self._lock:
+            (self._listeners.add if add else self._listeners.discard)(listener)
+
+    def _tell(self) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+
+_loading: dict[tuple[int, int, str], Verified] = {}  # (folder's device, inode; name): the copy in progress there
+_nodes: dict[tuple[int, int], str] = {}  # a cache directory (device, inode): this process's node id for it
+_lock = threading.Lock()
+
+
+def _folder(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def register(folder: int, name: str, verified: Verified) -> None:
+    """The copy `name` in the open folder `folder` is being written by a load of this process."""
+    with _lock:
+        _loading[(*_folder(folder), name)] = verified
+
+
+def unregister(folder: int, name: str, verified: Verified) -> None:
+    with _lock, contextlib.suppress(OSError):
+        key = (*_folder(folder), name)
+        if _loading.get(key) is verified:
+            del _loading[key]
+
+
+def loading(folder: int, name: str) -> Verified | None:
+    """The copy in progress that a load of this process writes as `name` in the open folder `folder`."""
+    with _lock:
+        return _loading.get((*_folder(folder), name))
+
+
+def _identity(cache_dir: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(cache_dir)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def node_id(cache_dir: Path) -> str:
+    """This process's node id for `cache_dir` (made by its first seeder: one a process and cache directory,
+    whatever address it is reached at)."""
+    key = _identity(cache_dir)
+    with _lock:
+        if key is None:
+            return secrets.token_hex(8)
+        return _nodes.setdefault(key, secrets.token_hex(8))
+
+
+def node_of(cache_dir: Path | None) -> str | None:
+    """The node id a seeder of this process serves `cache_dir` under; None where none does."""
+    key = None if cache_dir is None else _identity(cache_dir)
+    with _lock:
+        return None if key is None else _nodes.get(key)
+
+
+__all__ = ["COPY", "NODE", "WAIT", "Verified", "covered", "loading", "merged", "node_id", "node_of", "register",
+           "unregister"]  # fmt: skip

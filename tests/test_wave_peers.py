@@ -1,0 +1,414 @@
+"""Nodes that start together split a checkpoint: each loads with its own cache_dir and in-process seeder, and
+`peers=` naming every node; each serves what it has verified while it still loads, and the store serves each
+byte about once. On loopback: the store is tests/servers.py's RangeServer (counting the bytes it sends), the
+nodes are loads in threads of this process (or a process of their own, where one is killed), each checked bit
+for bit against safetensors' own."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import streamload
+from streamload.format.header import TensorInfo
+from streamload.integrity import blocks
+from streamload.servers.seed import Seeder
+from streamload.storage import wave
+from streamload.storage.cache import Copies, version_of
+from streamload.storage.peer_proof import read_key
+from streamload.storage.peers import url_path, version_tag
+from streamload.storage.verified import COPY, NODE, WAIT, Verified
+
+from .servers import RangeServer
+from .test_peers import _asked, assert_same, proved, publish_digests, warnings_of
+
+pytest.importorskip("obstore")
+
+SEGMENT = 1 << 20  # a segment of the wave: one digest block (the default, 8 MiB, would make a file one segment)
+BOUND = 90.0  # seconds any wave of loads here may take, whatever happens
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMLOAD_PEER_TIMEOUT", "3")  # a long poll waits 6 s (the seeder's cap: 5 s)
+    monkeypatch.setenv("STREAMLOAD_RETRIES", "2")
+    monkeypatch.delenv("STREAMLOAD_PEERS_UNVERIFIED", raising=False)
+    monkeypatch.setattr(blocks, "PIECE", SEGMENT)
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left(store: Store) -> Iterator[None]:
+    """Every thread a wave started (seeders, fetchers ahead, requests' deadlines, the peers' pools) ended
+    with its load or seeder (the store's client loop, started with the store, goes on)."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5
+    while (left := [t.name for t in threading.enumerate() if t.name.startswith("streamload") and t not in before]) \
+            and time.monotonic() < deadline:  # fmt: skip
+        time.sleep(0.05)
+    assert not left, left
+
+
+def _write(folder: Path) -> int:
+    """Three shards of 8 MiB (tensors of one digest block each, a small one, an empty one); their tensor bytes."""
+    g = torch.Generator().manual_seed(7)
+    folder.mkdir(parents=True)
+    index, total = {}, 0
+    for shard in range(3):
+        state = {f"layers.{shard}.w{k}": torch.randn(256, 1024, generator=g) for k in range(8)}
+        state[f"layers.{shard}.b"] = torch.randn(7, generator=g).to(torch.bfloat16)
+        state[f"layers.{shard}.empty"] = torch.empty(0)
+        name = f"model-{shard + 1:05d}-of-00003.safetensors"
+        save_file(state, folder / name)
+        index.update(dict.fromkeys(state, name))
+        total += sum(t.numel() * t.element_size() for t in state.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    return total
+
+
+class Store:
+    """The store: a RangeServer over `www/model` (digests published beside it) and `www/bare` (none)."""
+
+    def __init__(self, www: Path) -> None:
+        self.tensor_bytes = _write(www / "model")
+        _write(www / "bare")
+        self.www = www
+        self.server = RangeServer(www, rate=16e6)  # a store capped per connection; peers on loopback are faster
+        self.url = f"{self.server.url}/model/"
+        self.bare = f"{self.server.url}/bare/"
+        publish_digests(self.url, www / "model")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    made = Store(tmp_path_factory.mktemp("wave"))
+    yield made
+    made.server.close()
+
+
+@contextmanager
+def nodes(root: Path, n: int) -> Iterator[list[tuple[Path, Seeder]]]:
+    """`n` nodes: each a cache directory of its own and a seeder serving it (port 0)."""
+    made: list[tuple[Path, Seeder]] = []
+    try:
+        for k in range(n):
+            cache = root / f"node{k}"
+            cache.mkdir()
+            made.append((cache, Seeder(cache, "127.0.0.1", 0).start()))
+        yield made
+    finally:
+        for _, seeder in made:
+            seeder.close()
+
+
+def together(loads: list[Callable[[], object]]) -> list[object]:
+    """Each of `loads` run in a thread of its own, all started at once; their results (or what each raised,
+    raised here), within `BOUND` seconds."""
+    results: list[object] = [None] * len(loads)
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(loads))
+
+    def run(k: int) -> None:
+        start.wait()
+        try:
+            results[k] = loads[k]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(len(loads))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + BOUND
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"a load of the wave ran past {BOUND} s"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def loads_of(store: Store, caches: list[Path], peers: list[str], url: str | None = None) -> list[Callable[[], object]]:
+    return [lambda c=c: streamload.load(url or store.url, device="cpu", cache_dir=c, peers=peers) for c in caches]
+
+
+def tensor_reads(server: RangeServer, first: int) -> int:
+    """Bytes of tensors the store was asked for since its `first` request (every ranged GET but a header's read,
+    which starts at byte 0)."""
+    return sum(b - a for spans in _asked(server.requests[first:]).values() for a, b in spans if a > 0)
+
+
+def kept_whole(cache: Path) -> int:
+    """Complete copies (a record beside them) in `cache`."""
+    return sum(1 for p in cache.rglob("*.safetensors") if Path(f"{p}.streamload.json").exists())
+
+
+# -- a wave ----------------------------------------------------------------------------------------------
+def test_three_nodes_that_start_together_split_what_the_store_serves(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = len(store.server.requests)
+    with nodes(tmp_path, 3) as made:
+        urls = [seeder.url for _, seeder in made]
+        got = together(loads_of(store, [cache for cache, _ in made], urls))
+        for state in got:
+            assert_same(state, store.www / "model")  # type: ignore[arg-type]
+        served = tensor_reads(store.server, first)
+        assert served <= 1.2 * store.tensor_bytes, (served, store.tensor_bytes)  # not 3x: each byte about once
+        assert all(seeder.sent > 0 for _, seeder in made), [seeder.sent for _, seeder in made]  # each served some
+        heads = [r for _, seeder in made for r in seeder.requests if r[0] == "HEAD"]
+        assert len(heads) <= 2 * 3 * 3 * 3  # a HEAD a node, file and peer (its own seeder too), a few more at most
+    assert not warnings_of(caplog)
+    assert all(kept_whole(cache) == 3 for cache, _ in made)  # each node holds complete copies: it seeds them
+
+
+def test_a_node_that_joins_mid_wave_asks_the_owners(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node that starts after the wave's nodes may join (`TOGETHER`) owns nothing: it asks the owners for what
+    they verified (waiting for the rest), and the store serves it no tensor byte."""
+    monkeypatch.setattr(wave, "TOGETHER", 0.5)
+    slow = RangeServer(store.www, rate=0.5e6)  # the same objects, slower: a wave of seconds, the joiner's 1 s in it
+    url = f"{slow.url}/model/"
+    try:
+        with nodes(tmp_path, 3) as made:
+            urls = [seeder.url for _, seeder in made]
+            ended: list[float] = []
+            joined: list[float] = []
+
+            def early(cache: Path) -> object:
+                state = streamload.load(url, device="cpu", cache_dir=cache, peers=urls)
+                ended.append(time.monotonic())
+                return state
+
+            def late() -> object:
+                time.sleep(1.0)  # the two are mid-load
+                joined.append(time.monotonic())
+                return streamload.load(url, device="cpu", cache_dir=made[2][0], peers=urls)
+
+            began = len(slow.requests)
+            got = together([lambda: early(made[0][0]), lambda: early(made[1][0]), late])
+            for state in got:
+                assert_same(state, store.www / "model")  # type: ignore[arg-type]
+            assert joined[0] < min(ended)  # it joined while they loaded
+            served = tensor_reads(slow, began)
+            assert served <= 1.2 * store.tensor_bytes, (served, store.tensor_bytes)  # the joiner's: from the nodes
+            assert made[2][1].sent == 0  # it owned nothing: asked for nothing
+    finally:
+        slow.close()
+    assert not warnings_of(caplog)
+
+
+# -- nodes that fail --------------------------------------------------------------------------------------
+NODE_SCRIPT = """
+import sys
+import streamload
+from streamload.format.header import TensorInfo
+from streamload.integrity import blocks
+from streamload.servers.seed import Seeder
+
+blocks.PIECE = int(sys.argv[3])
+seeder = Seeder(sys.argv[2], "127.0.0.1", 0).start()
+print(seeder.url, flush=True)
+peers = sys.stdin.readline().split()
+with streamload.iter(sys.argv[1], device="cpu", cache_dir=sys.argv[2], peers=peers, slots=2) as stream:
+    for name, _ in stream:
+        print(name, flush=True)
+"""
+
+
+def line_of(stream: IO[str], seconds: float = 60.0) -> str:
+    """The next line a process prints, within `seconds` ("" where none came)."""
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    return got[0].strip() if got else ""
+
+
+def test_a_node_killed_mid_wave_and_the_others_exact(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node of its own process, mid-load (a member of the wave: the others ask it for its segments), killed:
+    each of the others drops it (one warning) and reads its segments elsewhere, exact."""
+    slow = RangeServer(store.www, rate=2e6)  # the same objects, slower: a wave of seconds
+    url = f"{slow.url}/model/"
+    (tmp_path / "killed").mkdir()
+    node = subprocess.Popen(
+        [sys.executable, "-c", NODE_SCRIPT, url, str(tmp_path / "killed"), str(SEGMENT)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert node.stdin is not None and node.stdout is not None
+        killed = line_of(node.stdout)
+        assert killed.startswith("http://"), killed
+        with nodes(tmp_path, 2) as made:
+            urls = [killed, *(seeder.url for _, seeder in made)]
+            node.stdin.write(" ".join(urls) + "\n")
+            node.stdin.flush()
+            assert line_of(node.stdout)  # its first tensor: it loads (its copies in progress)
+
+            def kill() -> None:
+                time.sleep(0.5)  # the others ask it meanwhile
+                os.kill(node.pid, signal.SIGKILL)
+
+            got = together([*loads_of(store, [cache for cache, _ in made], urls, url), kill])
+            for state in got[:2]:
+                assert_same(state, store.www / "model")  # type: ignore[arg-type]
+    finally:
+        node.kill()
+        node.wait()
+        for stream in (node.stdin, node.stdout):
+            if stream is not None:
+                stream.close()
+        slow.close()
+    named = [w for w in warnings_of(caplog) if killed in w]
+    assert 1 <= len(named) <= 2 and all("dropped" in w for w in named), named  # at most one a load
+
+
+def test_a_node_whose_copy_changes_after_it_verified_it_is_dropped(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The liar's partial copy has a byte flipped at the start of every range as soon as it is marked verified
+    (a disk that rots, or someone who writes into it): the others find it by the digests, drop it (one warning
+    each, naming it), and are exact."""
+    liar_cache = tmp_path / "node0"
+    mark = Verified.mark
+
+    def lying(self: Verified, start: int, end: int) -> None:
+        mark(self, start, end)
+        fd = self.open()
+        if fd is None:
+            return
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(str(liar_cache)):
+                os.pwrite(fd, bytes([os.pread(fd, 1, start)[0] ^ 0xFF]), start)
+        finally:
+            os.close(fd)
+
+    monkeypatch.setattr(Verified, "mark", lying)
+    with nodes(tmp_path, 3) as made:
+        urls = [seeder.url for _, seeder in made]
+        got = together(loads_of(store, [cache for cache, _ in made], urls))
+        for state in got[1:]:  # the honest nodes
+            assert_same(state, store.www / "model")  # type: ignore[arg-type]
+        liar = made[0][1]
+        assert [r for r in liar.requests if r[0] == "GET" and r[2] == 206]  # it was asked, and answered
+    named = [w for w in warnings_of(caplog) if liar.url in w]
+    assert len(named) == 2, named  # one a load of the two honest nodes
+    assert all("do not match the source's digests" in w and "dropped" in w for w in named), named
+
+
+def test_a_node_that_never_verifies_what_it_owns_costs_a_wait_not_the_load(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node that says it loads every file (its copies in progress) but verifies nothing: each request to it
+    waits its long poll and gets 404; the others stop asking it for that file (one warning each, naming it),
+    own its segments between them, and are exact, within a few waits."""
+    monkeypatch.setenv("STREAMLOAD_PEER_TIMEOUT", "1")  # a long poll: 2 s
+    checkpoint = streamload.inspect(store.url)
+    with nodes(tmp_path, 3) as made:
+        stalled = Copies(made[0][0], {h.path: h for h in checkpoint.files}, ())  # a load that never reads
+        try:
+            urls = [seeder.url for _, seeder in made]
+            began = time.monotonic()
+            got = together(loads_of(store, [cache for cache, _ in made[1:]], urls))
+            took = time.monotonic() - began
+            for state in got:
+                assert_same(state, store.www / "model")  # type: ignore[arg-type]
+            stalls = [r for r in made[0][1].requests if r[0] == "GET"]
+            assert stalls and all(r[2] == 404 for r in stalls)  # asked, and never a byte
+        finally:
+            stalled.close()
+    assert took < 3 * 2 * 2 + 10, took  # a wait of 2 s (twice the timeout) a file, at most
+    named = [w for w in warnings_of(caplog) if made[0][1].url in w]
+    assert len(named) == 2 and all("had not verified" in w for w in named), named
+
+
+def test_without_digests_no_wave_each_node_reads_the_store(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = len(store.server.requests)
+    with nodes(tmp_path, 3) as made:
+        urls = [seeder.url for _, seeder in made]
+        got = together(loads_of(store, [cache for cache, _ in made], urls, store.bare))
+        for state in got:
+            assert_same(state, store.www / "bare")  # type: ignore[arg-type]
+        assert all(seeder.requests == [] for _, seeder in made)  # not even asked
+    assert tensor_reads(store.server, first) >= 3 * store.tensor_bytes  # each node, the whole checkpoint
+    said = warnings_of(caplog)
+    assert len(said) == 3 and all("peers are not used for any file" in w for w in said), said
+
+
+# -- what a node serves of a copy in progress ------------------------------------------------------------
+def _ask(url: str, path: str, key: bytes | None, headers: dict[str, str], method: str = "GET"
+         ) -> tuple[int, dict[str, str], bytes, float]:  # fmt: skip
+    host, port = url.split("://")[1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    began = time.monotonic()
+    try:
+        conn.request(method, path, headers=proved(key, method, path, headers) if key else headers)
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read(), time.monotonic() - began
+    finally:
+        conn.close()
+
+
+def test_a_node_serves_only_what_it_verified(store: Store, tmp_path: Path) -> None:
+    """A copy being written (a load's `Copies`): a range written unchecked (even written again as checked), or
+    not written, gets no body (404, at once, or after the wait the request allows); a checked one its bytes; a
+    range checked while a request waits, its bytes then. The proof and the version tag apply as for complete
+    copies; once the writer is gone, nothing of it is served."""
+    header = streamload.inspect(store.url).files[0]
+    raw = (store.www / "model" / header.path.name).read_bytes()
+    tag = version_tag(version_of(header))
+    key = read_key(header.prefix, tag, None)
+    path = url_path(header.path)
+    one, two, three = sorted((t for t in header.tensors if t.nbytes), key=lambda t: t.begin)[:3]
+
+    def ranged(t: TensorInfo, wait: str = "", end: int | None = None) -> dict[str, str]:
+        asked = {"Range": f"bytes={t.begin}-{(t.end if end is None else end) - 1}", "If-Match": tag}
+        return {**asked, WAIT: wait} if wait else asked
+
+    with nodes(tmp_path, 1) as ((cache, seeder),):
+        copies = Copies(cache, {header.path: header}, ())
+        try:
+            copies.write(header.path, one.begin, memoryview(raw[one.begin : one.end]))  # unchecked
+            copies.write(header.path, one.begin, memoryview(raw[one.begin : one.end]), checked=True)  # on disk already
+            status, said, body, _ = _ask(seeder.url, path, key, {}, "HEAD")
+            assert (status, said[NODE], said["ETag"], body) == (200, seeder.node, tag, b"")
+            assert said[COPY].startswith("loading; since=")
+            assert _ask(seeder.url, path, key, ranged(one))[:3:2] == (404, b"")  # no wait asked: at once
+            status, said, body, took = _ask(seeder.url, path, key, ranged(one, "0.5"))
+            assert (status, body, said[NODE]) == (404, b"", seeder.node) and took >= 0.45
+            copies.write(header.path, two.begin, memoryview(raw[two.begin : two.end]), checked=True)
+            status, said, body, _ = _ask(seeder.url, path, key, ranged(two))
+            assert (status, body) == (206, raw[two.begin : two.end])
+            assert said["Content-Range"] == f"bytes {two.begin}-{two.end - 1}/{len(raw)}"
+            assert _ask(seeder.url, path, key, ranged(two, "0.2", two.end + 1))[:3:2] == (404, b"")  # a byte past it
+            assert _ask(seeder.url, path, key, ranged(three, "0.2"))[:3:2] == (404, b"")  # not written
+            assert _ask(seeder.url, path, None, ranged(two))[0] == 403  # no proof
+            assert _ask(seeder.url, path, key, {**ranged(two), "If-Match": '"another"'})[0] == 412
+            waited: list[tuple[int, dict[str, str], bytes, float]] = []
+            waiter = threading.Thread(target=lambda: waited.append(_ask(seeder.url, path, key, ranged(three, "5"))))
+            waiter.start()
+            time.sleep(0.3)
+            copies.write(header.path, three.begin, memoryview(raw[three.begin : three.end]), checked=True)
+            waiter.join(10)
+            assert waited and waited[0][:3:2] == (206, raw[three.begin : three.end]) and waited[0][3] < 4
+        finally:
+            copies.close()
+        assert _ask(seeder.url, path, key, ranged(two))[:3:2] == (404, b"")  # the writer gone: nothing of it
