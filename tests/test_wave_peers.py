@@ -101,14 +101,15 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
 
 
 @contextmanager
-def nodes(root: Path, n: int) -> Iterator[list[tuple[Path, Seeder]]]:
-    """`n` nodes: each a cache directory of its own and a seeder serving it (port 0)."""
+def nodes(root: Path, n: int, header_timeout: float = 10.0) -> Iterator[list[tuple[Path, Seeder]]]:
+    """`n` nodes: each a cache directory of its own and a seeder serving it (port 0; a long poll waits at most
+    half its `header_timeout`)."""
     made: list[tuple[Path, Seeder]] = []
     try:
         for k in range(n):
             cache = root / f"node{k}"
             cache.mkdir()
-            made.append((cache, Seeder(cache, "127.0.0.1", 0).start()))
+            made.append((cache, Seeder(cache, "127.0.0.1", 0, header_timeout=header_timeout).start()))
         yield made
     finally:
         for _, seeder in made:
@@ -141,6 +142,14 @@ def together(loads: list[Callable[[], object]]) -> list[object]:
     return results
 
 
+@pytest.fixture
+def patient(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Honest waves on a busy machine: a node starved of the cores for seconds is no failing peer (its long polls
+    may wait 30 s; the seeders' header timeout to give with it, returned)."""
+    monkeypatch.setenv("STREAMLOAD_PEER_TIMEOUT", "15")
+    return 60.0
+
+
 def loads_of(store: Store, caches: list[Path], peers: list[str], url: str | None = None) -> list[Callable[[], object]]:
     return [lambda c=c: streamload.load(url or store.url, device="cpu", cache_dir=c, peers=peers) for c in caches]
 
@@ -158,10 +167,10 @@ def kept_whole(cache: Path) -> int:
 
 # -- a wave ----------------------------------------------------------------------------------------------
 def test_three_nodes_that_start_together_split_what_the_store_serves(
-    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, patient: float
 ) -> None:
     first = len(store.server.requests)
-    with nodes(tmp_path, 3) as made:
+    with nodes(tmp_path, 3, patient) as made:
         urls = [seeder.url for _, seeder in made]
         got = together(loads_of(store, [cache for cache, _ in made], urls))
         for state in got:
@@ -176,7 +185,7 @@ def test_three_nodes_that_start_together_split_what_the_store_serves(
 
 
 def test_a_node_that_joins_mid_wave_asks_the_owners(
-    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, patient: float
 ) -> None:
     """A node that starts after the wave's nodes may join (`TOGETHER`) owns nothing: it asks the owners for what
     they verified (waiting for the rest), and the store serves it no tensor byte."""
@@ -184,7 +193,7 @@ def test_a_node_that_joins_mid_wave_asks_the_owners(
     slow = RangeServer(store.www, rate=0.5e6)  # the same objects, slower: a wave of seconds, the joiner's 1 s in it
     url = f"{slow.url}/model/"
     try:
-        with nodes(tmp_path, 3) as made:
+        with nodes(tmp_path, 3, patient) as made:
             urls = [seeder.url for _, seeder in made]
             ended: list[float] = []
             joined: list[float] = []
@@ -210,6 +219,116 @@ def test_a_node_that_joins_mid_wave_asks_the_owners(
     finally:
         slow.close()
     assert not warnings_of(caplog)
+
+
+def test_a_node_whose_consumer_waits_still_serves_the_segments_it_owns(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, patient: float
+) -> None:
+    """Node 0 takes its first tensor and then waits (its consumer busy elsewhere, its ring full): the segments it
+    owns are read ahead of its pipeline all the same, so nodes 1 and 2 get them from it and finish while it waits."""
+    first = len(store.server.requests)
+    resume = threading.Event()
+    with nodes(tmp_path, 3, patient) as made:
+        urls = [seeder.url for _, seeder in made]
+        done: list[float] = []
+
+        def waiting() -> object:
+            out = {}
+            with streamload.iter(store.url, device="cpu", cache_dir=made[0][0], peers=urls) as stream:
+                for k, (name, t) in enumerate(stream):
+                    out[name] = t
+                    if k == 0:
+                        assert resume.wait(BOUND)
+            return out
+
+        def other(cache: Path) -> object:
+            state = streamload.load(store.url, device="cpu", cache_dir=cache, peers=urls)
+            done.append(time.monotonic())
+            return state
+
+        def waker() -> bool:
+            deadline = time.monotonic() + 20  # a long poll may wait 30 s: they would not be done by then
+            while len(done) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            resume.set()
+            return len(done) == 2
+
+        got = together([waiting, lambda: other(made[1][0]), lambda: other(made[2][0]), waker])
+        assert got[3] is True  # both finished while node 0 waited
+        for state in got[:3]:
+            assert_same(state, store.www / "model")  # type: ignore[arg-type]
+        served = tensor_reads(store.server, first)
+        assert served <= 1.2 * store.tensor_bytes, (served, store.tensor_bytes)
+    assert not warnings_of(caplog)
+
+
+class _Claims(threading.Thread):
+    """A peer that says, of every file, that its node loads it since `since` (a HEAD with the file's tag), and
+    answers every GET 404: a liar about its start."""
+
+    def __init__(self, tags: dict[str, tuple[str, int]], since: str) -> None:
+        import http.server
+
+        claims = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _head(self, status: int) -> None:
+                self.send_response(status)
+                self.send_header(NODE, "evil")
+                tag, size = tags.get(self.path, ("", 0))
+                if status == 200:
+                    self.send_header("ETag", tag)
+                    self.send_header(COPY, f"loading; since={since}")
+                self.send_header("Content-Length", str(size if status == 200 else 0))
+                self.end_headers()
+
+            def do_HEAD(self) -> None:
+                self._head(200 if self.path in tags else 404)
+
+            def do_GET(self) -> None:
+                claims.gets += 1
+                self._head(404)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(daemon=True)
+        self.gets = 0
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def run(self) -> None:
+        self.server.serve_forever(poll_interval=0.05)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.join(5)
+
+
+@pytest.mark.parametrize("since", ["nan", "inf", "-inf", "9e18"])
+def test_a_peer_that_says_its_load_began_at_no_real_time_is_not_of_the_wave(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, since: str, patient: float
+) -> None:
+    """A start that is not a time (nan compares false with every other, so a wave counting it would have no
+    member; infinities; one far in the future) is no start: the peer is no member, the honest nodes split the
+    files between them and the store serves each byte about once."""
+    checkpoint = streamload.inspect(store.url)
+    tags = {url_path(h.path): (version_tag(version_of(h)), h.size) for h in checkpoint.files}
+    liar = _Claims(tags, since)
+    liar.start()
+    first = len(store.server.requests)
+    try:
+        with nodes(tmp_path, 2, patient) as made:
+            urls = [liar.url, *(seeder.url for _, seeder in made)]
+            got = together(loads_of(store, [cache for cache, _ in made], urls))
+            for state in got:
+                assert_same(state, store.www / "model")  # type: ignore[arg-type]
+            served = tensor_reads(store.server, first)
+            assert served <= 1.2 * store.tensor_bytes, (served, store.tensor_bytes)
+            assert all(seeder.sent > 0 for _, seeder in made)
+    finally:
+        liar.close()
 
 
 # -- nodes that fail --------------------------------------------------------------------------------------
@@ -303,7 +422,7 @@ def test_a_node_whose_copy_changes_after_it_verified_it_is_dropped(
     with nodes(tmp_path, 3) as made:
         urls = [seeder.url for _, seeder in made]
         got = together(loads_of(store, [cache for cache, _ in made], urls))
-        for state in got[1:]:  # the honest nodes
+        for state in got:  # the honest nodes, and the liar's own load: what it reads back of its copy is checked
             assert_same(state, store.www / "model")  # type: ignore[arg-type]
         liar = made[0][1]
         assert [r for r in liar.requests if r[0] == "GET" and r[2] == 206]  # it was asked, and answered
@@ -412,3 +531,20 @@ def test_a_node_serves_only_what_it_verified(store: Store, tmp_path: Path) -> No
         finally:
             copies.close()
         assert _ask(seeder.url, path, key, ranged(two))[:3:2] == (404, b"")  # the writer gone: nothing of it
+
+
+def test_bytes_written_over_verified_ones_never_replace_them(store: Store, tmp_path: Path) -> None:
+    """An unchecked write that overlaps a verified range in part (a source read cut at other bounds) writes only
+    the bytes not yet on disk: the verified ones stay as checked, and so does what is served and read back."""
+    header = streamload.inspect(store.url).files[0]
+    raw = (store.www / "model" / header.path.name).read_bytes()
+    start = min(t.begin for t in header.tensors if t.nbytes)
+    copies = Copies(tmp_path, {header.path: header}, ())
+    try:
+        copies.write(header.path, start, memoryview(raw[start : start + 1000]), checked=True)
+        copies.write(header.path, start + 500, memoryview(bytes(1000)))  # unchecked, and not the file's bytes
+        kept = copies.read_verified(header.path, start, start + 1000)
+        assert kept is not None and bytes(kept) == raw[start : start + 1000]
+        assert copies.read_verified(header.path, start, start + 1001) is None  # past it: written, never verified
+    finally:
+        copies.close()

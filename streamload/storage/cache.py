@@ -538,12 +538,13 @@ class CacheWriter:
             fd = self._fd
             if fd is None or self._done or covered(self._written, offset, offset + len(data)):
                 return  # (bytes on disk already: a segment this load verified, read back from here)
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, data[done:], offset + done)
+            for lo, hi in _gaps(self._written, offset, offset + len(data)):  # never over verified bytes
+                done = lo
+                while done < hi:
+                    done += os.pwrite(fd, data[done - offset : hi - offset], done)
+                if checked and self.verified is not None:
+                    self.verified.mark(lo, hi)
             self._written = merged([*self._written, (offset, offset + len(data))])
-            if checked and self.verified is not None:
-                self.verified.mark(offset, offset + len(data))
             if self._written == [(0, self.header.size)]:
                 self._complete(fd)
 
@@ -794,6 +795,20 @@ def _claim_all(
             break
         time.sleep(0.01 * (1 + attempt) * (0.5 + random.random()))  # nosec B311 # jitter: two loads took a file each
     return {}
+
+
+def _gaps(written: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of [lo, hi) outside `written` (merged, sorted ranges)."""
+    out, at = [], lo
+    for a, b in written:
+        if b <= at or a >= hi:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < hi:
+        out.append((at, hi))
+    return out
 
 
 def _file(st: os.stat_result) -> dict[str, int]:

@@ -31,6 +31,7 @@ import hashlib
 import http.client
 import json
 import logging
+import math
 import re
 import socket
 import ssl
@@ -54,7 +55,7 @@ from streamload.storage import cache, peer_proof
 from streamload.storage.base import Copied, Digest, Listing, Partly, Source, redacted
 from streamload.storage.remote import ObjectFiles, ObjectPath, ObjectStorage, origin_digests
 from streamload.storage.verified import COPY, NODE, WAIT, node_of
-from streamload.storage.wave import REPROBE, REPROBE_MOST, Ahead, Known, Segment, Segments, Slots, owner
+from streamload.storage.wave import REPROBE, REPROBE_MOST, TOGETHER, Ahead, Known, Segment, Segments, Slots, owner
 
 log = logging.getLogger("streamload")
 
@@ -394,9 +395,9 @@ class PeerFiles(ObjectFiles):
         copies = self._copies if self._copies is not None and self._copies.writes(path) else None
         start = segment[0]
         while True:
-            kept = None if copies is None else copies.read_verified(path, lo, hi)
+            kept = None if copies is None else copies.read_verified(path, start, segment[1])
             if kept is not None:
-                return kept
+                return self._read_back(path, segment, kept)[lo - start : hi - start]
             busy = None if copies is None else self._slots.take(path, start)
             if busy is not None:
                 busy.wait()  # its reader ends it (its requests have deadlines)
@@ -407,6 +408,22 @@ class PeerFiles(ObjectFiles):
                 if copies is not None:
                     self._slots.done(path, start)
             return memoryview(data)[lo - start : hi - start]
+
+    def _read_back(self, path: ObjectPath, segment: Segment, data: memoryview) -> memoryview:
+        """A segment this load verified, read back from its own copy, checked again before a byte of it is handed
+        out: the file on disk is not the bytes that were checked (a failing disk, another writer of the cache).
+        A unit that fails is the source's (checked too); the copy is then not kept."""
+        start, end, i, j = segment
+        units_of = self._units.get(path)
+        if units_of is None:  # found stale meanwhile: the digests prove nothing
+            return memoryview(_joined(self._source(path, start, end - start)))
+        outcome, failed = units_of.settle(units_of.units[i:j], data, start,
+                                          lambda at, n: b"".join(self._source(path, at, n)))  # fmt: skip
+        if outcome is not Outcome.MATCHED and failed is not None:
+            log.warning("streamload: %s: this load's own copy in the cache changed after it was checked (%s): read "
+                        "from the source; the copy is not kept", path.name, failed.what)  # fmt: skip
+            self.unkept(path)
+        return data
 
     def _read_ahead(self, path: PurePath, segment: Segment) -> None:
         """One segment this node owns, fetched ahead of the pipeline (`Ahead`): where no thread reads it yet."""
@@ -802,9 +819,12 @@ class Swarm:
         if kind != "loading":
             return _Answer("complete", node, 0.0)
         try:
-            return _Answer("loading", node, float(since)) if node else None
+            began = float(since)
         except ValueError:
             return None  # a copy in progress that says neither its node nor its start: of no use to a wave
+        if not node or not math.isfinite(began) or began > time.time() + TOGETHER:
+            return None  # (nan compares false with every start: it would empty the wave of every node)
+        return _Answer("loading", node, began)
 
     # -- waves ------------------------------------------------------------------------------------------
     def in_wave(self, path: PurePath) -> bool:
