@@ -427,8 +427,12 @@ def test_a_node_whose_copy_changes_after_it_verified_it_is_dropped(
         liar = made[0][1]
         assert [r for r in liar.requests if r[0] == "GET" and r[2] == 206]  # it was asked, and answered
     named = [w for w in warnings_of(caplog) if liar.url in w]
-    assert len(named) == 2, named  # one a load of the two honest nodes
-    assert all("do not match the source's digests" in w and "dropped" in w for w in named), named
+    dropped = [w for w in named if "do not match the source's digests" in w and "dropped" in w]
+    # Each honest load drops it once where it sent a rotten byte; a load may instead find it serving nothing more
+    # (its own load saw its copy change and gave it up: what it owned is then 404, said once a file)
+    assert dropped and len(dropped) <= 2 and all(w in dropped or "had not verified" in w for w in named), named
+    own = [w for w in warnings_of(caplog) if "own copy in the cache changed" in w]
+    assert len(own) == len({w.split(":")[1] for w in own}) <= 3, own  # the liar's load: once a file at most
 
 
 def test_a_node_that_never_verifies_what_it_owns_costs_a_wait_not_the_load(

@@ -307,6 +307,7 @@ class PeerFiles(ObjectFiles):
         self._source_rates: list[float] = []
         self._counts_lock = threading.Lock()
         self.from_peers = self.from_source = 0  # bytes handed out from each
+        self._changed: set[PurePath] = set()  # files whose own copy changed after it was checked (said once)
         super().__init__(storage, headers, partly)
         checked = {p: u for p, u in units.items() if u.units and all(x.digest is not None for x in u.units)}
         self._segments = {p: Segments(u) for p, u in checked.items()}  # the files a wave may split
@@ -419,9 +420,14 @@ class PeerFiles(ObjectFiles):
             return memoryview(_joined(self._source(path, start, end - start)))
         outcome, failed = units_of.settle(units_of.units[i:j], data, start,
                                           lambda at, n: b"".join(self._source(path, at, n)))  # fmt: skip
-        if outcome is not Outcome.MATCHED and failed is not None:
+        with self._counts_lock:
+            first = outcome is not Outcome.MATCHED and path not in self._changed
+            if first:
+                self._changed.add(path)
+        if first and failed is not None:
             log.warning("streamload: %s: this load's own copy in the cache changed after it was checked (%s): read "
                         "from the source; the copy is not kept", path.name, failed.what)  # fmt: skip
+        if outcome is not Outcome.MATCHED:
             self.unkept(path)
         return data
 
