@@ -413,13 +413,16 @@ class Seeder:
         folders = Folders(self.cache_dir, create=False)
         try:  # the record is read through the folder's descriptor too: closed only after
             folder = folders.folder(tuple(names[:-1]))
-            found = self._complete(Place(folder, names[-1], self.cache_dir.joinpath(*names)))
+            place = Place(folder, names[-1], self.cache_dir.joinpath(*names))
+            found = self._complete(place)
             if found is None or (tags and found.tag not in tags):
                 loading = self._loading(folder, names[-1])
                 if loading is not None and (found is None or loading.tag in tags):
                     if found is not None:
                         os.close(found.fd)
                     found = loading
+                elif found is None:  # its load may have completed it between the two looks: complete now
+                    found = self._complete(place)
             return found
         except (OSError, KeyError, TypeError, ValueError):
             return None
