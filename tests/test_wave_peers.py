@@ -44,7 +44,7 @@ BOUND = 90.0  # seconds any wave of loads here may take, whatever happens
 
 @pytest.fixture(autouse=True)
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STREAMLOAD_PEER_TIMEOUT", "3")  # a long poll waits 6 s (the seeder's cap: 5 s)
+    monkeypatch.setenv("STREAMLOAD_PEER_TIMEOUT", "3")  # a long poll waits 6 s (or the segment's time x 3)
     monkeypatch.setenv("STREAMLOAD_RETRIES", "2")
     monkeypatch.delenv("STREAMLOAD_PEERS_UNVERIFIED", raising=False)
     monkeypatch.setattr(blocks, "PIECE", SEGMENT)
@@ -101,15 +101,14 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
 
 
 @contextmanager
-def nodes(root: Path, n: int, header_timeout: float = 10.0) -> Iterator[list[tuple[Path, Seeder]]]:
-    """`n` nodes: each a cache directory of its own and a seeder serving it (port 0; a long poll waits at most
-    half its `header_timeout`)."""
+def nodes(root: Path, n: int) -> Iterator[list[tuple[Path, Seeder]]]:
+    """`n` nodes: each a cache directory of its own and a seeder serving it (port 0)."""
     made: list[tuple[Path, Seeder]] = []
     try:
         for k in range(n):
             cache = root / f"node{k}"
             cache.mkdir()
-            made.append((cache, Seeder(cache, "127.0.0.1", 0, header_timeout=header_timeout).start()))
+            made.append((cache, Seeder(cache, "127.0.0.1", 0).start()))
         yield made
     finally:
         for _, seeder in made:
@@ -143,11 +142,10 @@ def together(loads: list[Callable[[], object]]) -> list[object]:
 
 
 @pytest.fixture
-def patient(monkeypatch: pytest.MonkeyPatch) -> float:
+def patient(monkeypatch: pytest.MonkeyPatch) -> None:
     """Honest waves on a busy machine: a node starved of the cores for seconds is no failing peer (its long polls
-    may wait 30 s; the seeders' header timeout to give with it, returned)."""
+    may wait 30 s, the seeder's cap)."""
     monkeypatch.setenv("STREAMLOAD_PEER_TIMEOUT", "15")
-    return 60.0
 
 
 def loads_of(store: Store, caches: list[Path], peers: list[str], url: str | None = None) -> list[Callable[[], object]]:
@@ -167,10 +165,10 @@ def kept_whole(cache: Path) -> int:
 
 # -- a wave ----------------------------------------------------------------------------------------------
 def test_three_nodes_that_start_together_split_what_the_store_serves(
-    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, patient: float
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, patient: None
 ) -> None:
     first = len(store.server.requests)
-    with nodes(tmp_path, 3, patient) as made:
+    with nodes(tmp_path, 3) as made:
         urls = [seeder.url for _, seeder in made]
         got = together(loads_of(store, [cache for cache, _ in made], urls))
         for state in got:
@@ -185,7 +183,7 @@ def test_three_nodes_that_start_together_split_what_the_store_serves(
 
 
 def test_a_node_that_joins_mid_wave_asks_the_owners(
-    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, patient: float
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, patient: None
 ) -> None:
     """A node that starts after the wave's nodes may join (`TOGETHER`) owns nothing: it asks the owners for what
     they verified (waiting for the rest), and the store serves it no tensor byte."""
@@ -193,7 +191,7 @@ def test_a_node_that_joins_mid_wave_asks_the_owners(
     slow = RangeServer(store.www, rate=0.5e6)  # the same objects, slower: a wave of seconds, the joiner's 1 s in it
     url = f"{slow.url}/model/"
     try:
-        with nodes(tmp_path, 3, patient) as made:
+        with nodes(tmp_path, 3) as made:
             urls = [seeder.url for _, seeder in made]
             ended: list[float] = []
             joined: list[float] = []
@@ -222,13 +220,13 @@ def test_a_node_that_joins_mid_wave_asks_the_owners(
 
 
 def test_a_node_whose_consumer_waits_still_serves_the_segments_it_owns(
-    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, patient: float
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, patient: None
 ) -> None:
     """Node 0 takes its first tensor and then waits (its consumer busy elsewhere, its ring full): the segments it
     owns are read ahead of its pipeline all the same, so nodes 1 and 2 get them from it and finish while it waits."""
     first = len(store.server.requests)
     resume = threading.Event()
-    with nodes(tmp_path, 3, patient) as made:
+    with nodes(tmp_path, 3) as made:
         urls = [seeder.url for _, seeder in made]
         done: list[float] = []
 
@@ -308,7 +306,7 @@ class _Claims(threading.Thread):
 
 @pytest.mark.parametrize("since", ["nan", "inf", "-inf", "9e18"])
 def test_a_peer_that_says_its_load_began_at_no_real_time_is_not_of_the_wave(
-    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, since: str, patient: float
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, since: str, patient: None
 ) -> None:
     """A start that is not a time (nan compares false with every other, so a wave counting it would have no
     member; infinities; one far in the future) is no start: the peer is no member, the honest nodes split the
@@ -319,7 +317,7 @@ def test_a_peer_that_says_its_load_began_at_no_real_time_is_not_of_the_wave(
     liar.start()
     first = len(store.server.requests)
     try:
-        with nodes(tmp_path, 2, patient) as made:
+        with nodes(tmp_path, 2) as made:
             urls = [liar.url, *(seeder.url for _, seeder in made)]
             got = together(loads_of(store, [cache for cache, _ in made], urls))
             for state in got:

@@ -14,8 +14,8 @@ the one above it without following a link, the copy and its record with `O_NOFOL
 planted link, or a path that leaves the cache (`..`, an encoded `/`), is 404. Nothing is ever written. Where
 there is no complete copy but a load of this process writes one at that place (storage/verified.py, found by
 the folder and name, never by a path), the writer's own file is served, only within the ranges that load
-verified: a range not yet verified is waited for (at most the request's `X-Streamload-Wait`, and half the
-headers' timeout), then 404. Every answer names the node (`X-Streamload-Node`); a copy's, whether it is
+verified: a range not yet verified is waited for (at most the request's `X-Streamload-Wait`, and
+`LONG_POLL`), then 404. Every answer names the node (`X-Streamload-Node`); a copy's, whether it is
 complete or loading (`X-Streamload-Copy`).
 
 Who may read: every request carries `X-Streamload-Proof` (storage/peer_proof.py), keyed by the copy's header
@@ -61,7 +61,7 @@ from streamload.storage.cache import LOCK, RECORD, Folders, Place, open_copy, ow
 from streamload.storage.local import pread_full
 from streamload.storage.peer_proof import HEADER, Proofs, read_key, token
 from streamload.storage.peers import DEFAULT_PORT, PREFIX, version_tag
-from streamload.storage.verified import COPY, NODE, WAIT, Verified
+from streamload.storage.verified import COPY, LONG_POLL, NODE, WAIT, Verified
 
 log = logging.getLogger("streamload")
 CONNECTIONS = 32  # connections served at once (default)
@@ -346,7 +346,7 @@ class Seeder:
     ) -> bool:  # fmt: skip
         """The answer to a request whose proof was accepted: its range of the copy. From a copy in progress,
         only bytes its load verified: a range not yet verified is waited for (at most the `X-Streamload-Wait`
-        the request gives, and half the time its headers may take), else 404."""
+        the request gives, and `LONG_POLL`), else 404."""
         size, tag = found.size, found.tag
         asked = _span(span, size)
         if asked == "unsatisfiable":
@@ -360,7 +360,7 @@ class Seeder:
             (start, end), status = asked, 206
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         if loading is not None and method == "GET":
-            if not await _verified(loading, start, end, min(_seconds(wait), self.header_timeout / 2)):
+            if not await _verified(loading, start, end, min(_seconds(wait), LONG_POLL)):
                 return await self._respond(writer, http, method, target, 404)  # never a byte not verified
         conn.arm(self.send_margin + (end - start) / self.send_floor)  # the response's whole send
         body = (found.fd, start, end) if method == "GET" else None

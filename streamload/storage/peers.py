@@ -54,7 +54,7 @@ from streamload.integrity.digests import DIGEST_FILE, version_of
 from streamload.storage import cache, peer_proof
 from streamload.storage.base import Copied, Digest, Listing, Partly, Source, redacted
 from streamload.storage.remote import ObjectFiles, ObjectPath, ObjectStorage, origin_digests
-from streamload.storage.verified import COPY, NODE, WAIT, node_of
+from streamload.storage.verified import COPY, LONG_POLL, NODE, WAIT, node_of
 from streamload.storage.wave import REPROBE, REPROBE_MOST, TOGETHER, Ahead, Known, Segment, Segments, Slots, owner
 
 log = logging.getLogger("streamload")
@@ -99,9 +99,13 @@ def unverified_allowed() -> bool:
     return settings.PEERS_UNVERIFIED.get()
 
 
-def wave_wait() -> float:
-    """Seconds a request to a node loading the file may wait there for the bytes to be verified (a long poll)."""
-    return 2 * timeout()
+def wave_wait(nbytes: int = 0, rate: float | None = None) -> float:
+    """Seconds a request to a node loading the file may wait there for `nbytes` to be verified (a long poll): twice
+    the peers' timeout, or three times what the owner takes to read them at one request's `rate` from the source
+    (bytes a second) where that is longer (a wave's first segments all come from the store at once), at most
+    `LONG_POLL` s (the seeder's cap)."""
+    took = nbytes / rate if rate else 0.0
+    return min(LONG_POLL, max(2 * timeout(), 3 * took))
 
 
 # -- who the peers are ---------------------------------------------------------------------------------
@@ -455,12 +459,15 @@ class PeerFiles(ObjectFiles):
         tried: set[Peer] = set()
         while (peer := self._swarm.choose(path, tried)) or (peer := self._swarm.owner(path, start, tried)):
             tried.add(peer)
-            wait = 0.0 if peer in self._swarm.holders(path) else wave_wait()
+            holder = peer in self._swarm.holders(path)
+            wait = 0.0 if holder else wave_wait(end - start, self._source_rate())
             data = self._swarm.get(peer, path, start, end, self._source_rate, wait)
             if data is not None:
                 if self._settle(path, peer, units_of, units, data, (start, end)):
                     self._keep(path, start, data)
                 return data
+            if not holder and self._swarm.alive(peer):
+                break  # its owner had not verified it in time: the source's, not a node's that does not know it owns it
         data = _joined(self._source(path, start, end - start))
         writes = self._copies is not None and self._copies.writes(path)
         if writes and self._settle(path, None, units_of, units, data, (start, start)):
@@ -705,6 +712,9 @@ class Swarm:
         self.busy_limit = max(RETRY_CAP, BUSY_TIMEOUTS * self.timeout)  # s of nothing but 503 before a drop
 
     # -- choosing ---------------------------------------------------------------------------------------
+    def alive(self, peer: Peer) -> bool:
+        return self._state[peer].alive
+
     def any_alive(self) -> bool:
         return not self._stopped and any(s.alive for s in self._state.values())
 
