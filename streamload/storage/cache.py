@@ -54,7 +54,7 @@ from pathlib import Path, PurePath
 from streamload.base import atomic
 from streamload.base.atomic import FOLDER, NEW, PARTIAL, writer_tag
 from streamload.format.header import FileHeader
-from streamload.storage.verified import Verified, covered, merged, register, unregister
+from streamload.storage.verified import Verified, covered, gaps, merged, register, unregister
 
 RECORD = ".streamload.json"
 _RECORD_MAX = 1 << 16  # bytes of a record read at most (one is ~120)
@@ -538,7 +538,7 @@ class CacheWriter:
             fd = self._fd
             if fd is None or self._done or covered(self._written, offset, offset + len(data)):
                 return  # (bytes on disk already: a segment this load verified, read back from here)
-            for lo, hi in _gaps(self._written, offset, offset + len(data)):  # never over verified bytes
+            for lo, hi in gaps(self._written, offset, offset + len(data)):  # never over verified bytes
                 done = lo
                 while done < hi:
                     done += os.pwrite(fd, data[done - offset : hi - offset], done)
@@ -795,20 +795,6 @@ def _claim_all(
             break
         time.sleep(0.01 * (1 + attempt) * (0.5 + random.random()))  # nosec B311 # jitter: two loads took a file each
     return {}
-
-
-def _gaps(written: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """The parts of [lo, hi) outside `written` (merged, sorted ranges)."""
-    out, at = [], lo
-    for a, b in written:
-        if b <= at or a >= hi:
-            continue
-        if a > at:
-            out.append((at, a))
-        at = max(at, b)
-    if at < hi:
-        out.append((at, hi))
-    return out
 
 
 def _file(st: os.stat_result) -> dict[str, int]:

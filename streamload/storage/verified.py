@@ -43,6 +43,20 @@ def covered(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
     return start >= end or any(a <= start and end <= b for a, b in ranges)
 
 
+def gaps(written: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of [lo, hi) outside `written` (merged, sorted ranges)."""
+    out, at = [], lo
+    for a, b in written:
+        if b <= at or a >= hi:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < hi:
+        out.append((at, hi))
+    return out
+
+
 class Verified:
     """The ranges of one copy in progress that this process verified, and the descriptor they can be read
     through (the writer's own file). Thread-safe; `listen` tells a waiter (a seeder's request, the load's
@@ -161,5 +175,5 @@ def node_of(cache_dir: Path | None) -> str | None:
         return None if key is None else _nodes.get(key)
 
 
-__all__ = ["COPY", "LONG_POLL", "NODE", "WAIT", "Verified", "covered", "loading", "merged", "node_id", "node_of",
-           "register", "unregister"]  # fmt: skip
+__all__ = ["COPY", "LONG_POLL", "NODE", "WAIT", "Verified", "covered", "gaps", "loading", "merged", "node_id",
+           "node_of", "register", "unregister"]  # fmt: skip
