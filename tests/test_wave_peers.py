@@ -550,3 +550,25 @@ def test_bytes_written_over_verified_ones_never_replace_them(store: Store, tmp_p
         assert copies.read_verified(header.path, start, start + 1001) is None  # past it: written, never verified
     finally:
         copies.close()
+
+
+def test_a_copy_in_progress_with_a_second_link_is_not_served(store: Store, tmp_path: Path) -> None:
+    """A hard link made to the writer's own file (by someone who could write the folder) makes it another's file
+    too: its verified bytes are no longer served (404), as a complete copy with two links is not."""
+    header = streamload.inspect(store.url).files[0]
+    raw = (store.www / "model" / header.path.name).read_bytes()
+    tag = version_tag(version_of(header))
+    key = read_key(header.prefix, tag, None)
+    path = url_path(header.path)
+    t = min((t for t in header.tensors if t.nbytes), key=lambda t: t.begin)
+    asked = {"Range": f"bytes={t.begin}-{t.end - 1}", "If-Match": tag}
+    with nodes(tmp_path, 1) as ((cache, seeder),):
+        copies = Copies(cache, {header.path: header}, ())
+        try:
+            copies.write(header.path, t.begin, memoryview(raw[t.begin : t.end]), checked=True)
+            assert _ask(seeder.url, path, key, asked)[:3:2] == (206, raw[t.begin : t.end])
+            (partial,) = [p for p in cache.rglob(f"{header.path.name}.partial.*") if not p.name.endswith(".record")]
+            os.link(partial, tmp_path / "planted")
+            assert _ask(seeder.url, path, key, asked)[:3:2] == (404, b"")
+        finally:
+            copies.close()
