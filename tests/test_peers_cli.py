@@ -21,6 +21,7 @@ import torch
 import streamload
 from streamload.storage.peers import url_path
 from streamload.storage.remote import ObjectPath
+from streamload.storage.verified import COPY
 
 from .test_peers import Store, assert_same, proved, read_key_of, seeders, sent, store, warnings_of
 
@@ -81,12 +82,16 @@ def test_prefetch_command_reads_from_peers_named_several_ways(store: Store, tmp_
 WAIT_FOR = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n"
 
 
-def _head(url: str, path: str, key: bytes) -> int | None:
+def _head(url: str, path: str, key: bytes, complete: bool = False) -> int | None:
+    """The status a HEAD of `path` gets from the seeder at `url` (None: nothing answers); `complete`: 200 only
+    for a complete copy (a copy in progress answers 200 too, saying "loading")."""
     host, port = url.split("://")[1].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=2)
     try:
         conn.request("HEAD", path, headers=proved(key, "HEAD", path))
-        return conn.getresponse().status
+        response = conn.getresponse()
+        loading = (response.getheader(COPY) or "").startswith("loading")
+        return 0 if complete and loading else response.status
     except OSError:
         return None
     finally:
@@ -95,8 +100,8 @@ def _head(url: str, path: str, key: bytes) -> int | None:
 
 def test_serve_fetches_from_peers_then_seeds_until_its_server_exits(store: Store, tmp_path: Path) -> None:
     """`streamload serve --peers A --seed HOST:0 --cache-dir C`: its fetch reads from A (the store serves no
-    tensor byte); once fetched, C's copies are served to a late joiner (the store serves it none either);
-    seeding stops with the server."""
+    tensor byte) and seeds C from its start; once fetched, C's copies are served to a late joiner (the store
+    serves it none either); seeding stops with the server."""
     cache, stop = tmp_path / "c", tmp_path / "stop"
     before = sent(store)
     with seeders(store.seeded) as (a,):
@@ -109,12 +114,12 @@ def test_serve_fetches_from_peers_then_seeds_until_its_server_exits(store: Store
             assert serve.stderr is not None
             said, _, _ = select.select([serve.stderr], [], [], 60)  # bounded: a serve that says nothing fails
             line = serve.stderr.readline() if said else "(nothing within 60 s)"
-            assert "streamload serve: seeding the complete copies in" in line, line
+            assert f"streamload serve: seeding {cache} at http://127.0.0.1:" in line, line
             url = next(w for w in line.split() if w.startswith("http://"))
             last = url_path(ObjectPath(f"{store.url}model-00003-of-00003.safetensors"))
             key = read_key_of(f"{store.url}model-00003-of-00003.safetensors")
             deadline = time.monotonic() + 60
-            while _head(url, last, key) != 200:  # serving once the fetch has ended, every copy complete
+            while _head(url, last, key, complete=True) != 200:  # the fetch has ended, every copy complete
                 assert serve.poll() is None and time.monotonic() < deadline, serve.stderr.read()
                 time.sleep(0.1)
             assert sent(store) == before and a.sent > 0  # the fetch read from the peer
@@ -168,30 +173,68 @@ def test_the_seed_option_is_checked() -> None:
         assert said in str(caught.value), (bad, str(caught.value))
 
 
-def test_a_loaded_worker_seeds_until_its_model_is_freed(
+def test_a_worker_seeds_from_before_its_load_until_its_model_is_freed(
     store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """What the loader runs once its first load has its copies complete (outside an engine: the only rank on
-    its host): serving `cache_dir`, recorded by URL, until the model goes; a port in use: a warning, no seeding."""
+    """What the loader runs before its first load where no fetch seeds for it (outside an engine: the only rank
+    on its host): serving `cache_dir`, recorded by URL, until the model goes (or the load fails: what it returns
+    stops it); a port in use: a warning, no seeding."""
     from streamload.integrations.vllm.seeding import start
 
     model = torch.nn.Linear(2, 2)
     caplog.set_level(logging.INFO, "vllm.streamload")
-    url = start({"seed": {"host": "127.0.0.1", "port": 0}, "cache_dir": str(store.seeded)}, model)
+    url, _ = start({"seed": {"host": "127.0.0.1", "port": 0}, "cache_dir": str(store.seeded)}, model)
     assert url.startswith("http://127.0.0.1:") and any(url in r.getMessage() for r in caplog.records)
     before = sent(store)
     assert_same(streamload.load(store.url, device="cpu", peers=url), store.www / "model")
     assert sent(store) == before
     port = int(url.rsplit(":", 1)[1])
-    assert start({"seed": {"host": "127.0.0.1", "port": port}, "cache_dir": str(store.seeded)}, model) == ""
+    assert start({"seed": {"host": "127.0.0.1", "port": port}, "cache_dir": str(store.seeded)}, model)[0] == ""
     assert [w for w in warnings_of(caplog) if f"127.0.0.1:{port}" in w and "does not seed" in w], warnings_of(caplog)
-    assert start({"cache_dir": str(store.seeded)}, model) == ""  # not asked
+    assert start({"cache_dir": str(store.seeded)}, model)[0] == ""  # not asked
     path = url_path(ObjectPath(f"{store.url}model-00001-of-00003.safetensors"))
     key = read_key_of(f"{store.url}model-00001-of-00003.safetensors")
     assert _head(url, path, key) == 200
     del model
     gc.collect()
     assert _head(url, path, key) is None
+    failed = torch.nn.Linear(2, 2)  # a load that fails: the loader stops the seeding at once
+    url, stop = start({"seed": {"host": "127.0.0.1", "port": 0}, "cache_dir": str(store.seeded)}, failed)
+    assert _head(url, path, key) == 200
+    stop()
+    assert _head(url, path, key) is None
+
+
+def test_a_worker_whose_fetch_seeds_serves_through_it_until_its_model_is_freed(store: Store, tmp_path: Path) -> None:
+    """Where the engine's fetch seeds `cache_dir` from the engine's start (prefetch `seed`), the worker seeds
+    no more itself: it reports the fetch's URL, and freeing the model ends the fetch and its seeding."""
+    from streamload.integrations.startup import prefetch
+    from streamload.integrations.vllm.seeding import start
+
+    cache = tmp_path / "c"
+    fetching = prefetch.start(store.url, tmp_path / "done.json", cache, seed={"host": "127.0.0.1", "port": 0})
+    try:
+        assert fetching.seeding and fetching.seeding.startswith("http://127.0.0.1:"), fetching.seeding
+        report = prefetch.wait(fetching.done, fetching.pid, timeout=60)
+        assert report["ok"] and not report["not_cached"], report
+        started = {"host": socket.gethostname(), "pid": fetching.pid, "done": str(fetching.done),
+                   "seeding": fetching.seeding}  # fmt: skip
+        model = torch.nn.Linear(2, 2)
+        options = {"seed": {"host": "127.0.0.1", "port": 0}, "cache_dir": str(cache)}
+        assert start(options, model, started)[0] == fetching.seeding
+        path = url_path(ObjectPath(f"{store.url}model-00002-of-00003.safetensors"))
+        key = read_key_of(f"{store.url}model-00002-of-00003.safetensors")
+        assert _head(fetching.seeding, path, key) == 200  # fetched, and serving on
+        before = sent(store)
+        assert_same(streamload.load(store.url, device="cpu", peers=fetching.seeding), store.www / "model")
+        assert sent(store) == before
+        del model
+        gc.collect()
+        assert _head(fetching.seeding, path, key) is None and not prefetch._alive(fetching.pid)
+        assert start(options, torch.nn.Linear(2, 2), {**started, "seeding": ""})[0] == ""  # it could not: none
+    finally:
+        fetching.stop()
+    assert_copies_exact(store, cache)
 
 
 def test_load_with_peers_prints_what_the_peers_served(

@@ -299,6 +299,7 @@ def _first_load_rank(rank: int, root: str, fetched: bool) -> None:
     from vllm.distributed import init_distributed_environment
 
     from streamload.integrations.vllm import StreamloadModelLoader
+    from streamload.integrations.vllm.startup import ahead
 
     with set_current_vllm_config(VllmConfig(parallel_config=ParallelConfig(cpu_distributed_timeout_seconds=20))):
         init_distributed_environment(2, rank, f"file://{root}/pg", rank, "gloo")
@@ -311,7 +312,7 @@ def _first_load_rank(rank: int, root: str, fetched: bool) -> None:
     loader = StreamloadModelLoader(LoadConfig(load_format="streamload"))
     began = time.monotonic()
     try:
-        loader._staged(started, lambda: None)
+        ahead.load_from_staging(loader.state, started, lambda: None)
         said = "ok"
     except Exception as exc:
         said = f"{type(exc).__name__}: {exc}"

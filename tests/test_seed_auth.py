@@ -293,7 +293,7 @@ def test_the_vllm_seed_option_passes_token_and_tls(cached: Cached, tmp_path: Pat
     with pytest.raises(ValueError, match="seed\\['cert'\\] must be"):
         check_options({"seed": {"cert": 1}, "cache_dir": "/c"})
     model = torch.nn.Linear(2, 2)
-    url = start({"seed": spec, "cache_dir": str(cached.cache)}, model)
+    url, _ = start({"seed": spec, "cache_dir": str(cached.cache)}, model)
     try:
         assert url.startswith("https://127.0.0.1:")
         trusting = ssl.create_default_context(cafile=str(cert))

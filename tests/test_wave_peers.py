@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,11 +28,11 @@ import streamload
 from streamload.format.header import TensorInfo
 from streamload.integrity import blocks
 from streamload.servers.seed import Seeder
-from streamload.storage import wave
+from streamload.storage import peers, wave
 from streamload.storage.cache import Copies, version_of
 from streamload.storage.peer_proof import read_key
 from streamload.storage.peers import url_path, version_tag
-from streamload.storage.verified import COPY, NODE, WAIT, Verified
+from streamload.storage.verified import CLAIMED, COPY, NODE, WAIT, Verified
 
 from .servers import RangeServer
 from .test_peers import _asked, assert_same, proved, publish_digests, warnings_of
@@ -182,6 +183,70 @@ def test_three_nodes_that_start_together_split_what_the_store_serves(
     assert all(kept_whole(cache) == 3 for cache, _ in made)  # each node holds complete copies: it seeds them
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` ports nothing listens at now (bound and let go: nodes named in `peers=` before their seeders start)."""
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
+    ports = [s.getsockname()[1] for s in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def test_a_node_whose_seeder_binds_a_moment_later_is_of_the_wave(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, patient: None
+) -> None:
+    """Nodes started together bind their seeders at different moments: one whose seeder is not listening yet when
+    the others first ask (connection refused) is asked again while the wave forms, not dropped: it joins, the
+    store serves each byte about once, no warning."""
+    late_port, = free_ports(1)
+    slow = RangeServer(store.www, rate=3e6)  # the wave's loads take seconds: the late seeder binds within them
+    url = f"{slow.url}/model/"
+    try:
+        with nodes(tmp_path, 2) as made:
+            urls = [seeder.url for _, seeder in made] + [f"http://127.0.0.1:{late_port}"]
+            late_cache = tmp_path / "late"
+            late_cache.mkdir()
+            seeders: list[Seeder] = []
+
+            def late() -> object:
+                time.sleep(0.5)  # the others have asked it, and began their copies
+                seeders.append(Seeder(late_cache, "127.0.0.1", late_port).start())
+                return streamload.load(url, device="cpu", cache_dir=late_cache, peers=urls)
+
+            try:
+                got = together([*loads_of(store, [cache for cache, _ in made], urls, url), late])
+            finally:
+                for seeder in seeders:
+                    seeder.close()
+            for state in got:
+                assert_same(state, store.www / "model")  # type: ignore[arg-type]
+            served = tensor_reads(slow, 0)
+    finally:
+        slow.close()
+    assert served <= 1.2 * store.tensor_bytes, (served, store.tensor_bytes)
+    assert seeders and seeders[0].sent > 0  # it owned segments the others read from it
+    assert not warnings_of(caplog)
+
+
+def test_a_peer_that_never_binds_is_said_once_and_costs_nothing(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer nothing ever listens at, named beside two nodes of a wave: asked again while the wave forms, then
+    dropped with one warning a load naming it; the loads exact, the store serving each byte about once."""
+    monkeypatch.setattr(wave, "TOGETHER", 2.0)
+    down, = free_ports(1)
+    first = len(store.server.requests)
+    with nodes(tmp_path, 2) as made:
+        urls = [seeder.url for _, seeder in made] + [f"http://127.0.0.1:{down}"]
+        got = together(loads_of(store, [cache for cache, _ in made], urls))
+        for state in got:
+            assert_same(state, store.www / "model")  # type: ignore[arg-type]
+        assert tensor_reads(store.server, first) <= 1.2 * store.tensor_bytes
+    named = [w for w in warnings_of(caplog) if f"127.0.0.1:{down}" in w]
+    assert len(named) == 2 and all("nothing listened there" in w for w in named), warnings_of(caplog)
+    assert len(warnings_of(caplog)) == 2
+
+
 def test_a_node_that_joins_mid_wave_asks_the_owners(
     store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, patient: None
 ) -> None:
@@ -264,7 +329,7 @@ class _Claims(threading.Thread):
     """A peer that says, of every file, that its node loads it since `since` (a HEAD with the file's tag), and
     answers every GET 404: a liar about its start."""
 
-    def __init__(self, tags: dict[str, tuple[str, int]], since: str) -> None:
+    def __init__(self, tags: dict[str, tuple[str, int]], since: str, claimed: str | None = None) -> None:
         import http.server
 
         claims = self
@@ -277,6 +342,8 @@ class _Claims(threading.Thread):
                 if status == 200:
                     self.send_header("ETag", tag)
                     self.send_header(COPY, f"loading; since={since}")
+                    if claimed is not None:
+                        self.send_header(CLAIMED, claimed)
                 self.send_header("Content-Length", str(size if status == 200 else 0))
                 self.end_headers()
 
@@ -327,6 +394,74 @@ def test_a_peer_that_says_its_load_began_at_no_real_time_is_not_of_the_wave(
             assert all(seeder.sent > 0 for _, seeder in made)
     finally:
         liar.close()
+
+
+@pytest.mark.parametrize("claimed", ["0-99999999999", "0-5,garbage", "9-3", "-1-50"])
+def test_a_peer_that_claims_what_it_never_verifies_costs_a_request_a_file(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, claimed: str, patient: None
+) -> None:
+    """A node of the wave that says it has verified or is reading every byte (or says so in a malformed way),
+    then serves nothing: asked for its segments, it answers 404 and is asked no more for that file; the honest
+    nodes split the rest, exact. The store serves what both asked the liar for at once twice (as with a liar
+    that claims nothing), never the whole checkpoint to each."""
+    checkpoint = streamload.inspect(store.url)
+    tags = {url_path(h.path): (version_tag(version_of(h)), h.size) for h in checkpoint.files}
+    liar = _Claims(tags, f"{time.time():.3f}", claimed)
+    liar.start()
+    first = len(store.server.requests)
+    try:
+        with nodes(tmp_path, 2) as made:
+            urls = [liar.url, *(seeder.url for _, seeder in made)]
+            got = together(loads_of(store, [cache for cache, _ in made], urls))
+            for state in got:
+                assert_same(state, store.www / "model")  # type: ignore[arg-type]
+            served = tensor_reads(store.server, first)
+            assert served <= 1.5 * store.tensor_bytes, (served, store.tensor_bytes)
+    finally:
+        liar.close()
+    # the requests in flight to it when its first 404 came, a file and node, not one a segment
+    assert liar.gets <= peers.REQUESTS * len(tags) * 2, liar.gets
+    assert all(liar.url in w for w in warnings_of(caplog)), warnings_of(caplog)
+
+
+# -- engines' start-up fetches (prefetch.py `seed`) -----------------------------------------------------
+def test_fetches_that_seed_from_their_start_split_what_the_store_serves(store: Store, tmp_path: Path) -> None:
+    """Three fetches of the kind an engine starts (a process each, `seed` and `peers` naming all three), begun a
+    few tenths of a second apart: each seeds its cache directory from its start (reporting where), the store
+    serves each byte about once, every copy exact; once fetched they serve on, until stopped."""
+    from streamload.integrations.startup import prefetch
+
+    ports = free_ports(3)
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    slow = RangeServer(store.www, rate=1e6)
+    url = f"{slow.url}/model/"
+    fetches: list[prefetch.Prefetch] = []
+    try:
+        for k, port in enumerate(ports):
+            fetches.append(prefetch.start(url, tmp_path / f"done{k}.json", tmp_path / f"node{k}", peers=urls,
+                                          seed={"host": "127.0.0.1", "port": port}))  # fmt: skip
+            time.sleep(0.3)
+        assert [f.seeding for f in fetches] == urls
+        reports = [prefetch.wait(f.done, f.pid, timeout=BOUND) for f in fetches]
+        assert all(r["ok"] and not r["not_cached"] for r in reports), reports
+        served = tensor_reads(slow, 0)
+        assert served <= 1.2 * store.tensor_bytes, (served, store.tensor_bytes)  # not 3x
+        # what the first claimed before the others asked is its own (it reads everything at once here): the
+        # later ones read it from its copy in progress
+        assert sum(r["from_source"] for r in reports) <= 1.2 * store.tensor_bytes, reports
+        assert all(r["from_peers"] + r["from_source"] == r["bytes"] for r in reports), reports
+        assert reports[1]["from_peers"] > 0 and reports[2]["from_peers"] > 0, reports
+        for k in range(3):
+            assert_same(streamload.load(url, device="cpu", cache_dir=tmp_path / f"node{k}"), store.www / "model")
+        assert tensor_reads(slow, 0) == served  # complete copies: read from the cache alone
+        late = streamload.load(url, device="cpu", cache_dir=tmp_path / "late", peers=urls)  # they serve on
+        assert_same(late, store.www / "model")
+        assert tensor_reads(slow, 0) == served
+    finally:
+        for fetching in fetches:
+            fetching.stop()
+        slow.close()
+    assert not any(prefetch._alive(f.pid) for f in fetches)
 
 
 # -- nodes that fail --------------------------------------------------------------------------------------

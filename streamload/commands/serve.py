@@ -5,8 +5,9 @@ second; from `peers` first where given), then the server runs as a child process
 in its environment, where streamload's vLLM load format adopts it; a server started without this prefix
 fetches only once vLLM has imported itself and built its load config (seconds later). This process
 stays to forward signals to the server and to clean up after it: the fetch and a private staging
-directory end with it. With `seed`, it also serves the complete copies in the cache directory to other
-nodes (servers/seed.py) from the moment the fetch has ended until the server exits.
+directory end with it. With `seed`, the cache directory is served to other nodes (servers/seed.py) until
+the server exits: by the fetch of a remote source from its start (what it has verified while it runs, so that
+nodes started together split the checkpoint: storage/wave.py), else by this process.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import os
 import signal
 import subprocess  # nosec B404 # runs the command the user typed, as an argv list, no shell
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,8 +45,8 @@ def serve(
     its exit status (128 + the signal's number where a signal ended it). `compile_cache`: the pinned
     digests of compiled-artifact archives to fetch first (else the command's "compile_cache" option;
     `pinned_digests.py`). `peers`: nodes seeding the weights, read from first (else the command's "peers" option;
-    storage/peers.py). `seed`: `[HOST:]PORT` to serve the cache directory's complete copies at, once
-    the fetch has ended, until the command exits; `seeding`: the Seeder's `token_file`, `cert`, `key`."""
+    storage/peers.py). `seed`: `[HOST:]PORT` to serve the cache directory at from the fetch's start until the
+    command exits; `seeding`: the Seeder's `token_file`, `cert`, `key`."""
     if not command:
         raise ValueError(
             "streamload serve: give the server's command after --, e.g. streamload serve -- vllm serve MODEL"
@@ -55,19 +55,24 @@ def serve(
     pinned = list(compile_cache) if compile_cache else extra.get("compile_cache")
     pinned_digests.pins(pinned)  # a bad pin fails here, in one line, before the server starts
     peers = peers or extra.get("peers")  # type: ignore[assignment]
-    # bound now: a port in use (or a certificate that cannot be used) fails before the server starts
-    seeder = _seeder(seed, cache_dir, seeding or {}) if seed else None
-    fetching = None
+    remote = source is not None and "://" in source
+    # a port in use (or a certificate that cannot be used) fails before the server starts: bound now, here or
+    # by the fetch, which seeds a remote source's copies from its start
+    spec = _seed_spec(seed, cache_dir, seeding or {}) if seed else None
+    seeder = _seeder(seed, cache_dir, spec) if seed and spec is not None and not remote else None
     try:
         if source is None:
             print("streamload serve: no weights to fetch ahead found in the command (pass --source); running it "
                   "as it is", file=sys.stderr)  # fmt: skip
-        elif "://" not in source and not os.path.exists(source):
+        elif not remote and not os.path.exists(source):
             raise ValueError(f"streamload serve: {source}: no such file or directory, nor a URL")
-        else:
-            fetching = prefetch.ahead(source, cache_dir, pinned, peers)  # cleaned up at this process's exit (atexit)
-        if seeder is not None:
-            _seed_after(seeder, fetching)
+        else:  # cleaned up at this process's exit (atexit)
+            fetching = prefetch.ahead(source, cache_dir, pinned, peers, spec if remote else None)
+            if remote and spec is not None:
+                if not fetching["seeding"]:
+                    raise StreamloadError(f"streamload serve: cannot seed on {seed} (the warning above says why)")
+                print(f"streamload serve: seeding {cache_dir} at {fetching['seeding']} from the fetch's start: what "
+                      "it has verified, then its complete copies", file=sys.stderr, flush=True)  # fmt: skip
         try:
             child = subprocess.Popen(list(command))  # nosec B603 # the user's own command line (streamload serve -- ...)
         except OSError as exc:
@@ -86,37 +91,32 @@ def serve(
             seeder.close()
 
 
-def _seeder(seed: str, cache_dir: Path | None, options: dict[str, Any]) -> Seeder:
-    """The seeder of `cache_dir` at `seed` (`[HOST:]PORT`), bound (not yet serving; once closed, it never
-    will). Raises ValueError naming a token, certificate or key file that cannot be used."""
-    from streamload.servers.seed import Seeder, address, described
+def _seed_spec(seed: str, cache_dir: Path | None, options: dict[str, Any]) -> dict[str, Any]:
+    """The Seeder's arguments for `--seed` (`[HOST:]PORT`) and `options`. Raises ValueError naming what is
+    wrong (no cache directory, an address that is not one)."""
+    from streamload.servers.seed import address
 
     if cache_dir is None:
         raise ValueError("streamload serve: --seed serves the complete copies kept in --cache-dir: give --cache-dir "
                          "(a private staging directory is removed once the engine has loaded)")  # fmt: skip
     host, port = address(seed)
+    return {"host": host, "port": port, **{k: str(v) for k, v in options.items() if v is not None}}
+
+
+def _seeder(seed: str, cache_dir: Path | None, spec: dict[str, Any]) -> Seeder:
+    """The seeder of `cache_dir` (a local source's: no fetch writes it), serving. Raises StreamloadError where
+    its port cannot be bound, ValueError naming a token, certificate or key file that cannot be used."""
+    from streamload.servers.seed import Seeder, described
+
+    assert cache_dir is not None  # (`_seed_spec` says so)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     try:
-        seeder = Seeder(cache_dir, host, port, **options)
+        seeder = Seeder(cache_dir, **spec).start()
     except OSError as exc:
         raise StreamloadError(f"streamload serve: cannot seed on {seed}: {exc.strerror or exc}") from None
-    print(f"streamload serve: seeding the complete copies in {cache_dir} at {seeder.url} once the weights are "
-          f"fetched (to {described(seeder)})", file=sys.stderr, flush=True)  # fmt: skip
+    print(f"streamload serve: seeding the complete copies in {cache_dir} at {seeder.url} (to {described(seeder)})",
+          file=sys.stderr, flush=True)  # fmt: skip
     return seeder
-
-
-def _seed_after(seeder: Seeder, fetching: dict[str, Any] | None) -> None:
-    """Serve once the fetch has ended (its report written, or its process gone): the node's own download
-    first; at once where nothing is fetched. Only complete copies are ever served (servers/seed.py)."""
-    if fetching is None:
-        seeder.start()
-        return
-
-    def after_the_fetch() -> None:
-        prefetch.wait(Path(fetching["done"]), int(fetching["pid"]))
-        seeder.start()
-
-    threading.Thread(target=after_the_fetch, name="streamload-seed-after-fetch", daemon=True).start()
 
 
 def _weights(

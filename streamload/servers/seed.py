@@ -61,7 +61,7 @@ from streamload.storage.cache import LOCK, RECORD, Folders, Place, open_copy, ow
 from streamload.storage.local import pread_full
 from streamload.storage.peer_proof import HEADER, Proofs, read_key, token
 from streamload.storage.peers import DEFAULT_PORT, PREFIX, version_tag
-from streamload.storage.verified import COPY, LONG_POLL, NODE, WAIT, Verified
+from streamload.storage.verified import CLAIMED, COPY, LONG_POLL, NODE, WAIT, Verified
 
 log = logging.getLogger("streamload")
 CONNECTIONS = 32  # connections served at once (default)
@@ -355,6 +355,8 @@ class Seeder:
         headers = {"ETag": tag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
         loading = found.loading
         headers[COPY] = "complete" if loading is None else f"loading; since={loading.since:.3f}"
+        if loading is not None and method == "HEAD":
+            headers[CLAIMED] = loading.claimed()
         start, end, status = 0, size, 200
         if isinstance(asked, tuple):
             (start, end), status = asked, 206

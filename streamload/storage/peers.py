@@ -54,8 +54,8 @@ from streamload.integrity.digests import DIGEST_FILE, version_of
 from streamload.storage import cache, peer_proof
 from streamload.storage.base import Copied, Digest, Listing, Partly, Source, redacted
 from streamload.storage.remote import ObjectFiles, ObjectPath, ObjectStorage, origin_digests
-from streamload.storage.verified import COPY, LONG_POLL, NODE, WAIT, node_of
-from streamload.storage.wave import REPROBE, REPROBE_MOST, TOGETHER, Ahead, Known, Segment, Segments, Slots, owner
+from streamload.storage.verified import CLAIMED, COPY, LONG_POLL, NODE, WAIT, claims, node_of
+from streamload.storage.wave import REPROBE, REPROBE_MOST, TOGETHER, Ahead, Known, Segment, Segments, Slots
 
 log = logging.getLogger("streamload")
 
@@ -468,7 +468,14 @@ class PeerFiles(ObjectFiles):
                 return data
             if not holder and self._swarm.alive(peer):
                 break  # its owner had not verified it in time: the source's, not a node's that does not know it owns it
-        data = _joined(self._source(path, start, end - start))
+        verified = self._copies.verified(path) if self._copies is not None else None
+        if verified is not None:  # a node that joins the wave now leaves it to this one (verified.CLAIMED)
+            verified.reading(start, end)
+        try:
+            data = _joined(self._source(path, start, end - start))
+        finally:
+            if verified is not None:
+                verified.reading(start, end, add=False)
         writes = self._copies is not None and self._copies.writes(path)
         if writes and self._settle(path, None, units_of, units, data, (start, start)):
             self._keep(path, start, data)  # checked: the wave's other nodes may ask for it (and other reads here)
@@ -530,12 +537,14 @@ def _line(text: object) -> str:
 # -- the peers of one load -----------------------------------------------------------------------------
 class _Failed(Exception):
     """A peer's request failed; `drop`: the peer is not asked again this load (else: not for this file);
-    `refused`: it answered 403 (our proof of reading was not accepted)."""
+    `refused`: it answered 403 (our proof of reading was not accepted); `unbound`: nothing listens there (yet)."""
 
-    def __init__(self, why: str, drop: bool = True, refused: bool = False, late: bool = False, node: str = "") -> None:
+    def __init__(self, why: str, drop: bool = True, refused: bool = False, late: bool = False, node: str = "",
+                 unbound: bool = False) -> None:  # fmt: skip
         super().__init__(why)
         self.drop, self.refused, self.late = drop, refused, late  # late: its deadline cut it
         self.node = node  # a 404's: the node a seeder that lacks the file serves for
+        self.unbound = unbound  # connection refused: a node starting with this one may not have bound its seeder
 
 
 class _Answer(NamedTuple):
@@ -545,6 +554,8 @@ class _Answer(NamedTuple):
     kind: str
     node: str | None
     since: float
+    failure: _Failed | None = None  # an "idle" peer's where nothing listened at it (a node not up yet)
+    claims: tuple[tuple[int, int], ...] = ()  # a "loading" one's: what it verified or reads now (verified.CLAIMED)
 
 
 class _Busy(_Failed):
@@ -778,13 +789,16 @@ class Swarm:
                 known.holders.append(peer)
             elif answer.kind == "loading" and answer.node:
                 known.members.setdefault(answer.node, (peer, answer.since))
+                known.claims.setdefault(answer.node, list(answer.claims))
             elif answer.kind == "idle":
-                idle.append((peer, answer.node or ""))
-        for peer, node in idle:  # a seeder without the file: it may be about to load it too, where this node does
+                idle.append((peer, answer.node or "", answer.failure))
+        # a seeder without the file (or not listening yet, node ""): it may be about to load it too, where this
+        # node does
+        for peer, node, failure in idle:
             if known.since is not None:
                 known.idle[peer] = node
             else:
-                self._failed(peer, path, _Failed(f"does not hold {path.name} (404)", drop=False))
+                self._failed(peer, path, failure or _Failed(f"does not hold {path.name} (404)", drop=False))
         return known
 
     def _ask_again(self, path: PurePath, known: Known[Peer]) -> None:
@@ -795,11 +809,15 @@ class Swarm:
         with self._lock:
             if not known.idle or known.asking or now - known.asked < known.every or self._stopped:
                 return
-            if not known.joining(time.time()):
-                known.idle = {}
+            closed = not known.joining(time.time())
+            if closed:
+                unbound, known.idle = [p for p, node in known.idle.items() if not node], {}
                 self._generation += 1
-                return
-            known.asking, idle = True, list(known.idle)
+            else:
+                known.asking, idle = True, list(known.idle)
+        if closed:
+            self._unbound(unbound)
+            return
         try:
             answers = list(self._pool.map(lambda p: self._has(p, path), idle))
         finally:
@@ -808,10 +826,13 @@ class Swarm:
         with self._lock:
             for peer, answer in zip(idle, answers, strict=True):
                 if answer is not None and answer.kind == "idle":
+                    if answer.node and peer in known.idle:  # up now: the node it serves for is known
+                        known.idle = {**known.idle, peer: answer.node}
                     continue
                 known.idle = {p: n for p, n in known.idle.items() if p != peer}  # (new: others read them unlocked)
                 if answer is not None and answer.kind == "loading" and answer.node:
                     known.members = {answer.node: (peer, answer.since), **known.members}
+                    known.claims = {answer.node: list(answer.claims), **known.claims}
                     continue
                 self._generation += 1  # it will not join: what it would have owned is the others'
                 if answer is not None and answer.kind == "complete":
@@ -821,12 +842,14 @@ class Swarm:
         """What `peer` holds of `path` (None: nothing, said); one that is busy (503) is taken at its word that it
         may hold it: its first range request says (a 404 or 412 then leaves it out for the file)."""
         try:
-            node, copy = self._request(peer, "HEAD", path)
+            node, copy, claimed = self._request(peer, "HEAD", path)
         except _Busy as exc:
             return _Answer("complete", None, 0.0) if self._on_busy(peer, path, exc, wait=False) else None
         except _Failed as exc:
             if exc.node:
                 return _Answer("idle", exc.node, 0.0)  # a seeder's: whether that says it lacks it, `_learnt` says
+            if exc.unbound:  # a node started with this one binds its seeder a moment later: `_learnt` says
+                return _Answer("idle", None, 0.0, exc)
             self._failed(peer, path, exc)
             return None
         with self._lock:
@@ -840,7 +863,7 @@ class Swarm:
             return None  # a copy in progress that says neither its node nor its start: of no use to a wave
         if not node or not math.isfinite(began) or began > time.time() + TOGETHER:
             return None  # (nan compares false with every start: it would empty the wave of every node)
-        return _Answer("loading", node, began)
+        return _Answer("loading", node, began, None, tuple(claims(claimed)))
 
     # -- waves ------------------------------------------------------------------------------------------
     def in_wave(self, path: PurePath) -> bool:
@@ -864,7 +887,7 @@ class Swarm:
         """Whether this node owns the segment at `start` of `path` (`surely`: would own it were every seeder
         that may still join the wave to join)."""
         nodes = self._wave(path, surely)
-        return self.node in nodes and owner(nodes, self._tags[path], start) == self.node
+        return self.node in nodes and self.known(path).owner(nodes, self._tags[path], start) == self.node
 
     def owner(self, path: PurePath, start: int, tried: Collection[Peer]) -> Peer | None:
         """The peer that owns the segment at `start` of `path` (not in `tried`: the rest own what it did),
@@ -872,7 +895,7 @@ class Swarm:
         request free within the timeout and a long poll (the segment is read here)."""
         while True:
             nodes = {n: p for n, p in self._wave(path, True).items() if p not in tried}
-            name = owner(nodes, self._tags[path], start) or ""
+            name = self.known(path).owner(nodes, self._tags[path], start) or ""
             peer = nodes.get(name)
             if peer is not None and name not in self.known(path).members:
                 # a seeder that may still join the wave would own it: read here, it would be read twice from the
@@ -967,14 +990,15 @@ class Swarm:
         body: Callable[[http.client.HTTPResponse, Callable[[], str | None]], None] | None = None,
         sooner: float | None = None,
         wait: float = 0.0,
-    ) -> tuple[str | None, str | None]:
+    ) -> tuple[str | None, str | None, str | None]:
         """One request to `peer`, its answer checked to be the version and range asked for, then its body read
         by `body` (told how long the request was given, where its deadline cut it); raises _Failed for whatever
         went wrong (said in a line: whatever a peer makes a request raise drops it, never fails the load). The
         whole request, from the connect to the body's last byte, ends by its deadline: the timeout and a second
         per MB asked for (and `wait`, the long poll it allows), or `sooner` seconds where less. A kept connection
         the peer closed meanwhile (its idle timeout) is replaced once, at no cost. Returns the node the answer
-        names and what it said of its copy (`storage/verified.py`: NODE, COPY)."""
+        names, what it said of its copy and what of it the node has verified or reads (`storage/verified.py`:
+        NODE, COPY, CLAIMED)."""
         target = peer.base + url_path(path)
         headers = {"If-Match": self._tags[path]}
         if span is not None:
@@ -1004,7 +1028,7 @@ class Swarm:
                 if response.length == 0:
                     response.read()  # nothing is left (read to its end): its connection can take the next request
                 keep = peer if response.isclosed() and not response.will_close else None
-                return response.getheader(NODE), response.getheader(COPY)
+                return response.getheader(NODE), response.getheader(COPY), response.getheader(CLAIMED)
             except _Failed:
                 raise
             except Exception as exc:  # MemoryError, ValueError, http.client's, ssl's...: the peer's doing
@@ -1051,6 +1075,8 @@ class Swarm:
             return _Failed(f"did not answer within {limit:.3g} s", late=True)
         if isinstance(exc, TimeoutError) or "timed out" in str(exc):
             return _Failed(f"did not answer within {self.timeout:.3g} s")
+        if isinstance(exc, ConnectionRefusedError):
+            return _Failed(f"failed: {type(exc).__name__}: {_line(exc)}", unbound=True)
         if isinstance(exc, ssl.SSLCertVerificationError):
             return _Failed(f"has a certificate that does not verify ({_line(exc.verify_message or exc)}; checked "
                            f"against {self._trusts})")  # fmt: skip
@@ -1152,7 +1178,17 @@ class Swarm:
         for connection in busy:
             connection.expire()
 
+    def _unbound(self, peers: Collection[Peer]) -> None:
+        for peer in peers:  # never up while a wave formed: down, as any peer nothing answers at
+            try:  # (up since it was last asked, after this load had read what it would have asked it for)
+                socket.create_connection((peer.host, peer.port), timeout=min(self.timeout, 1.0)).close()
+            except OSError:
+                self.drop(peer, "failed: nothing listened there (connection refused) while nodes joined the wave")
+
     def close(self) -> None:
+        with self._lock:  # a peer still not up when the load ends (within a wave's window) is said once too
+            unbound = {p for known in self._known.values() for p, node in known.idle.items() if not node}
+        self._unbound(unbound)
         self.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._watchdog.close()

@@ -24,8 +24,24 @@ from streamload.format.header import FileHeader
 NODE = "X-Streamload-Node"  # every answer of a seeder: the node it serves for
 COPY = "X-Streamload-Copy"  # a HEAD's answer: "complete", or "loading; since=<unix seconds>"
 WAIT = "X-Streamload-Wait"  # a GET's: seconds it may wait for bytes its node is still verifying
+# a HEAD's answer of a copy in progress: the ranges its node has verified or reads from the source now, "a-b,c-d"
+# ([a, b)): a node that joins the wave later leaves them to it (they would be read from the source twice)
+CLAIMED = "X-Streamload-Claimed"
+CLAIMS = 1024  # the most ranges said (merged: a copy's segments in a few runs, but a header stays bounded)
 LONG_POLL = 30.0  # the most a seeder waits so (an owner reads its segment from a store that serves every
 # node's first segments at once: seconds at 200 Mbit/s for 8 nodes; measured in bench/wave.py)
+
+
+def claims(text: str | None) -> list[tuple[int, int]]:
+    """The ranges a `CLAIMED` value says (merged; [] for anything else: a peer's word only steers who reads
+    what from the source, never what is used)."""
+    out = []
+    for part in (text or "").split(",")[:CLAIMS]:
+        a, _, b = part.strip().partition("-")
+        if not (a.isdigit() and b.isdigit() and int(a) < int(b)):
+            return []
+        out.append((int(a), int(b)))
+    return merged(out)
 
 
 def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -68,6 +84,7 @@ class Verified:
         self._fd: int | None = fd
         self._ranges: list[tuple[int, int]] = []
         self._wanted: dict[tuple[int, int], int] = {}  # ranges peers wait for: how many wait for each
+        self._reading: dict[tuple[int, int], int] = {}  # ranges this node reads from the source now
         self._listeners: set[Callable[[], None]] = set()
         self._lock = threading.Lock()
 
@@ -109,6 +126,21 @@ class Verified:
     def wanted(self) -> list[tuple[int, int]]:
         with self._lock:
             return list(self._wanted)
+
+    def reading(self, start: int, end: int, add: bool = True) -> None:
+        """This node reads [start, end) from the source now (or, `add` False, no longer does)."""
+        with self._lock:
+            n = self._reading.get((start, end), 0) + (1 if add else -1)
+            if n > 0:
+                self._reading[(start, end)] = n
+            else:
+                self._reading.pop((start, end), None)
+
+    def claimed(self) -> str:
+        """The ranges verified or being read (`CLAIMED`'s value), the first `CLAIMS` of them."""
+        with self._lock:
+            ranges = merged([*self._ranges, *self._reading])
+        return ",".join(f"{a}-{b}" for a, b in ranges[:CLAIMS])
 
     def listen(self, listener: Callable[[], None], add: bool = True) -> None:
         with self._lock:
@@ -175,5 +207,5 @@ def node_of(cache_dir: Path | None) -> str | None:
         return None if key is None else _nodes.get(key)
 
 
-__all__ = ["COPY", "LONG_POLL", "NODE", "WAIT", "Verified", "covered", "gaps", "loading", "merged", "node_id",
-           "node_of", "register", "unregister"]  # fmt: skip
+__all__ = ["CLAIMED", "COPY", "LONG_POLL", "NODE", "WAIT", "Verified", "claims", "covered", "gaps", "loading", "merged",
+           "node_id", "node_of", "register", "unregister"]  # fmt: skip

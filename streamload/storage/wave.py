@@ -46,6 +46,7 @@ class Known(Generic[P]):
 
     holders: list[P] = field(default_factory=list)  # complete copies
     members: dict[str, tuple[P, float]] = field(default_factory=dict)  # nodes loading it: (a peer, since when)
+    claims: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # members': verified or being read
     idle: dict[P, str] = field(default_factory=dict)  # seeders (their nodes) without it yet, while nodes may join
     since: float | None = None  # this node's copy began then, where its own seeder serves it (one of the wave)
     asked: float = 0.0  # when the idle seeders were last asked (monotonic)
@@ -61,6 +62,16 @@ class Known(Generic[P]):
             began[me] = self.since
         first = min(began.values(), default=0.0)
         return {n: (None if n == me else members[n][0]) for n, at in began.items() if at <= first + TOGETHER}
+
+    def owner(self, nodes: Iterable[str], tag: str, start: int) -> str | None:
+        """The node of `nodes` that owns the segment at `start`: a member that said it had verified or was
+        reading it when asked (the earliest to begin: a node that joins late takes nothing already under way),
+        else by rendezvous."""
+        nodes = list(nodes)
+        claimed = [n for n in nodes if any(a <= start < b for a, b in self.claims.get(n, ()))]
+        if claimed:
+            return min(claimed, key=lambda n: (self.members[n][1] if n in self.members else 0.0, n))
+        return owner(nodes, tag, start)
 
     def joining(self, now: float) -> bool:
         """Whether nodes may still join the wave (the first copy began less than `TOGETHER` s ago)."""

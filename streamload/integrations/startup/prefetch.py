@@ -54,10 +54,13 @@ class Prefetch:
     pid: int
     done: Path
 
+    seeding: str | None = None  # the URL its seeder serves `cache_dir` at, from its start ("": it could not)
+
     def stop(self) -> None:
-        """End it now if it still runs (idempotent). Once it has reported, or where the id is no longer
-        a prefetch's (it ended long ago and the id went to another process), nothing is signalled."""
-        if self.done.exists() or not _is_prefetch(self.pid):
+        """End it now if it still runs (idempotent): a fetch that seeds serves on after its report. Where the
+        id is no longer a prefetch's (it ended long ago and the id went to another process), nothing is
+        signalled."""
+        if not _is_prefetch(self.pid):
             return
         try:
             os.kill(self.pid, signal.SIGTERM)
@@ -80,12 +83,15 @@ def start(
     pinned: frozenset[str] = frozenset(),
     work: Path | None = None,
     peers: Sequence[str] = (),
+    seed: dict[str, Any] | None = None,
 ) -> Prefetch:
     """Start fetching `source` in a process of its own; it ends when this process does (or `stop`).
     `work`: a directory this process made (`leftovers.make`) for the fetch, which the fetch removes
     when it sees this process ended (its exit handlers, which would remove it, did not run). It is no
     child of this process (one that ended would stay a zombie, nothing here reaping it while a server
-    runs): a short-lived child starts it and exits."""
+    runs): a short-lived child starts it and exits. `seed`: the Seeder's arguments (servers/seed.py) to
+    serve `cache_dir` with from the fetch's start, what it has verified while it still fetches (a wave's
+    nodes split the checkpoint so: storage/wave.py), until it ends; `Prefetch.seeding` says where."""
     argv = [sys.executable, "-m", MODULE, source, "--done", str(done), "--watch", str(os.getpid())]
     if cache_dir is not None:
         argv += ["--cache-dir", str(cache_dir)]
@@ -96,15 +102,28 @@ def start(
     if work is not None:
         argv += ["--work", str(work)]
     argv += [f"--peers={peer}" for peer in peers]
+    if seed is not None:
+        argv += ["--seed", json.dumps(seed)]
     starter = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # nosec B603 # argv built here
     assert starter.stdout is not None
     with starter.stdout:
         line = starter.stdout.readline()
+        # the fetch's own line, once its seeder is bound (EOF: it ended first)
+        seeding = (
+            starter.stdout.readline().decode(errors="replace").strip()
+            if seed is not None and line.strip().isdigit()
+            else None
+        )
     starter.wait()
     if not line.strip().isdigit():
         raise RuntimeError(f"the prefetch of {redacted(source)} did not start (exit status {starter.returncode})")
     prefetch = Prefetch(int(line), done)
     atexit.register(prefetch.stop)
+    if seeding is not None:
+        prefetch.seeding = seeding if seeding.startswith(("http://", "https://")) else ""
+        if not prefetch.seeding:
+            log.warning("streamload: cannot seed %s (%s): the fetch goes on without seeding", cache_dir,
+                        seeding.removeprefix("! ") or "the fetch ended first")  # fmt: skip
     return prefetch
 
 
@@ -113,6 +132,7 @@ def ahead(
     cache_dir: str | os.PathLike[str] | None = None,
     compile_cache: Any = None,
     peers: str | Sequence[str] | None = None,
+    seed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Start fetching `source` for a server this process is about to start, and publish the fetch in
     the environment (`ENV`), where streamload's vLLM load format, in this process or any it starts,
@@ -128,7 +148,9 @@ def ahead(
     exits, as the fetch does). Returns what the loader needs to find the weights (also `ENV`'s value).
     `compile_cache`: the digests of the compiled-artifact archives published beside the weights that
     this node trusts (`pinned_digests.py`), fetched first; none without. `peers`: nodes seeding the
-    weights, read from first (storage/peers.py)."""
+    weights, read from first (storage/peers.py). `seed`: the Seeder's arguments (servers/seed.py) to serve
+    `cache_dir` with from now on, the fetch's verified bytes while it runs (a remote source's only; the
+    returned "seeding": where, "" where it could not), until this process ends or `stop_seeding`."""
     from streamload.integrations.startup.pinned_digests import pins
     from streamload.storage.peers import names
 
@@ -142,8 +164,9 @@ def ahead(
             staging = Path(cache_dir) if cache_dir else work / "staged"
             staging.mkdir(parents=True, exist_ok=True)
         compiled = work / "compiled" if remote and pinned else None  # a local archive is read where it lies
+        seeds = seed if remote and cache_dir else None  # what a load keeps: a private staging folder goes
         fetching = start(source, work / "done.json", staging, model_infos=True, compile_caches=compiled, pinned=pinned,
-                         work=work, peers=names(peers))  # fmt: skip
+                         work=work, peers=names(peers), seed=seeds)  # fmt: skip
         leftovers.share(work, fetching.pid)  # it writes there until it sees this process gone
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -162,9 +185,17 @@ def ahead(
         "compiled": str(compiled) if compiled else None,  # compiled-artifact archives fetched first
         "cache_dir": str(staging) if staging is not None else None,
         "owned": staging is not None and not cache_dir,
+        "seeding": fetching.seeding,  # None: not asked to seed
     }
     settings.FETCH.put(json.dumps(started))
     return started
+
+
+def stop_seeding(started: dict[str, Any]) -> None:
+    """End the fetch `ahead` started (on this host) and the seeding it does: its owner's copies are to be
+    served no more (an engine's model freed)."""
+    if started.get("host") == socket.gethostname():
+        Prefetch(int(started["pid"]), Path(started["done"])).stop()
 
 
 def adopt(source: str) -> dict[str, Any] | None:
@@ -433,7 +464,7 @@ def fetch(
 
     from streamload.plan.checkpoint import open_checkpoint
     from streamload.storage.cache import cache_path, kept
-    from streamload.storage.peers import with_peers
+    from streamload.storage.peers import TALLY, with_peers
 
     checkpoint = open_checkpoint(source, cache_dir)
     headers = checkpoint.files
@@ -458,6 +489,8 @@ def fetch(
         pool.shutdown(wait=True, cancel_futures=True)
         files.close()
     report: dict[str, object] = {"ok": True, "bytes": got}
+    if peers:  # (this process's tally: the fetch is all it reads)
+        report["from_peers"], report["from_source"] = TALLY.read()
     if cache_dir is not None:  # an object read but not kept was warned of (a full disk, a link, a writer still at it)
         whole = {h.path for h in kept(Path(cache_dir), headers)}
         report["cached"] = [str(cache_path(Path(cache_dir), h.path)) for h in headers if h.path in whole]
@@ -530,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
                         "to fetch (sha256:HEX; pinned_digests.py): others are not kept")  # fmt: skip
     parser.add_argument("--peers", action="append", default=[], help="a node seeding the objects (a URL, or a "
                         "name whose addresses are the nodes; repeat for several): read from first")  # fmt: skip
+    parser.add_argument("--seed", type=json.loads, help="serve --cache-dir to other nodes' peers= from the "
+                        "start, and on once fetched: the Seeder's arguments (JSON); its URL is printed")  # fmt: skip
     parser.add_argument("--watch", type=int, help="end when the process of this id ends (`start`)")
     parser.add_argument("--work", type=Path, help="the folder the watched process made for this fetch "
                         "(leftovers.make): removed when it ends")  # fmt: skip
@@ -540,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             print(child, flush=True)
             os._exit(0)
         threading.Thread(target=_end_with, args=(args.watch, args.work), daemon=True).start()
+    seeding = _seed(args.cache_dir, args.seed) if args.seed is not None else None
     if args.model_infos:
         with contextlib.suppress(Exception):  # an optimisation only: vLLM inspects the model itself
             install_model_infos(args.source)
@@ -551,7 +587,29 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # reported, not raised: the load that follows goes on without it
         report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     atomic.write(args.done, json.dumps(report).encode())
+    if seeding is not None:  # serves on until stopped, or the process it watches ends
+        threading.Event().wait()
     return 0 if report["ok"] else 1
+
+
+def _seed(cache_dir: Path | None, options: dict[str, Any]) -> Any:
+    """The seeder of `cache_dir` started (None where it cannot be), its URL (or "! why") the line printed:
+    `start` reads it. Serving starts before the fetch, so that other nodes find this one loading at once."""
+    from streamload.servers.seed import Seeder
+
+    seeder, said = None, "! no cache directory"
+    if cache_dir is not None:
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            seeder = Seeder(cache_dir, **options).start()
+            said = seeder.url
+        except (OSError, TypeError, ValueError) as exc:
+            said = f"! {(exc.strerror if isinstance(exc, OSError) else None) or exc}"
+    print(said, flush=True)
+    devnull = os.open(os.devnull, os.O_WRONLY)  # the pipe `start` reads ends here: nothing more is said on it
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    return seeder
 
 
 def _end_with(pid: int, work: Path | None = None) -> None:

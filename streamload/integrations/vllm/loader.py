@@ -60,7 +60,7 @@ class StreamloadModelLoader(BaseModelLoader):
         self._loaded = True
         # compiled artifacts published beside the weights, installed while they load (vLLM compiles after)
         installing = self._compile_cache(model_config) if starting else None
-        after = partial(self._seed, model) if starting else None  # the node seeds once its copies are complete
+        stop_seeding = self._seed(model, started) if starting else None  # seeds what it verifies as it loads
         try:
             if starting and self.options.get("overlap"):
                 # Local files' headers and vLLM's file selection now: a broken checkpoint fails before
@@ -68,25 +68,24 @@ class StreamloadModelLoader(BaseModelLoader):
                 local = "://" not in self.source(model_config, first=True)
                 parts = self.state.parts(model_config, model, first=True) if local else None
                 in_place = partial(overlap.load_in_place, self.state)
-                staged = partial(self._staged, started, in_place, model, model_config, parts, after=after)
+                staged = partial(ahead.load_from_staging, self.state, started, in_place, model, model_config, parts)
                 overlap.defer(model, model_config, staged)
             else:
-                self._staged(started, self._load_weights, model, model_config, first, after=after)
+                ahead.load_from_staging(self.state, started, self._load_weights, model, model_config, first)
             if starting:  # which compiled folder is this model's: `compile-cache publish` packs it alone
                 recorded.after_compiling(self.source(model_config, first=True))
+        except BaseException:
+            if stop_seeding is not None:
+                stop_seeding()
+            raise
         finally:
             if installing is not None:
                 last_load.compile_cache = installing.result()
 
-    def _staged(self, started: Any, load: Callable[..., None], *args: Any, after: Callable[[], None] | None = None
-                ) -> None:  # fmt: skip
-        """`load(*args)` from the files the fetch started with the engine stages, then `after()`."""
-        ahead.load_from_staging(self.state, started, load, *args)
-        if after is not None:
-            after()
-
-    def _seed(self, model: nn.Module) -> None:
-        last_load.seeding = seeding.start(self.options, model)
+    def _seed(self, model: nn.Module, started: Any) -> Callable[[], Any]:
+        fetch = started if isinstance(started, dict) else None
+        last_load.seeding, stop = seeding.start(self.options, model, fetch)
+        return stop
 
     def _compile_cache(self, model_config: ModelConfig) -> concurrent.futures.Future[str] | None:
         return install_compiled.start(self.options, model_config)

@@ -26,7 +26,7 @@ class Report:
     bytes_fair: int = 0  # 1/world of each tensor the ranks split plus every other tensor read: the goal
     staged: str = ""  # where the first load read weights fetched while the engine started (startup/ahead.py)
     compile_cache: str = ""  # what the first load did with compiled artifacts published beside the weights
-    seeding: str = ""  # where this process seeds cache_dir's copies since its first load ("seed": seeding.py)
+    seeding: str = ""  # where this node seeds cache_dir since its first load began ("seed": seeding.py)
     why_whole: dict[str, str] = field(default_factory=dict)  # a few unpredicted tensors, and why
     diverged: dict[str, str] = field(default_factory=dict)  # what the real call did unlike its dry run (then redone)
 

@@ -1,17 +1,21 @@
-"""Seeding while the engine serves (`"seed"` in `model_loader_extra_config`): once the engine's first load
-has its copies complete in `cache_dir`, the node serves them to other nodes' loads with `peers=`
-(servers/seed.py).
+"""Seeding (`"seed"` in `model_loader_extra_config`): the node serves `cache_dir` to other nodes' loads with
+`peers=` (servers/seed.py) from the start of its load, what it has verified while it still loads, so that
+engines started together split the checkpoint (storage/wave.py), and its complete copies once loaded.
 
-It runs in the process that loaded (vLLM's worker), on a daemon thread: it stops with that process, or
-when the model is freed (an engine closed in a process that goes on). One seeder a host: the first rank
-on each host seeds (the others load into the same cache directory). A port that cannot be bound, or a
-token, certificate or key file that cannot be used, costs the node its seeding, not its engine: one warning.
+Where the engine's fetch writes `cache_dir` (startup/ahead.py), that fetch seeds from the engine's start: the
+first to read the store. Else the process that loads (vLLM's worker) seeds, from just before its load, on a
+daemon thread. Either stops with that process, or when the model is freed (an engine closed in a process that
+goes on). One seeder a host: the first rank on each host seeds (the others load into the same cache
+directory). A port that cannot be bound, or a token, certificate or key file that cannot be used, costs the
+node its seeding, not its engine: one warning.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from streamload.base import argument_checks
@@ -55,12 +59,19 @@ def seed_options(value: Any) -> dict[str, Any] | None:
     return out
 
 
-def start(options: dict[str, Any], model: Any) -> str:
-    """After the first load: seed `options["cache_dir"]` if the options ask and this is the first rank on
-    its host; the URL it serves at ("" where it does not seed)."""
+def start(options: dict[str, Any], model: Any, fetch: dict[str, Any] | None = None) -> tuple[str, Callable[[], Any]]:
+    """Before the first load: seed `options["cache_dir"]` if the options ask and this is the first rank on its
+    host, through `fetch` (the engine's fetch, "prefetch": `prefetch.ahead`'s dict) where that seeds. The URL
+    served at ("" where it does not seed), and what stops the seeding (called for a load that failed; else
+    with the model)."""
     spec = seed_options(options.get("seed"))
     if spec is None or _local_rank() != 0:
-        return ""
+        return "", _nothing
+    from streamload.integrations.startup import prefetch
+
+    if fetch is not None and fetch.get("seeding") is not None and fetch.get("host") == socket.gethostname():
+        # it seeds since the engine started (or warned why it could not)
+        return fetch["seeding"], weakref.finalize(model, prefetch.stop_seeding, fetch) if fetch["seeding"] else _nothing
     from streamload.servers.seed import Seeder, described
 
     folder = options["cache_dir"]  # checked with the options: seeding needs one
@@ -71,10 +82,13 @@ def start(options: dict[str, Any], model: Any) -> str:
         why = (exc.strerror if isinstance(exc, OSError) else None) or exc
         log.warning("streamload: cannot seed %s on %s (%s): this node serves its engine but does not seed",
                     folder, where, why)  # fmt: skip
-        return ""
-    weakref.finalize(model, seeder.close)  # holds the seeder while the model lives
-    log.info("streamload: seeding the complete copies in %s at %s (to %s)", folder, seeder.url, described(seeder))
-    return seeder.url
+        return "", _nothing
+    log.info("streamload: seeding %s at %s (to %s)", folder, seeder.url, described(seeder))
+    return seeder.url, weakref.finalize(model, seeder.close)  # holds the seeder while the model lives
+
+
+def _nothing() -> None:
+    return None
 
 
 def _local_rank() -> int:

@@ -56,7 +56,8 @@ def start_fetch(model: str, options: dict[str, Any]) -> dict[str, Any] | None:
         log.info("streamload: the weights have been fetched since the process started (%s)", redacted(source))
         return adopted
     try:
-        return prefetch.ahead(source, options.get("cache_dir"), options.get("compile_cache"), options.get("peers"))
+        return prefetch.ahead(source, options.get("cache_dir"), options.get("compile_cache"), options.get("peers"),
+                              options.get("seed"))  # fmt: skip
     except Exception as exc:  # an optimisation only: the loader reads the weights itself
         log.warning("streamload: could not start fetching %s while the engine starts: %s", source, exc)
         return None
