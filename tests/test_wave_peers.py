@@ -198,7 +198,7 @@ def test_a_node_whose_seeder_binds_a_moment_later_is_of_the_wave(
     """Nodes started together bind their seeders at different moments: one whose seeder is not listening yet when
     the others first ask (connection refused) is asked again while the wave forms, not dropped: it joins, the
     store serves each byte about once, no warning."""
-    late_port, = free_ports(1)
+    (late_port,) = free_ports(1)
     slow = RangeServer(store.www, rate=3e6)  # the wave's loads take seconds: the late seeder binds within them
     url = f"{slow.url}/model/"
     try:
@@ -234,7 +234,7 @@ def test_a_peer_that_never_binds_is_said_once_and_costs_nothing(
     """A peer nothing ever listens at, named beside two nodes of a wave: asked again while the wave forms, then
     dropped with one warning a load naming it; the loads exact, the store serving each byte about once."""
     monkeypatch.setattr(wave, "TOGETHER", 2.0)
-    down, = free_ports(1)
+    (down,) = free_ports(1)
     first = len(store.server.requests)
     with nodes(tmp_path, 2) as made:
         urls = [seeder.url for _, seeder in made] + [f"http://127.0.0.1:{down}"]
