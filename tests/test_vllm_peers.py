@@ -3,8 +3,13 @@ it, and the store serves it nothing but headers."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +18,20 @@ import torch
 import streamload
 
 from .test_vllm import assert_same_weights, load_report
-from .vllm_engines import Timed, close, engine, models, recording, scenario, state, tokens
+from .vllm_engines import (
+    ENGINES_ENVIRONMENT,
+    SUITE_ENVIRONMENT,
+    Timed,
+    close,
+    engine,
+    models,
+    recording,
+    scenario,
+    state,
+    tokens,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @scenario("engines")
@@ -74,6 +92,103 @@ def from_peers(root: Path, paths: dict[str, Path], out: dict[str, Any]) -> None:
         server.close()
 
 
+# One engine of a wave, in a process of its own (argv: the part's folder, its number, the model, the load
+# format's options as JSON): ready once vLLM is imported, it starts its engine when every engine of the wave is
+# ready; it records tokens, weights, what its fetch read and from whom, then whether its seeding ended with the
+# engine; the first also starts vLLM's own loader on the same weights for the reference.
+WAVE_ENGINE = """
+import json, sys, time
+from pathlib import Path
+
+root, k, model, extra = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), json.loads(sys.argv[4])
+from tests.vllm_engines import ENGINES_ENVIRONMENT, close, engine, state, tokens
+from tests.test_vllm_peers import _answers, _report_of
+
+(root / f"ready-{k}").touch()
+deadline = time.monotonic() + 240  # the others import vLLM on the same cores
+while len(list(root.glob("ready-*"))) < 3 and time.monotonic() < deadline:
+    time.sleep(0.01)
+began = time.time()
+llm = engine(model, "streamload", model_loader_extra_config=extra)
+result = {"began": began, "loaded": time.time(), "tokens": tokens(llm), "state": state(llm)}
+started = llm.llm_engine.vllm_config.load_config.model_loader_extra_config["prefetch"]
+result["fetch"] = json.loads(Path(started["done"]).read_text())
+result["seeding"] = _report_of(llm)["seeding"]
+(root / f"loaded-{k}").touch()
+deadline = time.monotonic() + 120  # serving on while the others may still read from this node
+while len(list(root.glob("loaded-*"))) < 3 and time.monotonic() < deadline:
+    time.sleep(0.05)
+close(llm)
+result["seeding_after_close"] = _answers(result["seeding"])
+if k == 0:
+    reference = engine(model, "safetensors")
+    result["reference"] = {"tokens": tokens(reference), "state": state(reference)}
+    close(reference)
+print("RESULT " + json.dumps(result))
+"""
+
+
+@scenario("fresh")
+def wave_of_engines(root: Path, out: Timed) -> Iterator[None]:
+    """Three engines started together (docs/peers.md#nodes-that-start-together): each in a process of its own,
+    load format streamload, weights from an HTTP store (one file, its digest file beside it), its own
+    `cache_dir`, `"seed"` on a port of its own and `"peers"` naming all three seeders. Started as the part's
+    first scenario, collected after the others."""
+    from streamload.pipeline.verify import write_digests
+    from tests.servers import RangeServer
+    from tests.test_vllm_plugin import VLLM_IN_ONE_PROCESS
+    from tests.test_wave_peers import free_ports
+
+    folder = root / "wave"
+    model, store = folder / "model", folder / "store" / "llama"
+    store.mkdir(parents=True)
+    _wave_model(model)
+    shutil.copy(model / "model.safetensors", store / "model.safetensors")
+    server = RangeServer(folder / "store", rate=4e6)  # a store slower than the peers on loopback
+    source = f"{server.url}/llama/"
+    write_digests(streamload.inspect(source), out=store / "streamload.digests.json")  # (the publisher's read)
+    before = server.sent
+    ports = free_ports(3)
+    peers = [f"http://127.0.0.1:{port}" for port in ports]
+    environment = {**SUITE_ENVIRONMENT, **ENGINES_ENVIRONMENT, **VLLM_IN_ONE_PROCESS, "STREAMLOAD_PEER_TIMEOUT": "15"}
+    processes = []
+    try:
+        for k, port in enumerate(ports):
+            extra = {"source": source, "cache_dir": str(folder / f"node-{k}"), "peers": peers,
+                     "seed": {"host": "127.0.0.1", "port": port}}  # fmt: skip
+            processes.append(subprocess.Popen(
+                [sys.executable, "-c", WAVE_ENGINE, str(folder), str(k), str(model), json.dumps(extra)],
+                cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ))  # fmt: skip
+        yield
+        with recording(out, "llama/wave"):
+            runs = []
+            for process in processes:
+                stdout, stderr = process.communicate(timeout=400)
+                lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+                runs.append(json.loads(lines[-1][7:]) if lines else {"returncode": process.returncode,
+                                                                     "stderr": stderr[-5000:]})  # fmt: skip
+            out["llama/wave"] = {"engines": runs, "peers": peers, "store_sent": server.sent - before,
+                                 "checkpoint": (store / "model.safetensors").stat().st_size}  # fmt: skip
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+        server.close()
+
+
+def _wave_model(folder: Path) -> None:
+    """A Llama of ~80 MB in one file: ten segments of the wave (8 MiB each) for three engines to split."""
+    import transformers
+
+    torch.manual_seed(5)
+    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=8192,
+                                      max_position_embeddings=256)  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="1GB")
+
+
 def _report_of(llm: Any) -> dict[str, Any]:
     import streamload.integrations.vllm
 
@@ -111,3 +226,21 @@ def test_an_engine_started_beside_a_seeding_one_loads_from_it_exactly(engines: d
     # the header reads alone (engine 2's fetch's and its worker's): the first 256 KiB of the 9.6 MB file
     assert data and all(r == "bytes=0-262143" for r in data) and len(data) <= 2, run["store_requests"]
     assert run["seeding_meanwhile"] and not run["seeding_after_close"]
+
+
+def test_three_engines_started_together_split_what_the_store_serves(engines: dict[str, Any]) -> None:
+    """Three engines started together, each with `"peers"` naming all three and `"seed"` (their fetches seed
+    from the engines' start): every parameter, every packed linear and the tokens are vLLM's own loader's on
+    each; the store served about the checkpoint once in total (not three times); each engine's seeding
+    stopped with it. (The checkpoint is ten segments of 8 MiB: each engine's fetch reads some of them from the
+    store and the rest from the others, measured at 0.3/0.4/0.3 of it from the store.)"""
+    run = engines["llama/wave"]
+    ran = run["engines"]
+    assert all("state" in r for r in ran), [r.get("stderr") for r in ran]
+    reference = ran[0]["reference"]
+    for r in ran:
+        assert_same_weights(r, reference)
+        assert r["fetch"]["ok"] and not r["fetch"]["not_cached"], r["fetch"]
+        assert load_report(r)["seeding"] == r["seeding"] and r["seeding"] in run["peers"]
+        assert not r["seeding_after_close"]
+    assert run["store_sent"] <= 1.2 * run["checkpoint"], (run["store_sent"], [r["fetch"] for r in ran])
