@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +17,7 @@ import streamload
 
 from .test_vllm import assert_same_weights, load_report
 from .vllm_engines import (
-    ENGINES_ENVIRONMENT,
-    SUITE_ENVIRONMENT,
+    ForkedWorkers,
     Timed,
     close,
     engine,
@@ -30,8 +27,6 @@ from .vllm_engines import (
     state,
     tokens,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @scenario("engines")
@@ -92,51 +87,46 @@ def from_peers(root: Path, paths: dict[str, Path], out: dict[str, Any]) -> None:
         server.close()
 
 
-# One engine of a wave, in a process of its own (argv: the part's folder, its number, the model, the load
-# format's options as JSON): ready once vLLM is imported, it starts its engine when every engine of the wave is
-# ready; it records tokens, weights, what its fetch read and from whom, then whether its seeding ended with the
-# engine; the first also starts vLLM's own loader on the same weights for the reference.
-WAVE_ENGINE = """
-import json, sys, time
-from pathlib import Path
+def _wave_engine(root: Path, k: int, model: Path, extra: dict[str, Any]) -> None:
+    """One engine of a wave, in a process of its own: it starts its engine once every engine of the wave is
+    ready, records tokens, weights, what its fetch read and from whom, serves on until all have loaded, then
+    whether its seeding ended with the engine; the first also starts vLLM's own loader on the same weights
+    (the reference). Its results (or its error) in `root`/result-K.json."""
+    import traceback
 
-root, k, model, extra = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), json.loads(sys.argv[4])
-from tests.vllm_engines import ENGINES_ENVIRONMENT, close, engine, state, tokens
-from tests.test_vllm_peers import _answers, _report_of
-
-(root / f"ready-{k}").touch()
-deadline = time.monotonic() + 240  # the others import vLLM on the same cores
-while len(list(root.glob("ready-*"))) < 3 and time.monotonic() < deadline:
-    time.sleep(0.01)
-began = time.time()
-llm = engine(model, "streamload", model_loader_extra_config=extra)
-result = {"began": began, "loaded": time.time(), "tokens": tokens(llm), "state": state(llm)}
-started = llm.llm_engine.vllm_config.load_config.model_loader_extra_config["prefetch"]
-result["fetch"] = json.loads(Path(started["done"]).read_text())
-result["seeding"] = _report_of(llm)["seeding"]
-(root / f"loaded-{k}").touch()
-deadline = time.monotonic() + 120  # serving on while the others may still read from this node
-while len(list(root.glob("loaded-*"))) < 3 and time.monotonic() < deadline:
-    time.sleep(0.05)
-close(llm)
-result["seeding_after_close"] = _answers(result["seeding"])
-if k == 0:
-    reference = engine(model, "safetensors")
-    result["reference"] = {"tokens": tokens(reference), "state": state(reference)}
-    close(reference)
-print("RESULT " + json.dumps(result))
-"""
+    result: dict[str, Any] = {}
+    try:
+        (root / f"ready-{k}").touch()
+        deadline = time.monotonic() + 240  # the others start on the same cores
+        while len(list(root.glob("ready-*"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        llm = engine(model, "streamload", model_loader_extra_config=extra)
+        result.update(tokens=tokens(llm), state=state(llm), seeding=_report_of(llm)["seeding"])
+        started = llm.llm_engine.vllm_config.load_config.model_loader_extra_config["prefetch"]
+        result["fetch"] = json.loads(Path(started["done"]).read_text())
+        (root / f"loaded-{k}").touch()
+        deadline = time.monotonic() + 120  # serving on while the others may still read from this node
+        while len(list(root.glob("loaded-*"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        close(llm)
+        result["seeding_after_close"] = _answers(result["seeding"])
+        if k == 0:
+            reference = engine(model, "safetensors")
+            result["reference"] = {"tokens": tokens(reference), "state": state(reference)}
+            close(reference)
+    except BaseException:
+        result["error"] = traceback.format_exc()
+    (root / f"result-{k}.json").write_text(json.dumps(result))
 
 
 @scenario("fresh")
 def wave_of_engines(root: Path, out: Timed) -> Iterator[None]:
-    """Three engines started together (docs/peers.md#nodes-that-start-together): each in a process of its own,
-    load format streamload, weights from an HTTP store (one file, its digest file beside it), its own
-    `cache_dir`, `"seed"` on a port of its own and `"peers"` naming all three seeders. Started as the part's
-    first scenario, collected after the others."""
+    """Three engines started together (docs/peers.md#nodes-that-start-together): each in a process of its own
+    (forked from the forkserver that imported vLLM once), load format streamload, weights from an HTTP store
+    (one file, its digest file beside it), its own `cache_dir`, `"seed"` on a port of its own and `"peers"`
+    naming all three seeders. Started as the part's first scenario, collected after the others."""
     from streamload.pipeline.verify import write_digests
     from tests.servers import RangeServer
-    from tests.test_vllm_plugin import VLLM_IN_ONE_PROCESS
     from tests.test_wave_peers import free_ports
 
     folder = root / "wave"
@@ -150,31 +140,32 @@ def wave_of_engines(root: Path, out: Timed) -> Iterator[None]:
     before = server.sent
     ports = free_ports(3)
     peers = [f"http://127.0.0.1:{port}" for port in ports]
-    environment = {**SUITE_ENVIRONMENT, **ENGINES_ENVIRONMENT, **VLLM_IN_ONE_PROCESS, "STREAMLOAD_PEER_TIMEOUT": "15"}
+    os.environ["STREAMLOAD_PEER_TIMEOUT"] = "15"  # a busy machine's pauses are no peer's failure here
     processes = []
     try:
         for k, port in enumerate(ports):
             extra = {"source": source, "cache_dir": str(folder / f"node-{k}"), "peers": peers,
                      "seed": {"host": "127.0.0.1", "port": port}}  # fmt: skip
-            processes.append(subprocess.Popen(
-                [sys.executable, "-c", WAVE_ENGINE, str(folder), str(k), str(model), json.dumps(extra)],
-                cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            ))  # fmt: skip
+            processes.append(ForkedWorkers().Process(target=_wave_engine, args=(folder, k, model, extra)))
+            processes[-1].start()
+        os.environ.pop("STREAMLOAD_PEER_TIMEOUT")  # (each took the environment as it started)
         yield
         with recording(out, "llama/wave"):
             runs = []
-            for process in processes:
-                stdout, stderr = process.communicate(timeout=400)
-                lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-                runs.append(json.loads(lines[-1][7:]) if lines else {"returncode": process.returncode,
-                                                                     "stderr": stderr[-5000:]})  # fmt: skip
+            for k, process in enumerate(processes):
+                process.join(timeout=400)
+                written = folder / f"result-{k}.json"
+                runs.append(
+                    json.loads(written.read_text()) if written.exists() else {"error": f"ended {process.exitcode}"}
+                )
             out["llama/wave"] = {"engines": runs, "peers": peers, "store_sent": server.sent - before,
                                  "checkpoint": (store / "model.safetensors").stat().st_size}  # fmt: skip
     finally:
+        os.environ.pop("STREAMLOAD_PEER_TIMEOUT", None)
         for process in processes:
-            if process.poll() is None:
+            if process.is_alive():
                 process.kill()
-                process.wait(10)
+                process.join(10)
         server.close()
 
 
@@ -232,11 +223,10 @@ def test_three_engines_started_together_split_what_the_store_serves(engines: dic
     """Three engines started together, each with `"peers"` naming all three and `"seed"` (their fetches seed
     from the engines' start): every parameter, every packed linear and the tokens are vLLM's own loader's on
     each; the store served about the checkpoint once in total (not three times); each engine's seeding
-    stopped with it. (The checkpoint is ten segments of 8 MiB: each engine's fetch reads some of them from the
-    store and the rest from the others, measured at 0.3/0.4/0.3 of it from the store.)"""
+    stopped with it. (Which engine reads what from the store depends on when each fetch began: not asserted.)"""
     run = engines["llama/wave"]
     ran = run["engines"]
-    assert all("state" in r for r in ran), [r.get("stderr") for r in ran]
+    assert not [r["error"] for r in ran if "error" in r], [r.get("error") for r in ran]
     reference = ran[0]["reference"]
     for r in ran:
         assert_same_weights(r, reference)

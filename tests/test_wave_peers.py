@@ -424,6 +424,35 @@ def test_a_peer_that_claims_what_it_never_verifies_costs_a_request_a_file(
     assert all(liar.url in w for w in warnings_of(caplog)), warnings_of(caplog)
 
 
+def test_an_owner_whose_requests_all_long_poll_is_waited_for_as_long_as_they_may(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An owner with every request slot held by long polls (each may wait as long as a segment's three reads
+    from the store) is waited for that long, not the default poll's: its segment is then asked of it, not read
+    from the store again; with no long poll to wait out, the wait stays the timeout and a default poll."""
+    monkeypatch.setenv("STREAMLOAD_PEER_TIMEOUT", "0.2")  # a default long poll: 0.4 s
+    (peer,) = peers.resolve(["http://127.0.0.1:9"])
+    swarm = peers.Swarm([peer], {})
+    try:
+        swarm._state[peer].inflight = peers.REQUESTS
+
+        def one_ends() -> None:
+            time.sleep(1.5)
+            with swarm._lock:
+                swarm._state[peer].inflight -= 1
+                swarm._lock.notify_all()
+
+        ending = threading.Thread(target=one_ends)
+        ending.start()
+        assert swarm._take(peer, 3.0)  # its polls may last 3 s: the slot freed at 1.5 s is this request's
+        ending.join()
+        began = time.monotonic()
+        assert not swarm._take(peer, 0.0)
+        assert time.monotonic() - began < 1.2
+    finally:
+        swarm.close()
+
+
 # -- engines' start-up fetches (prefetch.py `seed`) -----------------------------------------------------
 def test_fetches_that_seed_from_their_start_split_what_the_store_serves(store: Store, tmp_path: Path) -> None:
     """Three fetches of the kind an engine starts (a process each, `seed` and `peers` naming all three), begun a

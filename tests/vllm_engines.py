@@ -209,7 +209,7 @@ def mla_backend(path: Path) -> dict[str, str]:
     return {"attention_backend": "CPU_MLA"} if "kv_lora_rank" in config else {}
 
 
-class _ForkedWorkers:
+class ForkedWorkers:
     """A `spawn` context whose processes are forked from multiprocessing's forkserver, which imported
     vLLM's CPU worker once, each run in the environment its parent has when it starts it (as `spawn`'s
     children are; a forkserver's would otherwise keep the server's)."""
@@ -252,7 +252,7 @@ def workers_from_a_forkserver() -> None:
     what they run (vLLM's worker, its plugin loading, streamload's loader) is unchanged."""
     from vllm.v1.executor import multiproc_executor
 
-    workers = _ForkedWorkers()
+    workers = ForkedWorkers()
     multiproc_executor.get_mp_context = lambda: workers
 
 

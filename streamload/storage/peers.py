@@ -457,10 +457,11 @@ class PeerFiles(ObjectFiles):
             return _joined(self._source(path, start, end - start))
         units = units_of.units[i:j]
         tried: set[Peer] = set()
-        while (peer := self._swarm.choose(path, tried)) or (peer := self._swarm.owner(path, start, tried)):
+        polls = wave_wait(end - start, self._source_rate())  # what a request to an owner may wait there
+        while (peer := self._swarm.choose(path, tried)) or (peer := self._swarm.owner(path, start, tried, polls)):
             tried.add(peer)
             holder = peer in self._swarm.holders(path)
-            wait = 0.0 if holder else wave_wait(end - start, self._source_rate())
+            wait = 0.0 if holder else polls
             data = self._swarm.get(peer, path, start, end, self._source_rate, wait)
             if data is not None:
                 if self._settle(path, peer, units_of, units, data, (start, end)):
@@ -889,7 +890,7 @@ class Swarm:
         nodes = self._wave(path, surely)
         return self.node in nodes and self.known(path).owner(nodes, self._tags[path], start) == self.node
 
-    def owner(self, path: PurePath, start: int, tried: Collection[Peer]) -> Peer | None:
+    def owner(self, path: PurePath, start: int, tried: Collection[Peer], polls: float = 0.0) -> Peer | None:
         """The peer that owns the segment at `start` of `path` (not in `tried`: the rest own what it did),
         counted in once it has a request free; None where this node owns it, none does, or the owner had no
         request free within the timeout and a long poll (the segment is read here)."""
@@ -904,16 +905,17 @@ class Swarm:
                     return None
                 time.sleep(REPROBE)
                 continue
-            if peer is None or self._take(peer):
+            if peer is None or self._take(peer, polls):
                 return peer
             if self._stopped or self._state[peer].alive:
                 return None
             tried = [*tried, peer]  # dropped while this request waited: its segments are the others'
 
-    def _take(self, peer: Peer) -> bool:
+    def _take(self, peer: Peer, polls: float) -> bool:
         """A request to `peer` counted in, once it has one free; False where it was dropped, the load
-        stopped, or none came free within the timeout and a long poll."""
-        deadline = time.monotonic() + self.timeout + wave_wait()
+        stopped, or none came free within the timeout and a long poll (`polls` s, else `wave_wait()`'s: its
+        requests may all wait that long there)."""
+        deadline = time.monotonic() + self.timeout + max(polls, wave_wait())
         with self._lock:
             state = self._state[peer]
             while state.alive and not self._stopped:
