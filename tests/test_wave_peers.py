@@ -396,7 +396,16 @@ def test_a_peer_that_says_its_load_began_at_no_real_time_is_not_of_the_wave(
         liar.close()
 
 
-@pytest.mark.parametrize("claimed", ["0-99999999999", "0-5,garbage", "9-3", "-1-50"])
+def test_what_a_peer_claims_is_read_as_ranges_or_not_at_all() -> None:
+    from streamload.storage.verified import claims
+
+    assert claims("0-5,5-9,20-30") == [(0, 9), (20, 30)]
+    for said in ["", None, "0-5,garbage", "9-3", "-1-50", "5-5", "0-5;6-7", "1e3-2e3"]:
+        assert claims(said) == [], said
+    assert claims(",".join([f"{2 * k}-{2 * k + 1}" for k in range(5000)])) == [(2 * k, 2 * k + 1) for k in range(1024)]
+
+
+@pytest.mark.parametrize("claimed", ["0-99999999999", "0-5,garbage"])
 def test_a_peer_that_claims_what_it_never_verifies_costs_a_request_a_file(
     store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture, claimed: str, patient: None
 ) -> None:
