@@ -8,7 +8,9 @@ from __future__ import annotations
 import gc
 import http.client
 import logging
+import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -205,6 +207,23 @@ def test_a_worker_seeds_from_before_its_load_until_its_model_is_freed(
     assert _head(url, path, key) is None
 
 
+def test_a_first_load_that_fails_after_compiling_stops_the_seeding() -> None:
+    """With `overlap` the first load runs after vLLM compiles (deferred): where it fails, what seeds for it is
+    stopped then, as for a load that fails at once."""
+    from streamload.integrations.vllm.loader import _or_stop
+
+    stopped: list[bool] = []
+
+    def fails() -> None:
+        raise OSError("the store went away")
+
+    with pytest.raises(OSError, match="the store went away"):
+        _or_stop(lambda: stopped.append(True), fails)
+    assert stopped == [True]
+    _or_stop(lambda: stopped.append(True), lambda: None)
+    assert stopped == [True]
+
+
 def test_a_worker_whose_fetch_seeds_serves_through_it_until_its_model_is_freed(store: Store, tmp_path: Path) -> None:
     """Where the engine's fetch seeds `cache_dir` from the engine's start (prefetch `seed`), the worker seeds
     no more itself: it reports the fetch's URL, and freeing the model ends the fetch and its seeding."""
@@ -235,6 +254,84 @@ def test_a_worker_whose_fetch_seeds_serves_through_it_until_its_model_is_freed(s
     finally:
         fetching.stop()
     assert_copies_exact(store, cache)
+
+
+def test_a_worker_whose_fetch_has_ended_seeds_itself_and_no_other_fetch_is_stopped(
+    store: Store, tmp_path: Path
+) -> None:
+    """A fetch that said where it seeds, then died (SIGKILL, the OOM killer): the worker seeds itself rather
+    than report a URL nothing serves at. A fetch's record is matched to its process by its report's path too:
+    stopping a fetch whose id another fetch holds now stops nothing."""
+    from streamload.integrations.startup import prefetch
+    from streamload.integrations.vllm.seeding import start
+
+    seed = {"host": "127.0.0.1", "port": 0}
+    first = prefetch.start(store.url, tmp_path / "a.json", tmp_path / "a", seed=seed)
+    other = prefetch.start(store.url, tmp_path / "b.json", tmp_path / "b", seed=seed)
+    try:
+        taken = prefetch.Prefetch(other.pid, first.done)  # `first`'s record, were its id `other`'s now
+        assert not taken.running() and other.running()
+        taken.stop()
+        assert other.running()
+        os.kill(first.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while prefetch._alive(first.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        started = {"host": socket.gethostname(), "pid": first.pid, "done": str(first.done),
+                   "seeding": first.seeding}  # fmt: skip
+        model = torch.nn.Linear(2, 2)  # (held: its seeder serves while it lives)
+        url, stop = start({"seed": seed, "cache_dir": str(tmp_path / "a")}, model, started)
+        path = url_path(ObjectPath(f"{store.url}model-00001-of-00003.safetensors"))
+        key = read_key_of(f"{store.url}model-00001-of-00003.safetensors")
+        assert url and url != first.seeding and _head(url, path, key) is not None  # this process serves
+        stop()
+        assert _head(url, path, key) is None
+    finally:
+        first.stop()
+        other.stop()
+    assert not other.running()
+
+
+def test_a_fetchs_warnings_come_with_its_report_into_the_engines_log(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start-up fetch runs in a process whose stderr is no one's: what it warns of (a peer that answers
+    nothing, dropped) comes with its report, and the engine's first rank logs it once its load is done."""
+    from streamload.integrations.startup import prefetch
+    from streamload.integrations.vllm.startup import ahead
+
+    refused = socket.create_server(("127.0.0.1", 0))
+    down = f"http://127.0.0.1:{refused.getsockname()[1]}"
+    refused.close()
+    fetching = prefetch.start(store.url, tmp_path / "done.json", tmp_path / "c", peers=[down])
+    report = prefetch.wait(fetching.done, fetching.pid, timeout=60)
+    assert report["ok"] and [w for w in report["warnings"] if down in w and "dropped" in w], report
+    ahead.said({"done": str(fetching.done)})
+    logged = warnings_of(caplog)
+    assert len(logged) == len(report["warnings"]) and any(down in w for w in logged), logged
+    assert all(w.startswith("streamload: fetching while the engine started: peer ") for w in logged), logged
+
+
+def test_a_fetch_whose_seeder_cannot_start_in_time_does_not_hold_the_engine_up(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fetch whose seeder is stuck before it binds (its token file a FIFO no one writes: a hung mount's
+    like): the engine's start waits `SEED_START` for it, then goes on without seeding, one warning."""
+    from streamload.integrations.startup import prefetch
+
+    monkeypatch.setattr(prefetch, "SEED_START", 1.0)
+    token = tmp_path / "token"
+    os.mkfifo(token)
+    began = time.monotonic()
+    seed = {"host": "127.0.0.1", "port": 0, "token_file": str(token)}
+    fetching = prefetch.start(store.url, tmp_path / "done.json", tmp_path / "c", seed=seed)
+    try:
+        assert fetching.seeding == "" and time.monotonic() - began < 10
+        said = warnings_of(caplog)
+        assert len(said) == 1 and "had not bound its seeder within 1 s" in said[0], said
+    finally:
+        fetching.stop()
+    assert not fetching.running()
 
 
 def test_load_with_peers_prints_what_the_peers_served(

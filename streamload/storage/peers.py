@@ -55,7 +55,7 @@ from streamload.storage import cache, peer_proof
 from streamload.storage.base import Copied, Digest, Listing, Partly, Source, redacted
 from streamload.storage.remote import ObjectFiles, ObjectPath, ObjectStorage, origin_digests
 from streamload.storage.verified import CLAIMED, COPY, LONG_POLL, NODE, WAIT, claims, node_of
-from streamload.storage.wave import REPROBE, REPROBE_MOST, TOGETHER, Ahead, Known, Segment, Segments, Slots
+from streamload.storage.wave import REPROBE, REPROBE_MOST, TOGETHER, Ahead, Known, Segment, Segments, Slots, owner
 
 log = logging.getLogger("streamload")
 
@@ -321,7 +321,7 @@ class PeerFiles(ObjectFiles):
             verified = None if copies is None or swarm.node is None else copies.verified(path)
             if verified is not None:
                 files.append((path, segments, verified))
-        self._ahead = Ahead(files, swarm.mine, self._read_ahead, swarm.generation) if files else None
+        self._ahead = Ahead(files, swarm.mine, self._read_ahead, swarm.generation, swarm.asked) if files else None
 
     def fetch(self, path: ObjectPath, offset: int, length: int) -> list[memoryview]:
         units = self._units.get(path)
@@ -817,7 +817,8 @@ class Swarm:
             else:
                 known.asking, idle = True, list(known.idle)
         if closed:
-            self._unbound(unbound)
+            for peer in unbound:  # asked again until the window closed, nothing listened: down
+                self.drop(peer, self._NOT_UP)
             return
         try:
             answers = list(self._pool.map(lambda p: self._has(p, path), idle))
@@ -889,6 +890,13 @@ class Swarm:
         that may still join the wave to join)."""
         nodes = self._wave(path, surely)
         return self.node in nodes and self.known(path).owner(nodes, self._tags[path], start) == self.node
+
+    def asked(self, path: PurePath, start: int) -> bool:
+        """Whether a node of the wave may ask this one for the segment at `start`: this node owns it, by what it
+        knows of the others' claims or by rendezvous alone (what a node that has not seen a claim goes by)."""
+        nodes = self._wave(path, False)
+        tag = self._tags[path]
+        return self.node in nodes and self.node in (owner(nodes, tag, start), self.known(path).owner(nodes, tag, start))
 
     def owner(self, path: PurePath, start: int, tried: Collection[Peer], polls: float = 0.0) -> Peer | None:
         """The peer that owns the segment at `start` of `path` (not in `tried`: the rest own what it did),
@@ -1180,17 +1188,22 @@ class Swarm:
         for connection in busy:
             connection.expire()
 
-    def _unbound(self, peers: Collection[Peer]) -> None:
-        for peer in peers:  # never up while a wave formed: down, as any peer nothing answers at
-            try:  # (up since it was last asked, after this load had read what it would have asked it for)
-                socket.create_connection((peer.host, peer.port), timeout=min(self.timeout, 1.0)).close()
-            except OSError:
-                self.drop(peer, "failed: nothing listened there (connection refused) while nodes joined the wave")
+    _NOT_UP = "failed: nothing listened there (connection refused) while nodes joined the wave"
+
+    def _listens(self, peer: Peer) -> bool:
+        try:
+            socket.create_connection((peer.host, peer.port), timeout=min(self.timeout, 1.0)).close()
+        except OSError:
+            return False
+        return True
 
     def close(self) -> None:
-        with self._lock:  # a peer still not up when the load ends (within a wave's window) is said once too
-            unbound = {p for known in self._known.values() for p, node in known.idle.items() if not node}
-        self._unbound(unbound)
+        with self._lock:  # a peer not up yet when the load ends (within a wave's window) is said once too,
+            unbound = list({p for k in self._known.values() for p, node in k.idle.items() if not node})
+        if unbound:  # unless it is up by now (asked last before the load read its last): asked at once, briefly
+            for peer, up in zip(unbound, self._pool.map(self._listens, unbound), strict=True):
+                if not up:
+                    self.drop(peer, self._NOT_UP)
         self.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._watchdog.close()

@@ -27,6 +27,7 @@ WAIT = "X-Streamload-Wait"  # a GET's: seconds it may wait for bytes its node is
 # a HEAD's answer of a copy in progress: the ranges its node has verified or reads from the source now, "a-b,c-d"
 # ([a, b)): a node that joins the wave later leaves them to it (they would be read from the source twice)
 CLAIMED = "X-Streamload-Claimed"
+OFFSET_DIGITS = 20  # a byte offset's decimal digits at most (2**64 has 20)
 CLAIMS = 1024  # the most ranges said (merged: a copy's segments in a few runs, but a header stays bounded)
 LONG_POLL = 30.0  # the most a seeder waits so (an owner reads its segment from a store that serves every
 # node's first segments at once: seconds at 200 Mbit/s for 8 nodes; measured in bench/wave.py)
@@ -38,7 +39,8 @@ def claims(text: str | None) -> list[tuple[int, int]]:
     out = []
     for part in (text or "").split(",")[:CLAIMS]:
         a, _, b = part.strip().partition("-")
-        if not (a.isdigit() and b.isdigit() and int(a) < int(b)):
+        # ASCII digits, an offset's length at most ("²".isdigit(); int() of 5000 digits raises)
+        if not all(x.isascii() and x.isdecimal() and len(x) <= OFFSET_DIGITS for x in (a, b)) or int(a) >= int(b):
             return []
         out.append((int(a), int(b)))
     return merged(out)

@@ -126,7 +126,9 @@ class Ahead:
     """Reads the segments this node owns from the source ahead of its pipeline (threads of their own, in
     file order; a segment a peer waits for first), so that a node whose pipeline waits for others never
     keeps them waiting in turn. `mine(path, start, surely)`: whether this node owns the segment (`surely`:
-    also were the seeders that may still join to join); `read(path, segment)`: fetch, check and keep it."""
+    also were the seeders that may still join to join); `asked(path, start)`: whether a peer that waits for it
+    may count on this node (it owns it by rendezvous: a peer that has not seen another's claim asks it here);
+    `read(path, segment)`: fetch (from where this node thinks it is), check and keep it."""
 
     def __init__(
         self,
@@ -134,8 +136,10 @@ class Ahead:
         mine: Callable[[PurePath, int, bool], bool],
         read: Callable[[PurePath, Segment], None],
         generation: Callable[[], int],
+        asked: Callable[[PurePath, int], bool] | None = None,
     ) -> None:
         self._files, self._mine, self._read, self._generation = files, mine, read, generation
+        self._asked = asked or (lambda path, start: mine(path, start, False))
         self._cursor = dict.fromkeys((path for path, _, _ in files), 0)
         self._seen = generation()
         self._failed: set[tuple[PurePath, int]] = set()
@@ -177,7 +181,7 @@ class Ahead:
             for path, segments, verified in self._files:
                 for lo, hi in verified.wanted():
                     for s in segments.over(lo, hi)[:WANTED]:
-                        if self._due(path, s, verified) and self._mine(path, s[0], False):
+                        if self._due(path, s, verified) and self._asked(path, s[0]):
                             self._taken.add((path, s[0]))
                             return path, s
             for path, segments, verified in self._files:

@@ -56,11 +56,14 @@ class Prefetch:
 
     seeding: str | None = None  # the URL its seeder serves `cache_dir` at, from its start ("": it could not)
 
+    def running(self) -> bool:
+        return _is_prefetch(self.pid, self.done)
+
     def stop(self) -> None:
         """End it now if it still runs (idempotent): a fetch that seeds serves on after its report. Where the
         id is no longer a prefetch's (it ended long ago and the id went to another process), nothing is
         signalled."""
-        if not _is_prefetch(self.pid):
+        if not self.running():
             return
         try:
             os.kill(self.pid, signal.SIGTERM)
@@ -104,16 +107,15 @@ def start(
     argv += [f"--peers={peer}" for peer in peers]
     if seed is not None:
         argv += ["--seed", json.dumps(seed)]
-    starter = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # nosec B603 # argv built here
+    # unbuffered: the fetch's own line after the starter's is waited for a bounded time (`_line_within`)
+    starter = subprocess.Popen(  # nosec B603 # argv built here
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0
+    )
     assert starter.stdout is not None
     with starter.stdout:
         line = starter.stdout.readline()
         # the fetch's own line, once its seeder is bound (EOF: it ended first)
-        seeding = (
-            starter.stdout.readline().decode(errors="replace").strip()
-            if seed is not None and line.strip().isdigit()
-            else None
-        )
+        seeding = _line_within(starter.stdout, SEED_START) if seed is not None and line.strip().isdigit() else None
     starter.wait()
     if not line.strip().isdigit():
         raise RuntimeError(f"the prefetch of {redacted(source)} did not start (exit status {starter.returncode})")
@@ -189,6 +191,34 @@ def ahead(
     }
     settings.FETCH.put(json.dumps(started))
     return started
+
+
+def seeding_of(started: dict[str, Any]) -> str | None:
+    """Where the fetch `ahead` started seeds: its URL while it runs on this host ("" where it could not seed);
+    None where it was not asked to, runs elsewhere or has ended (its node seeds itself, if it may)."""
+    url = started.get("seeding")
+    if url is None or started.get("host") != socket.gethostname():
+        return None
+    return url if not url or Prefetch(int(started["pid"]), Path(started["done"])).running() else None
+
+
+SEED_START = 30.0  # seconds a fetch has to bind its seeder (a token file on a hung mount must not hang a start)
+
+
+def _line_within(stream: Any, seconds: float) -> str:
+    """The next line of the unbuffered pipe `stream` ("" at its end), or why not, within `seconds`."""
+    import select
+
+    deadline, got = time.monotonic() + seconds, b""
+    while not got.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([stream], [], [], left)[0]:
+            return f"! it had not bound its seeder within {seconds:g} s"
+        byte = stream.read(1)
+        if not byte:
+            break
+        got += byte
+    return got.decode(errors="replace").strip()
 
 
 def stop_seeding(started: dict[str, Any]) -> None:
@@ -426,11 +456,14 @@ def wait(done: Path, pid: int, timeout: float | None = None) -> dict[str, object
         time.sleep(0.02)
 
 
-def _is_prefetch(pid: int) -> bool:
+def _is_prefetch(pid: int, done: Path | None = None) -> bool:
+    """Whether process `pid` is a prefetch (the one reporting to `done`, where given: a fetch that ended long
+    ago may have left its id to another one)."""
     try:
-        return MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
+    return MODULE.encode() in argv and (done is None or str(done).encode() in argv)
 
 
 def _alive(pid: int) -> bool:
@@ -582,14 +615,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_caches is not None:
         with contextlib.suppress(Exception):  # an optimisation only: the worker fetches its archive itself
             stage_compile_caches(args.source, args.compile_caches, frozenset(args.pin))
+    said = _Said()  # this process's stderr is no one's: its warnings (a peer dropped...) go with its report
+    logging.getLogger("streamload").addHandler(said)
     try:
         report = fetch(args.source, args.cache_dir, args.budget, args.threads, args.peers)
     except Exception as exc:  # reported, not raised: the load that follows goes on without it
         report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    report["warnings"] = said.lines
     atomic.write(args.done, json.dumps(report).encode())
     if seeding is not None:  # serves on until stopped, or the process it watches ends
         threading.Event().wait()
     return 0 if report["ok"] else 1
+
+
+class _Said(logging.Handler):
+    """The first `SAID` warnings of this process, as their lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.lines) < SAID:
+            self.lines.append(record.getMessage())
+
+
+SAID = 50  # warnings a fetch's report carries at most
 
 
 def _seed(cache_dir: Path | None, options: dict[str, Any]) -> Any:
@@ -605,7 +656,8 @@ def _seed(cache_dir: Path | None, options: dict[str, Any]) -> Any:
             said = seeder.url
         except (OSError, TypeError, ValueError) as exc:
             said = f"! {(exc.strerror if isinstance(exc, OSError) else None) or exc}"
-    print(said, flush=True)
+    with contextlib.suppress(OSError):  # the reader gave up (`SEED_START`): it serves all the same
+        print(said, flush=True)
     devnull = os.open(os.devnull, os.O_WRONLY)  # the pipe `start` reads ends here: nothing more is said on it
     os.dup2(devnull, 1)
     os.close(devnull)

@@ -13,7 +13,6 @@ node its seeding, not its engine: one warning.
 from __future__ import annotations
 
 import logging
-import socket
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -69,9 +68,9 @@ def start(options: dict[str, Any], model: Any, fetch: dict[str, Any] | None = No
         return "", _nothing
     from streamload.integrations.startup import prefetch
 
-    if fetch is not None and fetch.get("seeding") is not None and fetch.get("host") == socket.gethostname():
-        # it seeds since the engine started (or warned why it could not)
-        return fetch["seeding"], weakref.finalize(model, prefetch.stop_seeding, fetch) if fetch["seeding"] else _nothing
+    url = prefetch.seeding_of(fetch) if fetch is not None else None
+    if fetch is not None and url is not None:  # it seeds since the engine started (or warned why it could not)
+        return url, weakref.finalize(model, prefetch.stop_seeding, fetch) if url else _nothing
     from streamload.servers.seed import Seeder, described
 
     folder = options["cache_dir"]  # checked with the options: seeding needs one

@@ -99,8 +99,21 @@ def load_from_staging(state: LoadState, started: Any, load: Callable[..., None],
         # must not leave the others waiting for it.
         ranks = Ranks.of_engine()
         ranks.barrier()
-        if fetched and fetched.get("owned") and ranks.rank == 0 and fetched.get("host") == socket.gethostname():
-            shutil.rmtree(fetched["cache_dir"], ignore_errors=True)
+        if fetched and ranks.rank == 0 and fetched.get("host") == socket.gethostname():
+            said(fetched)
+            if fetched.get("owned"):
+                shutil.rmtree(fetched["cache_dir"], ignore_errors=True)
+
+
+def said(fetched: dict[str, Any]) -> None:
+    """The warnings of the fetch `fetched` (its process has no log of its own: they came with its report),
+    once, in this process's log."""
+    try:
+        report = json.loads(Path(fetched["done"]).read_text())
+    except (OSError, ValueError, KeyError):
+        return
+    for line in report.get("warnings", []) if isinstance(report, dict) else []:
+        log.warning("streamload: fetching while the engine started: %s", str(line).removeprefix("streamload: "))
 
 
 def starts_engine(engine_args: Any) -> bool:
