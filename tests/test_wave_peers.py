@@ -378,9 +378,18 @@ def test_a_peer_that_says_its_load_began_at_no_real_time_is_not_of_the_wave(
     """A start that is not a time (nan compares false with every other, so a wave counting it would have no
     member; infinities; one far in the future) is no start: the peer is no member, the honest nodes split the
     files between them and the store serves each byte about once."""
+    _, made, served = beside_a_liar(store, tmp_path, since)
+    assert served <= 1.2 * store.tensor_bytes, (served, store.tensor_bytes)
+    assert all(seeder.sent > 0 for _, seeder in made)
+
+
+def beside_a_liar(store: Store, tmp_path: Path, since: str, claimed: str | None = None
+                  ) -> tuple[_Claims, list[tuple[Path, Seeder]], int]:  # fmt: skip
+    """Two honest nodes load together beside a `_Claims` liar, every tensor exact: the liar, the nodes (their
+    seeders closed) and the tensor bytes the store served them."""
     checkpoint = streamload.inspect(store.url)
     tags = {url_path(h.path): (version_tag(version_of(h)), h.size) for h in checkpoint.files}
-    liar = _Claims(tags, since)
+    liar = _Claims(tags, since, claimed)
     liar.start()
     first = len(store.server.requests)
     try:
@@ -389,9 +398,7 @@ def test_a_peer_that_says_its_load_began_at_no_real_time_is_not_of_the_wave(
             got = together(loads_of(store, [cache for cache, _ in made], urls))
             for state in got:
                 assert_same(state, store.www / "model")  # type: ignore[arg-type]
-            served = tensor_reads(store.server, first)
-            assert served <= 1.2 * store.tensor_bytes, (served, store.tensor_bytes)
-            assert all(seeder.sent > 0 for _, seeder in made)
+            return liar, made, tensor_reads(store.server, first)
     finally:
         liar.close()
 
@@ -414,23 +421,10 @@ def test_a_peer_that_claims_what_it_never_verifies_costs_a_request_a_file(
     then serves nothing: asked for its segments, it answers 404 and is asked no more for that file; the honest
     nodes split the rest, exact. The store serves what both asked the liar for at once twice (as with a liar
     that claims nothing), never the whole checkpoint to each."""
-    checkpoint = streamload.inspect(store.url)
-    tags = {url_path(h.path): (version_tag(version_of(h)), h.size) for h in checkpoint.files}
-    liar = _Claims(tags, f"{time.time():.3f}", claimed)
-    liar.start()
-    first = len(store.server.requests)
-    try:
-        with nodes(tmp_path, 2) as made:
-            urls = [liar.url, *(seeder.url for _, seeder in made)]
-            got = together(loads_of(store, [cache for cache, _ in made], urls))
-            for state in got:
-                assert_same(state, store.www / "model")  # type: ignore[arg-type]
-            served = tensor_reads(store.server, first)
-            assert served <= 1.5 * store.tensor_bytes, (served, store.tensor_bytes)
-    finally:
-        liar.close()
+    liar, _, served = beside_a_liar(store, tmp_path, f"{time.time():.3f}", claimed)
+    assert served <= 1.5 * store.tensor_bytes, (served, store.tensor_bytes)
     # the requests in flight to it when its first 404 came, a file and node, not one a segment
-    assert liar.gets <= peers.REQUESTS * len(tags) * 2, liar.gets
+    assert liar.gets <= peers.REQUESTS * len(streamload.inspect(store.url).files) * 2, liar.gets
     assert all(liar.url in w for w in warnings_of(caplog)), warnings_of(caplog)
 
 

@@ -117,11 +117,7 @@ class Verified:
     def want(self, start: int, end: int, add: bool = True) -> None:
         """A peer waits for [start, end) (or, `add` False, no longer does)."""
         with self._lock:
-            n = self._wanted.get((start, end), 0) + (1 if add else -1)
-            if n > 0:
-                self._wanted[(start, end)] = n
-            else:
-                self._wanted.pop((start, end), None)
+            _counted(self._wanted, (start, end), add)
         if add:
             self._tell()
 
@@ -132,11 +128,7 @@ class Verified:
     def reading(self, start: int, end: int, add: bool = True) -> None:
         """This node reads [start, end) from the source now (or, `add` False, no longer does)."""
         with self._lock:
-            n = self._reading.get((start, end), 0) + (1 if add else -1)
-            if n > 0:
-                self._reading[(start, end)] = n
-            else:
-                self._reading.pop((start, end), None)
+            _counted(self._reading, (start, end), add)
 
     def claimed(self) -> str:
         """The ranges verified or being read (`CLAIMED`'s value), the first `CLAIMS` of them."""
@@ -153,6 +145,15 @@ class Verified:
             listeners = list(self._listeners)
         for listener in listeners:
             listener()
+
+
+def _counted(counts: dict[tuple[int, int], int], key: tuple[int, int], add: bool) -> None:
+    """One more of `key` in `counts` (or, `add` False, one fewer: none left, no entry)."""
+    n = counts.get(key, 0) + (1 if add else -1)
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)
 
 
 _loading: dict[tuple[int, int, str], Verified] = {}  # (folder's device, inode; name): the copy in progress there
