@@ -457,6 +457,33 @@ def test_an_owner_whose_requests_all_long_poll_is_waited_for_as_long_as_they_may
         swarm.close()
 
 
+def test_a_request_that_waited_for_an_owner_counted_out_meanwhile_is_not_sent_to_it(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request waiting for a free slot of the segment's owner, which another request's 404 counts out of the
+    file's wave meanwhile: the slot it then gets is given back, and the segment is this node's (the other
+    owner left), not another long poll at the node that just said it had not verified it."""
+    monkeypatch.setenv("STREAMLOAD_PEER_TIMEOUT", "2")
+    header = streamload.inspect(store.url).files[0]
+    (other,) = peers.resolve(["http://127.0.0.1:9"])
+    swarm = peers.Swarm([other], {header.path: header}, node="me")
+    try:
+        tag = swarm._tags[header.path]
+        start = next(s for s in range(0, 64 << 20, SEGMENT) if wave.owner(["them", "me"], tag, s) == "them")
+        swarm._known[header.path] = wave.Known(members={"them": (other, time.time())}, since=time.time())
+        swarm._state[other].inflight = peers.REQUESTS  # its slots all held by long polls
+        got: list[object] = []
+        asking = threading.Thread(target=lambda: got.append(swarm.owner(header.path, start, set(), 5.0)))
+        asking.start()
+        time.sleep(0.3)
+        swarm._failed(other, header.path, peers._Failed("had not verified bytes in time (404)", drop=False))
+        swarm._release(other)  # that request ends
+        asking.join(10)
+        assert got == [None] and swarm._state[other].inflight == peers.REQUESTS - 1
+    finally:
+        swarm.close()
+
+
 def test_a_segment_a_peer_waits_for_is_read_ahead_by_its_owner_by_rendezvous(tmp_path: Path) -> None:
     """A peer that had not seen another node's claim asks the segment's owner by rendezvous: that node reads it
     ahead (from where it knows it is: the claimer) so that the long poll is answered, though by what it knows

@@ -913,11 +913,20 @@ class Swarm:
                     return None
                 time.sleep(REPROBE)
                 continue
-            if peer is None or self._take(peer, polls):
-                return peer
-            if self._stopped or self._state[peer].alive:
+            if peer is None:
                 return None
-            tried = [*tried, peer]  # dropped while this request waited: its segments are the others'
+            if self._take(peer, polls):
+                if name in self.known(path).members:
+                    return peer
+                self._release(peer)  # counted out of the file's wave while this request waited (its 404)
+            elif self._stopped or self._state[peer].alive:
+                return None
+            tried = [*tried, peer]  # dropped, or counted out, while this request waited: its segments are the others'
+
+    def _release(self, peer: Peer) -> None:
+        with self._lock:
+            self._state[peer].inflight -= 1
+            self._lock.notify_all()
 
     def _take(self, peer: Peer, polls: float) -> bool:
         """A request to `peer` counted in, once it has one free; False where it was dropped, the load
@@ -974,9 +983,7 @@ class Swarm:
                     self._failed(peer, path, exc)
                     return None
         finally:
-            with self._lock:
-                self._state[peer].inflight -= 1
-                self._lock.notify_all()
+            self._release(peer)
         took = time.monotonic() - began
         state = self._state[peer]
         with self._lock:
