@@ -210,7 +210,7 @@ def test_a_worker_seeds_from_before_its_load_until_its_model_is_freed(
 def test_a_first_load_that_fails_after_compiling_stops_the_seeding() -> None:
     """With `overlap` the first load runs after vLLM compiles (deferred): where it fails, what seeds for it is
     stopped then, as for a load that fails at once."""
-    from streamload.integrations.vllm.loader import _or_stop
+    from streamload.integrations.vllm.seeding import or_stop
 
     stopped: list[bool] = []
 
@@ -218,9 +218,9 @@ def test_a_first_load_that_fails_after_compiling_stops_the_seeding() -> None:
         raise OSError("the store went away")
 
     with pytest.raises(OSError, match="the store went away"):
-        _or_stop(lambda: stopped.append(True), fails)
+        or_stop(lambda: stopped.append(True), fails)
     assert stopped == [True]
-    _or_stop(lambda: stopped.append(True), lambda: None)
+    or_stop(lambda: stopped.append(True), lambda: None)
     assert stopped == [True]
 
 

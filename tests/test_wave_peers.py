@@ -441,14 +441,14 @@ def test_an_owner_whose_requests_all_long_poll_is_waited_for_as_long_as_they_may
         swarm._state[peer].inflight = peers.REQUESTS
 
         def one_ends() -> None:
-            time.sleep(1.5)
+            time.sleep(0.9)
             with swarm._lock:
                 swarm._state[peer].inflight -= 1
                 swarm._lock.notify_all()
 
         ending = threading.Thread(target=one_ends)
         ending.start()
-        assert swarm._take(peer, 3.0)  # its polls may last 3 s: the slot freed at 1.5 s is this request's
+        assert swarm._take(peer, 2.0)  # its polls may last 2 s: the slot freed at 0.9 s is this request's
         ending.join()
         began = time.monotonic()
         assert not swarm._take(peer, 0.0)

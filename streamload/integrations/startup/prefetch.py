@@ -615,8 +615,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_caches is not None:
         with contextlib.suppress(Exception):  # an optimisation only: the worker fetches its archive itself
             stage_compile_caches(args.source, args.compile_caches, frozenset(args.pin))
-    said = _Said()  # this process's stderr is no one's: its warnings (a peer dropped...) go with its report
+    # its warnings (a peer dropped...) go with its report too: an engine's fetch has no stderr of its own
+    said = _Said()
     logging.getLogger("streamload").addHandler(said)
+    logging.getLogger("streamload").addHandler(logging.lastResort or logging.StreamHandler())  # (as without one)
     try:
         report = fetch(args.source, args.cache_dir, args.budget, args.threads, args.peers)
     except Exception as exc:  # reported, not raised: the load that follows goes on without it

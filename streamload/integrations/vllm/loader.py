@@ -60,7 +60,7 @@ class StreamloadModelLoader(BaseModelLoader):
         self._loaded = True
         # compiled artifacts published beside the weights, installed while they load (vLLM compiles after)
         installing = self._compile_cache(model_config) if starting else None
-        stop_seeding = self._seed(model, started) if starting else _nothing  # seeds what it verifies as it loads
+        stop_seeding = self._seed(model, started) if starting else seeding.nothing  # seeds what it verifies
         try:
             if starting and self.options.get("overlap"):
                 # Local files' headers and vLLM's file selection now: a broken checkpoint fails before
@@ -69,7 +69,7 @@ class StreamloadModelLoader(BaseModelLoader):
                 parts = self.state.parts(model_config, model, first=True) if local else None
                 in_place = partial(overlap.load_in_place, self.state)
                 staged = partial(ahead.load_from_staging, self.state, started, in_place, model, model_config, parts)
-                overlap.defer(model, model_config, partial(_or_stop, stop_seeding, staged))  # loads after compiling
+                overlap.defer(model, model_config, partial(seeding.or_stop, stop_seeding, staged))  # after compiling
             else:
                 ahead.load_from_staging(self.state, started, self._load_weights, model, model_config, first)
             if starting:  # which compiled folder is this model's: `compile-cache publish` packs it alone
@@ -99,16 +99,3 @@ class StreamloadModelLoader(BaseModelLoader):
         result = direct.load(model, parts, options, state.stats, self.options.get("direct"), cooperative, start)
         restore.SERVED[model] = state.served(model_config, parts)
         state.track_weights(model, model_config, result)
-
-
-def _nothing() -> None:
-    return None
-
-
-def _or_stop(stop: Callable[[], Any], load: Callable[[], None]) -> None:
-    """`load()`; where it fails, `stop()` first: a node whose first load failed seeds no more."""
-    try:
-        load()
-    except BaseException:
-        stop()
-        raise

@@ -65,12 +65,12 @@ def start(options: dict[str, Any], model: Any, fetch: dict[str, Any] | None = No
     with the model)."""
     spec = seed_options(options.get("seed"))
     if spec is None or _local_rank() != 0:
-        return "", _nothing
+        return "", nothing
     from streamload.integrations.startup import prefetch
 
     url = prefetch.seeding_of(fetch) if fetch is not None else None
     if fetch is not None and url is not None:  # it seeds since the engine started (or warned why it could not)
-        return url, weakref.finalize(model, prefetch.stop_seeding, fetch) if url else _nothing
+        return url, weakref.finalize(model, prefetch.stop_seeding, fetch) if url else nothing
     from streamload.servers.seed import Seeder, described
 
     folder = options["cache_dir"]  # checked with the options: seeding needs one
@@ -81,13 +81,22 @@ def start(options: dict[str, Any], model: Any, fetch: dict[str, Any] | None = No
         why = (exc.strerror if isinstance(exc, OSError) else None) or exc
         log.warning("streamload: cannot seed %s on %s (%s): this node serves its engine but does not seed",
                     folder, where, why)  # fmt: skip
-        return "", _nothing
+        return "", nothing
     log.info("streamload: seeding %s at %s (to %s)", folder, seeder.url, described(seeder))
     return seeder.url, weakref.finalize(model, seeder.close)  # holds the seeder while the model lives
 
 
-def _nothing() -> None:
-    return None
+def nothing() -> None:
+    """What stops no seeding."""
+
+
+def or_stop(stop: Callable[[], Any], load: Callable[[], None]) -> None:
+    """`load()`; where it fails, `stop()` first: a node whose first load failed seeds no more."""
+    try:
+        load()
+    except BaseException:
+        stop()
+        raise
 
 
 def _local_rank() -> int:
