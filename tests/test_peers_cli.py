@@ -110,7 +110,7 @@ def test_serve_fetches_from_peers_then_seeds_until_its_server_exits(store: Store
         serve = subprocess.Popen(
             [sys.executable, "-m", "streamload", "serve", "--source", store.url, "--cache-dir", str(cache), "--peers",
              a.url, "--seed", "127.0.0.1:0", "--", sys.executable, "-c", WAIT_FOR, str(stop)],
-            cwd=ROOT, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True,  # its server too, on a failure
         )  # fmt: skip
         try:
             assert serve.stderr is not None
@@ -126,7 +126,8 @@ def test_serve_fetches_from_peers_then_seeds_until_its_server_exits(store: Store
                 time.sleep(0.1)
             assert sent(store) == before and a.sent > 0  # the fetch read from the peer
         except BaseException:
-            serve.kill()
+            os.killpg(serve.pid, signal.SIGKILL)  # serve and the server it runs (a SIGKILL is not passed on)
+            serve.wait(10)
             raise
     got = streamload.load(store.url, device="cpu", peers=url)  # A is gone: the serve's seeder serves it
     assert_same(got, store.www / "model")
