@@ -43,18 +43,27 @@ def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STREAMLOAD_PEERS_UNVERIFIED", raising=False)
 
 
-def _write(folder: Path, digests: bool) -> None:
-    g = torch.Generator().manual_seed(1)
+def write_shards(folder: Path, seed: int, shape: tuple[int, int], per_shard: int) -> int:
+    """Three shards with their index: `per_shard` tensors of `shape` each, a small bfloat16 one and one of zero
+    bytes; their tensor bytes."""
+    g = torch.Generator().manual_seed(seed)
     folder.mkdir(parents=True)
     index: dict[str, str] = {}
-    for shard in range(3):  # ~2.3 MB a shard, tensors of several digest blocks, one of zero bytes
-        state = {f"layers.{shard}.w{k}": torch.randn(384, 512, generator=g) for k in range(3)}
+    total = 0
+    for shard in range(3):
+        state = {f"layers.{shard}.w{k}": torch.randn(*shape, generator=g) for k in range(per_shard)}
         state[f"layers.{shard}.b"] = torch.randn(7, generator=g).to(torch.bfloat16)
         state[f"layers.{shard}.empty"] = torch.empty(0)
         name = f"model-{shard + 1:05d}-of-00003.safetensors"
         save_file(state, folder / name)
         index.update(dict.fromkeys(state, name))
+        total += sum(t.numel() * t.element_size() for t in state.values())
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    return total
+
+
+def _write(folder: Path, digests: bool) -> None:
+    write_shards(folder, 1, (384, 512), 3)  # ~2.3 MB a shard, tensors of several digest blocks
     if digests:
         from streamload.pipeline.verify import write_digests
 

@@ -7,7 +7,6 @@ for bit against safetensors' own."""
 from __future__ import annotations
 
 import http.client
-import json
 import os
 import signal
 import socket
@@ -21,8 +20,6 @@ from pathlib import Path
 from typing import IO
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 import streamload
 from streamload.format.header import TensorInfo
@@ -35,7 +32,7 @@ from streamload.storage.peers import url_path, version_tag
 from streamload.storage.verified import CLAIMED, COPY, NODE, WAIT, Verified
 
 from .servers import RangeServer
-from .test_peers import _asked, assert_same, proved, publish_digests, warnings_of
+from .test_peers import _asked, assert_same, proved, publish_digests, warnings_of, write_shards
 
 pytest.importorskip("obstore")
 
@@ -66,19 +63,7 @@ def no_thread_left(store: Store) -> Iterator[None]:
 
 def _write(folder: Path) -> int:
     """Three shards of 8 MiB (tensors of one digest block each, a small one, an empty one); their tensor bytes."""
-    g = torch.Generator().manual_seed(7)
-    folder.mkdir(parents=True)
-    index, total = {}, 0
-    for shard in range(3):
-        state = {f"layers.{shard}.w{k}": torch.randn(256, 1024, generator=g) for k in range(8)}
-        state[f"layers.{shard}.b"] = torch.randn(7, generator=g).to(torch.bfloat16)
-        state[f"layers.{shard}.empty"] = torch.empty(0)
-        name = f"model-{shard + 1:05d}-of-00003.safetensors"
-        save_file(state, folder / name)
-        index.update(dict.fromkeys(state, name))
-        total += sum(t.numel() * t.element_size() for t in state.values())
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
-    return total
+    return write_shards(folder, 7, (256, 1024), 8)
 
 
 class Store:
@@ -470,7 +455,7 @@ def test_a_request_that_waited_for_an_owner_counted_out_meanwhile_is_not_sent_to
     try:
         tag = swarm._tags[header.path]
         start = next(s for s in range(0, 64 << 20, SEGMENT) if wave.owner(["them", "me"], tag, s) == "them")
-        swarm._known[header.path] = wave.Known(members={"them": (other, time.time())}, since=time.time())
+        swarm._known[header.path] = wave.Known(members={"them": wave.Member(other, time.time(), ())}, since=time.time())
         swarm._state[other].inflight = peers.REQUESTS  # its slots all held by long polls
         got: list[object] = []
         asking = threading.Thread(target=lambda: got.append(swarm.owner(header.path, start, set(), 5.0)))

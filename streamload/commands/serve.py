@@ -59,7 +59,7 @@ def serve(
     # a port in use (or a certificate that cannot be used) fails before the server starts: bound now, here or
     # by the fetch, which seeds a remote source's copies from its start
     spec = _seed_spec(seed, cache_dir, seeding or {}) if seed else None
-    seeder = _seeder(seed, cache_dir, spec) if seed and spec is not None and not remote else None
+    seeder = _seeder(seed, cache_dir, spec) if spec is not None and not remote else None
     try:
         if source is None:
             print("streamload serve: no weights to fetch ahead found in the command (pass --source); running it "

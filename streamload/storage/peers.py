@@ -55,7 +55,18 @@ from streamload.storage import cache, peer_proof
 from streamload.storage.base import Copied, Digest, Listing, Partly, Source, redacted
 from streamload.storage.remote import ObjectFiles, ObjectPath, ObjectStorage, origin_digests
 from streamload.storage.verified import CLAIMED, COPY, LONG_POLL, NODE, WAIT, claims, node_of
-from streamload.storage.wave import REPROBE, REPROBE_MOST, TOGETHER, Ahead, Known, Segment, Segments, Slots, owner
+from streamload.storage.wave import (
+    REPROBE,
+    REPROBE_MOST,
+    TOGETHER,
+    Ahead,
+    Known,
+    Member,
+    Segment,
+    Segments,
+    Slots,
+    owner,
+)
 
 log = logging.getLogger("streamload")
 
@@ -789,8 +800,7 @@ class Swarm:
             elif answer.kind == "complete":
                 known.holders.append(peer)
             elif answer.kind == "loading" and answer.node:
-                known.members.setdefault(answer.node, (peer, answer.since))
-                known.claims.setdefault(answer.node, list(answer.claims))
+                known.members.setdefault(answer.node, Member(peer, answer.since, answer.claims))
             elif answer.kind == "idle":
                 idle.append((peer, answer.node or "", answer.failure))
         # a seeder without the file (or not listening yet, node ""): it may be about to load it too, where this
@@ -833,8 +843,7 @@ class Swarm:
                     continue
                 known.idle = {p: n for p, n in known.idle.items() if p != peer}  # (new: others read them unlocked)
                 if answer is not None and answer.kind == "loading" and answer.node:
-                    known.members = {answer.node: (peer, answer.since), **known.members}
-                    known.claims = {answer.node: list(answer.claims), **known.claims}
+                    known.members = {answer.node: Member(peer, answer.since, answer.claims), **known.members}
                     continue
                 self._generation += 1  # it will not join: what it would have owned is the others'
                 if answer is not None and answer.kind == "complete":
@@ -896,7 +905,9 @@ class Swarm:
         knows of the others' claims or by rendezvous alone (what a node that has not seen a claim goes by)."""
         nodes = self._wave(path, False)
         tag = self._tags[path]
-        return self.node in nodes and self.node in (owner(nodes, tag, start), self.known(path).owner(nodes, tag, start))
+        return self.node in nodes and (
+            owner(nodes, tag, start) == self.node or self.known(path).owner(nodes, tag, start) == self.node
+        )
 
     def owner(self, path: PurePath, start: int, tried: Collection[Peer], polls: float = 0.0) -> Peer | None:
         """The peer that owns the segment at `start` of `path` (not in `tried`: the rest own what it did),
@@ -1153,7 +1164,7 @@ class Swarm:
             known = self._known.get(path)
             if known is not None:  # new lists: `holders` handed the old ones out
                 known.holders = [p for p in known.holders if p != peer]
-                known.members = {n: m for n, m in known.members.items() if m[0] != peer}
+                known.members = {n: m for n, m in known.members.items() if m.peer != peer}
                 known.idle = {p: n for p, n in known.idle.items() if p != peer}
                 self._generation += 1
             kind = "refused" if exc.refused else "lacks"

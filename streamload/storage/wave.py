@@ -40,13 +40,22 @@ def owner(nodes: Iterable[str], tag: str, start: int) -> str | None:
     return max(nodes, key=lambda n: rank(n, tag, start), default=None)
 
 
+@dataclass(frozen=True)
+class Member(Generic[P]):
+    """A node loading a file with this one, as its HEAD answer said: a peer of this load to ask, when its copy
+    began, and what of it the node had verified or was reading then (verified.CLAIMED)."""
+
+    peer: P
+    since: float
+    claims: tuple[tuple[int, int], ...]
+
+
 @dataclass
 class Known(Generic[P]):
     """What one load learnt of one file from its peers' HEAD answers (`P`: how it names a peer)."""
 
     holders: list[P] = field(default_factory=list)  # complete copies
-    members: dict[str, tuple[P, float]] = field(default_factory=dict)  # nodes loading it: (a peer, since when)
-    claims: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # members': verified or being read
+    members: dict[str, Member[P]] = field(default_factory=dict)  # nodes loading it, by node id
     idle: dict[P, str] = field(default_factory=dict)  # seeders (their nodes) without it yet, while nodes may join
     since: float | None = None  # this node's copy began then, where its own seeder serves it (one of the wave)
     asked: float = 0.0  # when the idle seeders were last asked (monotonic)
@@ -57,25 +66,26 @@ class Known(Generic[P]):
         """The live nodes that split the file (None: this one): those whose copies began within `TOGETHER` s of
         the first live one's. A node that began later reads from them and owns nothing, as they count it out too."""
         members = self.members  # (replaced whole, never changed: read without a lock)
-        began = {node: since for node, (peer, since) in members.items() if alive(peer)}
+        began = {node: m.since for node, m in members.items() if alive(m.peer)}
         if me is not None and self.since is not None:
             began[me] = self.since
         first = min(began.values(), default=0.0)
-        return {n: (None if n == me else members[n][0]) for n, at in began.items() if at <= first + TOGETHER}
+        return {n: (None if n == me else members[n].peer) for n, at in began.items() if at <= first + TOGETHER}
 
     def owner(self, nodes: Iterable[str], tag: str, start: int) -> str | None:
         """The node of `nodes` that owns the segment at `start`: a member that said it had verified or was
         reading it when asked (the earliest to begin: a node that joins late takes nothing already under way),
         else by rendezvous."""
         nodes = list(nodes)
-        claimed = [n for n in nodes if any(a <= start < b for a, b in self.claims.get(n, ()))]
+        members = self.members
+        claimed = [n for n in nodes if n in members and any(a <= start < b for a, b in members[n].claims)]
         if claimed:
-            return min(claimed, key=lambda n: (self.members[n][1] if n in self.members else 0.0, n))
+            return min(claimed, key=lambda n: (members[n].since, n))
         return owner(nodes, tag, start)
 
     def joining(self, now: float) -> bool:
         """Whether nodes may still join the wave (the first copy began less than `TOGETHER` s ago)."""
-        began = [since for _, since in self.members.values()] + ([self.since] if self.since is not None else [])
+        began = [m.since for m in self.members.values()] + ([self.since] if self.since is not None else [])
         return bool(began) and now <= min(began) + TOGETHER
 
 
@@ -136,10 +146,9 @@ class Ahead:
         mine: Callable[[PurePath, int, bool], bool],
         read: Callable[[PurePath, Segment], None],
         generation: Callable[[], int],
-        asked: Callable[[PurePath, int], bool] | None = None,
+        asked: Callable[[PurePath, int], bool],
     ) -> None:
-        self._files, self._mine, self._read, self._generation = files, mine, read, generation
-        self._asked = asked or (lambda path, start: mine(path, start, False))
+        self._files, self._mine, self._read, self._generation, self._asked = files, mine, read, generation, asked
         self._cursor = dict.fromkeys((path for path, _, _ in files), 0)
         self._seen = generation()
         self._failed: set[tuple[PurePath, int]] = set()
@@ -210,5 +219,5 @@ class Ahead:
             verified.listen(self._poke.set, add=False)
 
 
-__all__ = ["AHEAD", "IDLE", "REPROBE", "REPROBE_MOST", "TOGETHER", "Ahead", "Known", "Segment", "Segments", "Slots",
-           "owner", "rank"]  # fmt: skip
+__all__ = ["AHEAD", "IDLE", "REPROBE", "REPROBE_MOST", "TOGETHER", "Ahead", "Known", "Member", "Segment", "Segments",
+           "Slots", "owner", "rank"]  # fmt: skip

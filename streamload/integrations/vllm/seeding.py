@@ -69,7 +69,7 @@ def start(options: dict[str, Any], model: Any, fetch: dict[str, Any] | None = No
     from streamload.integrations.startup import prefetch
 
     url = prefetch.seeding_of(fetch) if fetch is not None else None
-    if fetch is not None and url is not None:  # it seeds since the engine started (or warned why it could not)
+    if url is not None:  # it seeds since the engine started (or warned why it could not)
         return url, weakref.finalize(model, prefetch.stop_seeding, fetch) if url else nothing
     from streamload.servers.seed import Seeder, described
 
